@@ -1,0 +1,42 @@
+"""The iteration-level scheduling core. Pure Python: no ray, torch or triton.
+
+Public surface:
+- :class:`Request`, :class:`RequestStatus` — a request and its lifecycle.
+- :class:`SamplingParams`, :class:`SamplingParamsError` — validated sampling knobs.
+- :class:`SchedulerConfig` — frozen configuration of the scheduler.
+- :class:`Scheduler` — ``schedule(now) -> StepPlan``, ``update(StepResult) -> outputs``.
+- :mod:`~iterserve.scheduler.messages` — the two messages that cross to the workers.
+- :mod:`~iterserve.scheduler.codec` — their strict msgpack codec.
+- :class:`FakeExecutor` — a deterministic stand-in for the model workers.
+"""
+
+from iterserve.scheduler.config import POLICIES, SchedulerConfig
+from iterserve.scheduler.core import (
+    PromptTooLongError,
+    ProtocolError,
+    QueueFullError,
+    RequestOutput,
+    Scheduler,
+)
+from iterserve.scheduler.fake_executor import FakeExecutor
+from iterserve.scheduler.messages import StepPlan, StepResult
+from iterserve.scheduler.request import FinishReason, Request, RequestStatus
+from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
+
+__all__ = [
+    "POLICIES",
+    "FakeExecutor",
+    "FinishReason",
+    "PromptTooLongError",
+    "ProtocolError",
+    "QueueFullError",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "SamplingParamsError",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepPlan",
+    "StepResult",
+]

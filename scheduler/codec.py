@@ -1,0 +1,212 @@
+"""The msgpack codec for the scheduler <-> worker messages.
+
+No pickle and no msgpack extension types: a message is a msgpack array
+``[tag, version, field, ...]`` whose fields are ints, floats, bools, strings,
+``None`` and nested arrays, in dataclass field order. Decoding checks every type
+and every size against the message's schema and raises :class:`CodecError` —
+never another exception — for malformed, truncated or oversized input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+from iterserve.scheduler.messages import (
+    FinishedSeq,
+    NewSequence,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_LIST_LEN = 1 << 22
+MAX_STR_LEN = 1 << 12
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class CodecError(ValueError):
+    """Bytes that are not a valid message."""
+
+
+# -- field kinds ---------------------------------------------------------------
+
+
+def _int(v):
+    if type(v) is not int or not INT_MIN <= v <= INT_MAX:
+        raise CodecError(f"expected int, got {type(v).__name__}")
+    return v
+
+
+def _float(v):
+    if type(v) is not float:
+        raise CodecError(f"expected float, got {type(v).__name__}")
+    return v
+
+
+def _bool(v):
+    if type(v) is not bool:
+        raise CodecError(f"expected bool, got {type(v).__name__}")
+    return v
+
+
+def _str(v):
+    if type(v) is not str:
+        raise CodecError(f"expected str, got {type(v).__name__}")
+    return v
+
+
+def _optional(kind):
+    return lambda v: None if v is None else kind(v)
+
+
+def _list(kind):
+    def decode(v):
+        if type(v) is not list:
+            raise CodecError(f"expected list, got {type(v).__name__}")
+        return [kind(x) for x in v]
+
+    return decode
+
+
+def _pair(v):
+    if type(v) is not list or len(v) != 2:
+        raise CodecError("expected a [token_id, logprob] pair")
+    return (_int(v[0]), _float(v[1]))
+
+
+def _tuple_of_ints(v):
+    return tuple(_list(_int)(v))
+
+
+def _record(cls):
+    return lambda v: _decode_record(cls, v)
+
+
+# Field decoders per class, in dataclass field order.
+_SCHEMAS: dict[type, tuple] = {}
+_SCHEMAS[SamplingParams] = (
+    _float,
+    _float,
+    _int,
+    _float,
+    _float,
+    _float,
+    _float,
+    _int,
+    _int,
+    _int,
+    _optional(_int),
+    _tuple_of_ints,
+    _bool,
+    _optional(_int),
+)
+_SCHEMAS[NewSequence] = (_str, _int, _list(_int), _int, _record(SamplingParams))
+_SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
+_SCHEMAS[StepPlan] = (
+    _int,
+    _list(_record(NewSequence)),
+    _list(_record(ScheduledSeq)),
+    _list(_int),
+    _list(_int),
+)
+_SCHEMAS[SampledToken] = (_str, _int, _optional(_float), _list(_pair))
+_SCHEMAS[FinishedSeq] = (_str, _str, _list(_int))
+_SCHEMAS[StepResult] = (
+    _int,
+    _list(_record(SampledToken)),
+    _list(_record(FinishedSeq)),
+    _float,
+    _int,
+    _int,
+)
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _SCHEMAS}
+for _cls, _schema in _SCHEMAS.items():
+    assert len(_schema) == len(_FIELDS[_cls]), f"codec schema of {_cls.__name__} is stale"
+
+_TAGS = {StepPlan: 1, StepResult: 2}
+_BY_TAG = {tag: cls for cls, tag in _TAGS.items()}
+
+
+def _decode_record(cls, value):
+    if type(value) is not list or len(value) != len(_SCHEMAS[cls]):
+        raise CodecError(f"malformed {cls.__name__}")
+    kwargs = {}
+    for name, kind, item in zip(_FIELDS[cls], _SCHEMAS[cls], value, strict=True):
+        try:
+            kwargs[name] = kind(item)
+        except CodecError as exc:
+            raise CodecError(f"{cls.__name__}.{name}: {exc}") from None
+    if cls is SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except SamplingParamsError as exc:
+            raise CodecError(f"SamplingParams: {exc}") from None
+    return cls(**kwargs)
+
+
+def _encode_value(value):
+    if dataclasses.is_dataclass(value):
+        return [_encode_value(getattr(value, name)) for name in _FIELDS[type(value)]]
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(v) for v in value]
+    return value
+
+
+# -- public API ----------------------------------------------------------------------
+
+
+def encode(message: StepPlan | StepResult) -> bytes:
+    tag = _TAGS.get(type(message))
+    if tag is None:
+        raise CodecError(f"cannot encode {type(message).__name__}")
+    return msgpack.packb([tag, VERSION, *_encode_value(message)], use_bin_type=True)
+
+
+def _reject_ext(code, data):
+    raise CodecError("msgpack extension types are not accepted")
+
+
+def decode(data: bytes, expected: type | None = None) -> StepPlan | StepResult:
+    """Decodes one message; ``expected`` (StepPlan or StepResult) restricts its type."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise CodecError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=0,
+            max_array_len=MAX_LIST_LEN,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise CodecError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+    if type(raw) is not list or len(raw) < 2:
+        raise CodecError("a message is an array [tag, version, ...]")
+    tag, version = raw[0], raw[1]
+    cls = _BY_TAG.get(tag) if type(tag) is int else None
+    if cls is None:
+        raise CodecError(f"unknown message tag {tag!r}")
+    if version != VERSION or type(version) is not int:
+        raise CodecError(f"unsupported message version {version!r}")
+    if expected is not None and cls is not expected:
+        raise CodecError(f"expected {expected.__name__}, got {cls.__name__}")
+    try:
+        return _decode_record(cls, raw[2:])
+    except CodecError:
+        raise
+    except Exception as exc:  # a schema check that slipped: still the codec's error
+        raise CodecError(f"malformed {cls.__name__}: {exc}") from None

@@ -1,0 +1,349 @@
+"""The iteration-level scheduler.
+
+One call to :meth:`Scheduler.schedule` decides which sequences run in the next
+iteration and how many tokens each computes; :meth:`Scheduler.update` takes the
+workers' :class:`StepResult` back. The batching *policy* (static, dynamic,
+continuous, chunked) only chooses; this module owns the slot table, the KV
+block manager, the waiting queue, preemption and the messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from iterserve.scheduler.blocks import BlockManager
+from iterserve.scheduler.config import SchedulerConfig
+from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
+from iterserve.scheduler.policies import make_policy
+from iterserve.scheduler.queue import WaitingQueue
+from iterserve.scheduler.request import FinishReason, Request, RequestStatus
+from iterserve.scheduler.slots import SlotTable
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for output within ``max_model_len``."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int):
+        super().__init__(
+            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+            f"{max_model_len} tokens (max_model_len), which must hold the prompt and at least "
+            f"one output token"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class ProtocolError(RuntimeError):
+    """A worker's result contradicts the scheduler's own state: a bug, never user input."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.slots = SlotTable(config.max_num_seqs)
+        slab = config.max_model_len if config.kv_layout == "slab" else 0
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
+        self.waiting = WaitingQueue(config.max_queue_len)
+        self.running: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.policy = make_policy(config)
+        self.step = 0
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+        self._released_slots: list[int] = []
+        self._in_flight: StepPlan | None = None
+        self._in_flight_requests: dict[int, Request] = {}
+        # Filled while a step is being built:
+        self._new_seqs: list[NewSequence] = []
+        self._scheduled: list[ScheduledSeq] = []
+        self._scheduled_ids: set[str] = set()
+        self._padding_slots: list[int] = []
+        self.budget_left = 0
+
+    # -- admission and abort -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises QueueFullError, PromptTooLongError,
+        SamplingParamsError or ValueError; a refused request leaves no trace."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty; at least one token is required")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise PromptTooLongError(request.num_prompt_tokens, self.config.max_model_len)
+        request.params.check_limits(max_n=self.config.max_n, max_logprobs=self.config.max_logprobs)
+        if self.waiting.full:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.max_queue_len} requests)"
+            )
+        room = self.config.max_model_len - request.num_prompt_tokens
+        if request.params.max_tokens > room:
+            request.params = dataclasses.replace(
+                request.params,
+                max_tokens=room,
+                min_tokens=min(request.params.min_tokens, room),
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request in any state; its slot and blocks are free for the next step."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.request_id in self.waiting:
+            self.waiting.remove(request.request_id)
+        self._finish(request, FinishReason.ABORT)
+        return RequestOutput(request_id, finish_reason=FinishReason.ABORT)
+
+    # -- the step --------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan | None:
+        """Builds the next step's plan, or returns None when there is nothing to run."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step} is still in flight")
+        self._new_seqs, self._scheduled, self._padding_slots = [], [], []
+        self._scheduled_ids = set()
+        self._in_flight_requests = {}
+        self.budget_left = self.config.max_num_batched_tokens
+        self.policy.schedule(self, now)
+        if not self._scheduled:
+            return None
+        self.step += 1
+        plan = StepPlan(
+            step=self.step,
+            new_seqs=self._new_seqs,
+            scheduled=self._scheduled,
+            released_slots=self._released_slots,
+            padding_slots=self._padding_slots,
+        )
+        self._released_slots = []
+        self._in_flight = plan
+        return plan
+
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Applies the workers' result: advance, append tokens, finish, free."""
+        plan = self._in_flight
+        if plan is None or result.step != plan.step:
+            raise ProtocolError(
+                f"result for step {result.step} but step in flight is {plan.step if plan else None}"
+            )
+        self._in_flight = None
+        expected: list[Request] = []
+        for entry in plan.scheduled:
+            request = self._in_flight_requests[entry.slot_idx]
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += entry.num_tokens
+                if entry.sample:
+                    expected.append(request)
+        outputs: dict[str, RequestOutput] = {}
+        running = self.running
+        for sampled in result.sampled:
+            request = running.get(sampled.request_id)
+            if request is None:  # aborted while the step was in flight
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            out = outputs[request.request_id] = RequestOutput(
+                request.request_id, [sampled.token_id]
+            )
+            if request.params.logprobs is not None:
+                entry = (sampled.logprob, list(sampled.top_logprobs))
+                request.output_logprobs.append(entry)
+                out.new_logprobs.append(entry)
+        for finished in result.finished:
+            request = running.get(finished.request_id)
+            if request is None:
+                continue
+            held = self.blocks.table(request.request_id)
+            if list(finished.block_ids) != held:
+                raise ProtocolError(
+                    f"{request.request_id}: worker released blocks "
+                    f"{finished.block_ids}, scheduler holds {held}"
+                )
+            reason = FinishReason(finished.reason)
+            self._finish(request, reason)
+            outputs.setdefault(
+                request.request_id, RequestOutput(request.request_id)
+            ).finish_reason = reason
+        for request in expected:
+            if request.request_id not in outputs:
+                raise ProtocolError(f"{request.request_id}: no token sampled in step {plan.step}")
+            if (
+                request.status == RequestStatus.RUNNING
+                and request.num_output_tokens >= request.params.max_tokens
+            ):
+                raise ProtocolError(f"{request.request_id}: reached max_tokens unfinished")
+        self.policy.after_update(self)
+        return list(outputs.values())
+
+    # -- what policies call ------------------------------------------------------
+
+    def try_schedule(
+        self, request: Request, num_tokens: int, num_pad_tokens: int = 0, reserve_tokens: int = 0
+    ) -> bool:
+        """Schedules ``num_tokens`` more of ``request``'s tokens in this step,
+        admitting it to a slot if it has none. ``reserve_tokens`` allocates blocks
+        for that many tokens up front. Returns False, changing nothing, when the
+        KV blocks cannot be allocated."""
+        target = request.num_computed_tokens + num_tokens
+        new_blocks = self.blocks.allocate(request.request_id, max(target, reserve_tokens))
+        if new_blocks is None:
+            return False
+        if request.slot_idx < 0:
+            self._admit(request)
+        self._scheduled.append(
+            ScheduledSeq(
+                slot_idx=request.slot_idx,
+                start_pos=request.num_computed_tokens,
+                num_tokens=num_tokens,
+                new_block_ids=new_blocks,
+                sample=target == request.num_tokens,
+                num_pad_tokens=num_pad_tokens,
+            )
+        )
+        self._scheduled_ids.add(request.request_id)
+        self._in_flight_requests[request.slot_idx] = request
+        self.budget_left -= num_tokens + num_pad_tokens
+        return True
+
+    def schedule_decodes(self, requests: list[Request]) -> None:
+        """Schedules one decode token for each running request; the caller has
+        checked that their new blocks fit. The hot path of every step, so the
+        bookkeeping of try_schedule is inlined here."""
+        block_size = self.config.block_size
+        tables = self.blocks.tables
+        scheduled, ids, in_flight = self._scheduled, self._scheduled_ids, self._in_flight_requests
+        for request in requests:
+            pos = request.num_computed_tokens
+            new_blocks = []
+            if len(tables[request.request_id]) * block_size <= pos:
+                new_blocks = self.blocks.allocate(request.request_id, pos + 1)
+                if new_blocks is None:
+                    raise RuntimeError("schedule_decodes called without room for new blocks")
+            scheduled.append(ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
+            ids.add(request.request_id)
+            in_flight[request.slot_idx] = request
+        self.budget_left -= len(requests)
+
+    def pad_slot(self, slot_idx: int) -> None:
+        """Computes one padding token in a slot whose sequence already ended (static)."""
+        self._padding_slots.append(slot_idx)
+        self.budget_left -= 1
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request.request_id in self._scheduled_ids
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and slot; it re-enters the queue keeping
+        every token it produced, to be recomputed later."""
+        self.blocks.free(request.request_id)
+        self._release_slot(request)
+        del self.running[request.request_id]
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request)
+
+    def release_slot(self, slot_idx: int) -> None:
+        """Frees a slot held by a finished sequence (static's batch end)."""
+        self.slots.release(slot_idx)
+
+    def _admit(self, request: Request) -> None:
+        if request.request_id in self.waiting:
+            self.waiting.remove(request.request_id)
+        request.slot_idx = self.slots.acquire(request.request_id)
+        request.status = RequestStatus.RUNNING
+        self.running[request.request_id] = request
+        self._new_seqs.append(
+            NewSequence(
+                request_id=request.request_id,
+                slot_idx=request.slot_idx,
+                token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                params=request.params,
+            )
+        )
+
+    def _release_slot(self, request: Request) -> None:
+        self.slots.release(request.slot_idx)
+        self._released_slots.append(request.slot_idx)
+        request.slot_idx = -1
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        was_running = request.status == RequestStatus.RUNNING
+        request.status = reason.status
+        request.finish_reason = reason
+        self.blocks.free(request.request_id)
+        del self.requests[request.request_id]
+        if not was_running:
+            return
+        del self.running[request.request_id]
+        if reason is FinishReason.ABORT:
+            self._release_slot(request)  # the workers still hold it: tell them
+        elif not self.policy.holds_finished_slots:
+            # The worker dropped the sequence itself when it finished it.
+            self.slots.release(request.slot_idx)
+            request.slot_idx = -1
+        # else: static batching keeps the slot, as padding, until its batch ends.
+
+    # -- introspection ---------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def next_deadline(self) -> float | None:
+        """When a waiting-but-unlaunched batch must launch (static/dynamic), if any."""
+        return self.policy.next_deadline(self)
+
+    def stats(self) -> dict:
+        num_preempted = sum(
+            1 for r in self.requests.values() if r.status == RequestStatus.PREEMPTED
+        )
+        return {
+            "policy": self.config.policy,
+            "step": self.step,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preempted": num_preempted,
+            "slots_used": self.slots.num_used,
+            "slots_total": self.slots.num_slots,
+            "kv_blocks_used": self.blocks.num_used,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_usage": self.blocks.usage,
+            "num_preemptions": self.num_preemptions,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
+        }
+
+    def check_integrity(self) -> None:
+        """Slots and blocks are consistent with the requests that hold them."""
+        self.slots.check_integrity()
+        self.blocks.check_integrity()
+        for request_id in self.blocks.tables:
+            assert request_id in self.running, f"{request_id} holds blocks but is not running"
+        for request in self.running.values():
+            assert self.slots.owner(request.slot_idx) == request.request_id, "slot owner mismatch"
+            assert request.status == RequestStatus.RUNNING
+        assert len(self.waiting) + len(self.running) == len(self.requests), "requests lost"

@@ -1,0 +1,102 @@
+"""A deterministic stand-in for the model workers.
+
+It consumes real :class:`StepPlan` messages and answers real
+:class:`StepResult` messages, keeping the same worker-side bookkeeping
+(:class:`SequenceTable`) as the model runner, so the scheduler, the Ray actor,
+the Serve app and the benchmarks run end to end without a model.
+
+The token at output position ``i`` of a request depends only on the request id
+and ``i``: a preempted request that is recomputed produces the same tokens, and
+tests can predict every request's exact output. A request ends with EOS after
+``output_len(request_id)`` tokens (``None``: never by itself).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+from iterserve.scheduler.messages import SampledToken, StepPlan, StepResult
+from iterserve.scheduler.sampling import SamplingParams
+from iterserve.scheduler.seq_table import SequenceTable, stop_reason
+
+OutputLen = Callable[[str], "int | None"]
+
+
+class FakeExecutor:
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 32000,
+        eos_token_id: int = 2,
+        output_len: OutputLen | int | None = None,
+        step_sleep_s: float = 0.0,
+        check_blocks: bool = True,
+        block_size: int | None = None,
+    ):
+        if isinstance(output_len, int) or output_len is None:
+            fixed = output_len
+            output_len = lambda _request_id: fixed  # noqa: E731
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.output_len = output_len
+        self.step_sleep_s = step_sleep_s
+        self.check_blocks = check_blocks
+        self.block_size = block_size
+        self.table = SequenceTable({eos_token_id})
+        self.num_steps = 0
+
+    def token_at(self, request_id: str, output_pos: int) -> int:
+        """The non-EOS token a request produces at output position ``output_pos``."""
+        h = zlib.crc32(f"{request_id}:{output_pos}".encode())
+        token = 3 + h % (self.vocab_size - 3)
+        return token
+
+    def expected_output(self, request_id: str, params: SamplingParams) -> tuple[list[int], str]:
+        """The exact tokens and finish reason the fake produces for a request."""
+        tokens: list[int] = []
+        while True:
+            token = self._next_token(request_id, len(tokens), params)
+            tokens.append(token)
+            reason = stop_reason(params, len(tokens), token, self.table.eos_token_ids)
+            if reason is not None:
+                return tokens, reason.value
+
+    def _next_token(self, request_id: str, output_pos: int, params: SamplingParams) -> int:
+        target = self.output_len(request_id)
+        # Like the real sampler, EOS is masked until min_tokens is reached.
+        if target is not None and output_pos + 1 >= max(target, params.min_tokens + 1):
+            return self.eos_token_id
+        return self.token_at(request_id, output_pos)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        self.table.apply(plan)
+        result = StepResult(
+            step=plan.step, num_tokens=plan.num_tokens, num_padding_tokens=plan.num_padding_tokens
+        )
+        for entry in plan.scheduled:
+            seq = self.table.get(entry.slot_idx)
+            if self.check_blocks and self.block_size:
+                needed = -(-(entry.start_pos + entry.num_tokens) // self.block_size)
+                if len(seq.block_ids) < needed:
+                    raise AssertionError(
+                        f"{seq.request_id}: {len(seq.block_ids)} blocks cannot hold "
+                        f"{entry.start_pos + entry.num_tokens} tokens"
+                    )
+            self.table.advance(entry)
+            if not entry.sample:
+                continue
+            token = self._next_token(seq.request_id, seq.num_output_tokens, seq.params)
+            logprob = -0.5 if seq.params.logprobs is not None else None
+            top = [(token, -0.5)][: seq.params.logprobs or 0]
+            result.sampled.append(SampledToken(seq.request_id, token, logprob, top))
+            finished = self.table.append_token(entry.slot_idx, token)
+            if finished is not None:
+                result.finished.append(finished)
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+        self.num_steps += 1
+        result.forward_s = time.perf_counter() - start
+        return result

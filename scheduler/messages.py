@@ -1,0 +1,117 @@
+"""The two messages that cross the scheduler <-> worker boundary.
+
+Only lists of ints, floats and short strings cross it — never tensors, never
+pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
+
+A worker applies a :class:`StepPlan` in this order:
+
+1. drop the state of every slot in ``released_slots`` (finished, aborted,
+   preempted since the last plan) — a slot may be reused by step 2;
+2. register every :class:`NewSequence` (full data, sent once);
+3. for every :class:`ScheduledSeq`, append ``new_block_ids`` to the slot's block
+   table and compute ``num_tokens`` tokens starting at ``start_pos``, plus
+   ``num_pad_tokens`` padding tokens (static batching's padded prefill);
+4. compute one padding token for each slot in ``padding_slots`` (static
+   batching's finished-but-still-batched members);
+5. sample one token for each scheduled sequence with ``sample`` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.scheduler.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class NewSequence:
+    """A sequence the workers have not seen yet, sent in full once.
+
+    ``token_ids`` is the prompt plus any output produced before a preemption
+    (recompute resumes from there); the first ``num_prompt_tokens`` are prompt.
+    """
+
+    request_id: str
+    slot_idx: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """Work for one sequence in one step.
+
+    Computes positions ``[start_pos, start_pos + num_tokens)``; a decode is
+    ``num_tokens == 1``, a prefill piece is a chunk of the prompt::
+
+        block_size = 4, start_pos = 6, num_tokens = 5
+        blocks:  [0 1 2 3][4 5 6 7][8 9 . .]
+        cached:   x x x x  x x
+        this step:             ^ ^  ^ ^ ^     <- a piece may start mid-block
+    """
+
+    slot_idx: int
+    start_pos: int
+    num_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+    sample: bool = False
+    num_pad_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Scheduler -> every worker, once per iteration."""
+
+    step: int
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    released_slots: list[int] = field(default_factory=list)
+    padding_slots: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens computed by this step (padding excluded)."""
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return sum(s.num_pad_tokens for s in self.scheduled) + len(self.padding_slots)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One sampled token; ``top_logprobs`` holds ``(token_id, logprob)`` pairs."""
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinishedSeq:
+    """A sequence the worker finished, with the KV blocks it held.
+
+    ``reason`` is ``"eos"``, ``"stop_token"`` or ``"length"``. The scheduler
+    checks ``block_ids`` against its own block table.
+    """
+
+    request_id: str
+    reason: str
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Worker -> scheduler, once per iteration (rank 0 carries the tokens)."""
+
+    step: int
+    sampled: list[SampledToken] = field(default_factory=list)
+    finished: list[FinishedSeq] = field(default_factory=list)
+    forward_s: float = 0.0
+    num_tokens: int = 0
+    num_padding_tokens: int = 0
+
+
+MESSAGE_TYPES = (NewSequence, ScheduledSeq, StepPlan, SampledToken, FinishedSeq, StepResult)

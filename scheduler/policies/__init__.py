@@ -1,0 +1,32 @@
+"""Batching policies behind one small interface.
+
+A policy only *chooses*: in ``schedule(sched, now)`` it calls
+``sched.try_schedule(request, num_tokens)`` (and ``sched.pad_slot`` /
+``sched.preempt``) until the step is full. Everything else — slots, blocks,
+messages — belongs to the :class:`~iterserve.scheduler.core.Scheduler`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from iterserve.scheduler.policies.base import Policy
+from iterserve.scheduler.policies.batch import DynamicPolicy, StaticPolicy
+from iterserve.scheduler.policies.budget import ChunkedPolicy, ContinuousPolicy
+
+if TYPE_CHECKING:
+    from iterserve.scheduler.config import SchedulerConfig
+
+POLICY_CLASSES: dict[str, type[Policy]] = {
+    "static": StaticPolicy,
+    "dynamic": DynamicPolicy,
+    "continuous": ContinuousPolicy,
+    "chunked": ChunkedPolicy,
+}
+
+
+def make_policy(config: SchedulerConfig) -> Policy:
+    return POLICY_CLASSES[config.policy](config)
+
+
+__all__ = ["POLICY_CLASSES", "Policy", "make_policy"]

@@ -1,0 +1,114 @@
+"""Request-level batching: the naive baselines.
+
+Static batching collects up to ``max_num_seqs`` requests, prefills them all
+padded to the longest prompt in one step, then decodes until *every* member
+has finished. A member that finished early keeps its slot and is computed as a
+padding token each step (the first-finisher problem), and no new request joins
+until the whole batch is done. Dynamic batching is the same once launched; it
+differs in *when* it launches: as soon as the batch is full or its oldest
+request has waited ``batch_wait_s`` (late arrivals join until then), where
+static waits up to ``batch_timeout_s`` for a full batch.
+
+Admission reserves each member's worst case (prompt + max_tokens) in KV blocks,
+so a launched batch never needs preemption.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from iterserve.scheduler.blocks import blocks_for
+from iterserve.scheduler.policies.base import Policy
+from iterserve.scheduler.request import RequestStatus
+
+if TYPE_CHECKING:
+    from iterserve.scheduler.core import Scheduler
+    from iterserve.scheduler.request import Request
+
+
+class StaticPolicy(Policy):
+    holds_finished_slots = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.batch: list[Request] = []
+
+    def launch_wait_s(self) -> float:
+        return self.config.batch_timeout_s
+
+    def schedule(self, sched: Scheduler, now: float) -> None:
+        self._close_if_done(sched)  # an abort may have ended the batch between steps
+        if not self.batch:
+            self._launch(sched, now)
+            return
+        for member in self.batch:
+            if member.status == RequestStatus.RUNNING:
+                if not sched.try_schedule(member, 1):  # cannot happen: worst case reserved
+                    raise RuntimeError(f"{member.request_id}: reserved blocks ran out")
+            elif member.slot_idx >= 0:  # finished, still batched
+                sched.pad_slot(member.slot_idx)
+
+    def after_update(self, sched: Scheduler) -> None:
+        self._close_if_done(sched)
+
+    def _close_if_done(self, sched: Scheduler) -> None:
+        if self.batch and all(m.status.finished for m in self.batch):
+            for member in self.batch:
+                if member.slot_idx >= 0:
+                    sched.release_slot(member.slot_idx)
+                    member.slot_idx = -1
+            self.batch = []
+
+    def next_deadline(self, sched: Scheduler) -> float | None:
+        if self.batch:
+            return None
+        oldest = sched.waiting.oldest_arrival()
+        return None if oldest is None else oldest + self.launch_wait_s()
+
+    def _ready(self, sched: Scheduler, now: float) -> bool:
+        if len(sched.waiting) >= self.config.max_num_seqs:
+            return True
+        oldest = sched.waiting.oldest_arrival()
+        return oldest is not None and now - oldest >= self.launch_wait_s()
+
+    def _launch(self, sched: Scheduler, now: float) -> None:
+        if not self._ready(sched, now):
+            return
+        members: list[Request] = []
+        longest = 0
+        reserved = 0
+        while len(members) < min(self.config.max_num_seqs, sched.slots.num_free):
+            request = sched.waiting.peek()
+            if request is None:
+                break
+            new_longest = max(longest, request.num_tokens)
+            # Padded prefill: every member computes new_longest tokens.
+            if new_longest * (len(members) + 1) > self.config.max_num_batched_tokens:
+                break
+            worst = blocks_for(
+                max(
+                    request.num_prompt_tokens + request.params.max_tokens, sched.blocks.slab_tokens
+                ),
+                self.config.block_size,
+            )
+            if reserved + worst > sched.blocks.num_free:
+                break
+            sched.waiting.pop()
+            members.append(request)
+            longest = new_longest
+            reserved += worst
+        for request in members:
+            # Reserve the worst case now so decoding never runs out of blocks.
+            sched.try_schedule(
+                request,
+                request.num_tokens,
+                num_pad_tokens=longest - request.num_tokens,
+                reserve_tokens=request.num_prompt_tokens + request.params.max_tokens,
+            )
+            request.first_scheduled_time = now
+        self.batch = members
+
+
+class DynamicPolicy(StaticPolicy):
+    def launch_wait_s(self) -> float:
+        return self.config.batch_wait_s

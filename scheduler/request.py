@@ -1,0 +1,120 @@
+"""A request and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from iterserve.scheduler.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status >= RequestStatus.FINISHED_STOPPED`` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended, as reported by the worker that sampled its last token."""
+
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    @property
+    def status(self) -> RequestStatus:
+        return _REASON_TO_STATUS[self]
+
+    @property
+    def openai(self) -> str:
+        """The OpenAI ``finish_reason`` string."""
+        return "length" if self is FinishReason.LENGTH else "stop"
+
+
+_REASON_TO_STATUS = {
+    FinishReason.EOS: RequestStatus.FINISHED_STOPPED,
+    FinishReason.STOP_TOKEN: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence to generate.
+
+    The scheduler schedules by token count, not by phase: a request has
+    ``num_tokens`` tokens (prompt + output so far) of which the first
+    ``num_computed_tokens`` are in the KV cache. A step computes some of the
+    rest; when it reaches ``num_tokens`` the step samples one more token::
+
+        prompt            output
+        [p p p p p p p p][o o o]
+        |<- computed ---------->|   num_computed_tokens == num_tokens - 1: decoding
+        |<- computed ->|            partial prefill (or recompute after preemption)
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    slot_idx: int = -1
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # When the request was first scheduled, for queue-time accounting.
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_remaining_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def sort_key(self) -> tuple[int, float, str]:
+        """Service order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id)
+
+    def needs_new_block(self, block_size: int) -> bool:
+        """Whether the next token starts a new KV block (decode step)."""
+        return self.num_computed_tokens % block_size == 0

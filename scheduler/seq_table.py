@@ -1,0 +1,129 @@
+"""The worker-side view of the running sequences, shared by every executor.
+
+A worker (the real model runner or the fake executor) keeps one
+:class:`SequenceTable`. It applies each :class:`StepPlan`'s bookkeeping, hands
+out the token ids to compute, records sampled tokens and decides when a
+sequence ends (EOS, stop token, length). Pure Python, so the fake executor and
+the real runner share exactly the same stop rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.scheduler.messages import FinishedSeq, NewSequence, ScheduledSeq, StepPlan
+from iterserve.scheduler.request import FinishReason
+from iterserve.scheduler.sampling import SamplingParams
+
+
+class PlanMismatchError(RuntimeError):
+    """A plan disagrees with the worker's own state: a scheduler bug."""
+
+
+@dataclass(slots=True)
+class SeqState:
+    request_id: str
+    slot_idx: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+def stop_reason(
+    params: SamplingParams, num_output_tokens: int, token_id: int, eos_token_ids: frozenset[int]
+) -> FinishReason | None:
+    """Why a sequence ends after sampling ``token_id`` as its ``num_output_tokens``-th token.
+
+    Before ``min_tokens`` nothing stops it (the sampler also masks EOS and the
+    stop tokens until then).
+    """
+    if num_output_tokens < params.min_tokens:
+        return None
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.EOS
+    if token_id in params.stop_token_ids:
+        return FinishReason.STOP_TOKEN
+    if num_output_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+class SequenceTable:
+    """Per-slot sequence state on a worker."""
+
+    def __init__(self, eos_token_ids: frozenset[int] | set[int] = frozenset()):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.by_slot: dict[int, SeqState] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_slot)
+
+    def apply(self, plan: StepPlan) -> None:
+        """Steps 1-3 of a plan's bookkeeping (see :mod:`messages`)."""
+        for slot_idx in plan.released_slots:
+            self.by_slot.pop(slot_idx, None)
+        for new in plan.new_seqs:
+            self._add(new)
+        for entry in plan.scheduled:
+            seq = self.get(entry.slot_idx)
+            if entry.start_pos != seq.num_computed_tokens:
+                raise PlanMismatchError(
+                    f"slot {entry.slot_idx} ({seq.request_id}): plan starts at {entry.start_pos}, "
+                    f"worker has {seq.num_computed_tokens} tokens computed"
+                )
+            if entry.start_pos + entry.num_tokens > len(seq.token_ids):
+                raise PlanMismatchError(
+                    f"slot {entry.slot_idx} ({seq.request_id}): plan computes up to "
+                    f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
+                )
+            seq.block_ids.extend(entry.new_block_ids)
+
+    def _add(self, new: NewSequence) -> None:
+        if new.slot_idx in self.by_slot:
+            raise PlanMismatchError(
+                f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].request_id}"
+            )
+        self.by_slot[new.slot_idx] = SeqState(
+            request_id=new.request_id,
+            slot_idx=new.slot_idx,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            params=new.params,
+        )
+
+    def get(self, slot_idx: int) -> SeqState:
+        try:
+            return self.by_slot[slot_idx]
+        except KeyError:
+            raise PlanMismatchError(f"slot {slot_idx} holds no sequence") from None
+
+    def input_ids(self, entry: ScheduledSeq) -> list[int]:
+        seq = self.get(entry.slot_idx)
+        return seq.token_ids[entry.start_pos : entry.start_pos + entry.num_tokens]
+
+    def advance(self, entry: ScheduledSeq) -> None:
+        self.get(entry.slot_idx).num_computed_tokens += entry.num_tokens
+
+    def append_token(self, slot_idx: int, token_id: int) -> FinishedSeq | None:
+        """Records a sampled token; returns the finish record if the sequence ended.
+
+        A finished sequence is dropped from the table at once: its slot and
+        blocks are the scheduler's to reuse.
+        """
+        seq = self.get(slot_idx)
+        seq.token_ids.append(token_id)
+        reason = stop_reason(seq.params, seq.num_output_tokens, token_id, self.eos_token_ids)
+        if reason is None:
+            return None
+        del self.by_slot[slot_idx]
+        return FinishedSeq(request_id=seq.request_id, reason=reason.value, block_ids=seq.block_ids)

@@ -1,0 +1,128 @@
+"""Drives a Scheduler with the FakeExecutor over a virtual clock, checking
+invariants after every step. Shared by the property tests and benchmarks."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+from iterserve.scheduler import FakeExecutor, Request, RequestStatus, SamplingParams, Scheduler
+from iterserve.scheduler.codec import decode, encode
+from iterserve.scheduler.messages import StepPlan, StepResult
+
+
+@dataclass
+class Arrival:
+    request_id: str
+    step: int
+    prompt_len: int
+    max_tokens: int
+    output_len: int | None
+    priority: int = 0
+    abort_step: int | None = None
+    abort_in_flight: bool = False
+
+
+@dataclass
+class RunLog:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    steps: int = 0
+    preemptions: int = 0
+
+
+def prompt_for(request_id: str, n: int) -> list[int]:
+    seed = zlib.crc32(request_id.encode())
+    return [3 + (seed + 7 * i) % 97 for i in range(n)]
+
+
+class Checker:
+    """Invariants that hold for every policy after every step."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.cfg = sched.config
+        self.static_batch: set[str] = set()
+
+    def before(self) -> dict[str, bool]:
+        return {r.request_id: r.is_decoding for r in self.sched.running.values()}
+
+    def after_schedule(self, plan: StepPlan, was_decoding: dict[str, bool]) -> None:
+        cfg, sched = self.cfg, self.sched
+        assert plan.num_tokens + plan.num_padding_tokens <= cfg.max_num_batched_tokens
+        slots = [s.slot_idx for s in plan.scheduled] + plan.padding_slots
+        assert len(slots) == len(set(slots)) <= cfg.max_num_seqs
+        sched.check_integrity()
+        if cfg.policy in ("continuous", "chunked"):
+            # A finished sequence never keeps a slot.
+            owners = {sched.slots.owner(i) for i in range(cfg.max_num_seqs)} - {None}
+            assert owners <= set(sched.running), "a finished sequence holds a slot"
+            # Every running decode is scheduled (or was preempted to make room).
+            scheduled = {sched.slots.owner(s.slot_idx) for s in plan.scheduled}
+            for request_id, decoding in was_decoding.items():
+                request = sched.requests.get(request_id)
+                if decoding and request is not None and request.status == RequestStatus.RUNNING:
+                    assert request_id in scheduled, f"running decode {request_id} left out"
+        else:
+            new_ids = {n.request_id for n in plan.new_seqs}
+            if new_ids:
+                # A batch launches only when the previous one has wholly ended.
+                assert not (self.static_batch & set(sched.running)), "joined a running batch"
+                self.static_batch = new_ids
+
+
+def run(
+    sched: Scheduler,
+    executor: FakeExecutor,
+    arrivals: list[Arrival],
+    max_steps: int = 20_000,
+    through_codec: bool = False,
+) -> RunLog:
+    log = RunLog()
+    pending = sorted(arrivals, key=lambda a: a.step)
+    checker = Checker(sched)
+    clock = 0
+    by_step: dict[int, list[Arrival]] = {}
+    for a in arrivals:
+        if a.abort_step is not None:
+            by_step.setdefault(a.abort_step, []).append(a)
+    while pending or sched.has_work:
+        assert clock < max_steps, "scheduler made no progress"
+        while pending and pending[0].step <= clock:
+            a = pending.pop(0)
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+            sched.add_request(
+                Request(
+                    a.request_id,
+                    prompt_for(a.request_id, a.prompt_len),
+                    params,
+                    arrival_time=float(a.step),
+                    priority=a.priority,
+                )
+            )
+            log.outputs[a.request_id] = []
+        for a in by_step.get(clock, []):
+            if not a.abort_in_flight and sched.abort(a.request_id):
+                log.reasons[a.request_id] = "abort"
+        was_decoding = checker.before()
+        plan = sched.schedule(float(clock))
+        clock += 1
+        if plan is None:
+            continue
+        checker.after_schedule(plan, was_decoding)
+        for a in by_step.get(clock - 1, []):
+            if a.abort_in_flight and sched.abort(a.request_id):
+                log.reasons[a.request_id] = "abort"
+        if through_codec:
+            plan = decode(encode(plan), StepPlan)
+        result = executor.execute(plan)
+        if through_codec:
+            result = decode(encode(result), StepResult)
+        for out in sched.update(result):
+            log.outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                log.reasons[out.request_id] = out.finish_reason.value
+        sched.check_integrity()
+        log.steps += 1
+    log.preemptions = sched.num_preemptions
+    return log

@@ -1,0 +1,194 @@
+"""The msgpack codec: round trips, and bad bytes raise only CodecError."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from iterserve.scheduler.codec import CodecError, decode, encode
+from iterserve.scheduler.messages import (
+    FinishedSeq,
+    NewSequence,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
+from iterserve.scheduler.sampling import SamplingParams
+
+ints = st.integers(0, 2**31 - 1)
+params = st.builds(
+    SamplingParams,
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.01, 1),
+    top_k=st.integers(0, 100),
+    max_tokens=st.integers(1, 1000),
+    seed=st.one_of(st.none(), ints),
+    stop_token_ids=st.lists(ints, max_size=4).map(tuple),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
+)
+plans = st.builds(
+    StepPlan,
+    step=ints,
+    new_seqs=st.lists(
+        st.builds(
+            NewSequence,
+            request_id=st.text(max_size=40),
+            slot_idx=ints,
+            token_ids=st.lists(ints, max_size=50),
+            num_prompt_tokens=ints,
+            params=params,
+        ),
+        max_size=4,
+    ),
+    scheduled=st.lists(
+        st.builds(
+            ScheduledSeq,
+            slot_idx=ints,
+            start_pos=ints,
+            num_tokens=ints,
+            new_block_ids=st.lists(ints, max_size=8),
+            sample=st.booleans(),
+            num_pad_tokens=ints,
+        ),
+        max_size=8,
+    ),
+    released_slots=st.lists(ints, max_size=8),
+    padding_slots=st.lists(ints, max_size=8),
+)
+floats = st.floats(allow_nan=False)
+results = st.builds(
+    StepResult,
+    step=ints,
+    sampled=st.lists(
+        st.builds(
+            SampledToken,
+            request_id=st.text(max_size=40),
+            token_id=ints,
+            logprob=st.one_of(st.none(), floats),
+            top_logprobs=st.lists(st.tuples(ints, floats), max_size=5),
+        ),
+        max_size=8,
+    ),
+    finished=st.lists(
+        st.builds(
+            FinishedSeq,
+            request_id=st.text(max_size=40),
+            reason=st.sampled_from(["eos", "stop_token", "length"]),
+            block_ids=st.lists(ints, max_size=8),
+        ),
+        max_size=4,
+    ),
+    forward_s=floats,
+    num_tokens=ints,
+    num_padding_tokens=ints,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans)
+def test_step_plan_round_trips(plan):
+    assert decode(encode(plan), StepPlan) == plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(results)
+def test_step_result_round_trips(result):
+    assert decode(encode(result), StepResult) == result
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_raise_only_codec_error(data):
+    try:
+        decode(data)
+    except CodecError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans, st.data())
+def test_mutated_and_truncated_messages_raise_only_codec_error(plan, data):
+    raw = bytearray(encode(plan))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    for candidate in (bytes(raw), bytes(raw[:cut])):
+        try:
+            decode(candidate)
+        except CodecError:
+            pass
+
+
+def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
+    rng = random.Random(0)
+    seeds = [
+        encode(
+            StepPlan(
+                1,
+                [NewSequence("r", 0, [1, 2], 2, SamplingParams())],
+                [ScheduledSeq(0, 0, 2, [0], True, 0)],
+            )
+        ),
+        encode(
+            StepResult(
+                1,
+                [SampledToken("r", 5, -0.1, [(5, -0.1)])],
+                [FinishedSeq("r", "eos", [0])],
+                0.1,
+                2,
+                0,
+            )
+        ),
+    ]
+    for i in range(100_000):
+        if i % 4 == 0:
+            data = rng.randbytes(rng.randint(0, 64))
+        else:
+            data = bytearray(rng.choice(seeds))
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = bytes(data[: rng.randint(0, len(data))])
+        try:
+            decode(data)
+        except CodecError:
+            pass
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        msgpack.packb(msgpack.ExtType(1, b"x")),  # extension type
+        msgpack.packb([1, 1, 1.5]),  # wrong field type
+        msgpack.packb([9, 1]),  # unknown tag
+        msgpack.packb([1, 2, 1, [], [], [], []]),  # unknown version
+        msgpack.packb([1, 1, True, [], [], [], []]),  # bool where int belongs
+        msgpack.packb({"a": 1}),  # a map
+        msgpack.packb([1, 1, 1, [], [], [], [], "extra"]),  # extra field
+        msgpack.packb([1, 1, 1, [], [[0, 0, 1, [], True]], [], []]),  # short nested record
+        b"\xc1",  # reserved byte
+        b"\x91" * 5000,  # deep nesting
+    ],
+)
+def test_malformed_messages_are_refused(payload):
+    with pytest.raises(CodecError):
+        decode(payload)
+
+
+def test_invalid_sampling_params_inside_a_plan_are_refused():
+    plan = encode(StepPlan(1, [NewSequence("r", 0, [1], 1, SamplingParams())]))
+    raw = msgpack.unpackb(plan)
+    raw[3][0][4][0] = 9.0  # temperature out of range
+    with pytest.raises(CodecError, match="temperature"):
+        decode(msgpack.packb(raw))
+
+
+def test_expected_type_is_enforced_and_non_bytes_refused():
+    with pytest.raises(CodecError, match="expected StepPlan"):
+        decode(encode(StepResult(1)), StepPlan)
+    with pytest.raises(CodecError, match="expected bytes"):
+        decode("text")  # type: ignore[arg-type]

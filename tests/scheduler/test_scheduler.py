@@ -1,0 +1,225 @@
+"""Targeted scheduler behaviours: admission, abort, preemption, padding, slab."""
+
+from __future__ import annotations
+
+import pytest
+from iterserve.scheduler import (
+    FakeExecutor,
+    FinishReason,
+    PromptTooLongError,
+    QueueFullError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+    Scheduler,
+    SchedulerConfig,
+)
+
+from tests.scheduler.driver import Arrival, run
+
+
+def make(policy="continuous", **kw) -> Scheduler:
+    defaults = dict(
+        policy=policy,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=32,
+        block_size=4,
+        num_kv_blocks=64,
+        batch_timeout_s=0.0,
+        batch_wait_s=0.0,
+    )
+    defaults.update(kw)
+    return Scheduler(SchedulerConfig(**defaults))
+
+
+def req(request_id, n=5, max_tokens=8, priority=0, t=0.0):
+    return Request(
+        request_id,
+        list(range(3, 3 + n)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival_time=t,
+        priority=priority,
+    )
+
+
+def step(sched, executor, now=0.0):
+    plan = sched.schedule(now)
+    return plan, (sched.update(executor.execute(plan)) if plan else [])
+
+
+def test_queue_bound_refuses_with_queue_full_and_leaves_no_trace():
+    sched = make(max_queue_len=2)
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    with pytest.raises(QueueFullError, match="queue is full"):
+        sched.add_request(req("c"))
+    assert "c" not in sched.requests
+    assert sched.stats()["num_waiting"] == 2
+
+
+def test_prompt_too_long_names_both_sizes():
+    sched = make(max_model_len=16)
+    with pytest.raises(PromptTooLongError, match="16 tokens") as info:
+        sched.add_request(req("a", n=16))
+    assert info.value.num_prompt_tokens == 16 and info.value.max_model_len == 16
+
+
+def test_max_tokens_is_clamped_to_the_room_left_in_context():
+    sched = make(max_model_len=16)
+    request = req("a", n=10, max_tokens=100)
+    sched.add_request(request)
+    assert request.params.max_tokens == 6
+
+
+def test_duplicate_and_empty_requests_are_refused():
+    sched = make()
+    sched.add_request(req("a"))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(req("a"))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(Request("b", [], SamplingParams()))
+
+
+def test_config_caps_on_n_and_logprobs():
+    sched = make(max_n=2, max_logprobs=5)
+    with pytest.raises(SamplingParamsError, match=r"n: must be in \[1, 2\]"):
+        sched.add_request(Request("a", [1], SamplingParams(n=3)))
+    with pytest.raises(SamplingParamsError, match="logprobs"):
+        sched.add_request(Request("b", [1], SamplingParams(logprobs=6)))
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic", "continuous", "chunked"])
+@pytest.mark.parametrize("when", ["waiting", "running", "in_flight"])
+def test_abort_in_any_state_frees_slot_and_blocks(policy, when):
+    sched = make(policy)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("a", max_tokens=20))
+    sched.add_request(req("b", max_tokens=20))
+    if when == "waiting":
+        out = sched.abort("a")
+    elif when == "running":
+        step(sched, executor)
+        out = sched.abort("a")
+    else:
+        plan = sched.schedule(0.0)
+        out = sched.abort("a")
+        outputs = sched.update(executor.execute(plan))
+        assert all(o.request_id != "a" for o in outputs)
+    assert out.finish_reason is FinishReason.ABORT
+    assert "a" not in sched.blocks.tables
+    assert all(sched.slots.owner(i) != "a" for i in range(4))
+    sched.check_integrity()
+    while sched.has_work:
+        step(sched, executor)
+    assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
+    assert sched.abort("a") is None  # aborting twice is harmless
+
+
+@pytest.mark.parametrize("policy", ["continuous", "chunked"])
+def test_preemption_keeps_tokens_and_picks_lowest_priority_latest_arrival(policy):
+    # 12 blocks of 4 tokens; three sequences that each grow to 28 tokens cannot all fit.
+    sched = make(policy, max_num_seqs=3, num_kv_blocks=12, max_model_len=32)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("high", n=8, max_tokens=20, priority=0, t=0.0))
+    sched.add_request(req("low-early", n=8, max_tokens=20, priority=1, t=1.0))
+    sched.add_request(req("low-late", n=8, max_tokens=20, priority=1, t=2.0))
+    outputs: dict[str, list[int]] = {"high": [], "low-early": [], "low-late": []}
+    first_victim = None
+    for now in range(400):
+        if not sched.has_work:
+            break
+        _, outs = step(sched, executor, float(now))
+        for o in outs:
+            outputs[o.request_id].extend(o.new_token_ids)
+        if first_victim is None and sched.num_preemptions:
+            first_victim = next(
+                r.request_id for r in sched.requests.values() if r.status == RequestStatus.PREEMPTED
+            )
+        sched.check_integrity()
+    assert sched.num_preemptions >= 1
+    assert first_victim == "low-late"
+    for request_id, tokens in outputs.items():
+        expected, _ = executor.expected_output(request_id, SamplingParams(max_tokens=20))
+        assert tokens == expected
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_static_batch_computes_padding_for_short_prompts_and_dead_slots(policy):
+    sched = make(policy)
+    lens = {"a": 1, "b": 4}
+    executor = FakeExecutor(output_len=lens.__getitem__, block_size=4)
+    sched.add_request(req("a", n=2))
+    sched.add_request(req("b", n=6))
+    plan, _ = step(sched, executor)
+    # Padded prefill: both compute 6 positions.
+    assert [(s.num_tokens, s.num_pad_tokens) for s in plan.scheduled] == [(2, 4), (6, 0)]
+    padding = []
+    while sched.has_work:
+        plan, _ = step(sched, executor)
+        padding.append(len(plan.padding_slots))
+    # "a" ended at its first token; its slot is computed as padding until "b" ends.
+    assert padding == [1, 1, 1]
+    assert sched.slots.num_used == 0
+
+
+def test_static_waits_for_a_full_batch_until_timeout_and_dynamic_launches_sooner():
+    static = make("static", batch_timeout_s=5.0, batch_wait_s=0.5)
+    dynamic = make("dynamic", batch_timeout_s=5.0, batch_wait_s=0.5)
+    for sched in (static, dynamic):
+        sched.add_request(req("a", t=0.0))
+    assert static.schedule(1.0) is None and static.next_deadline() == 5.0
+    assert dynamic.schedule(1.0) is not None
+    assert static.schedule(5.0) is not None
+
+
+def test_continuous_frees_a_finished_slot_for_a_waiting_request_next_step():
+    sched = make("continuous", max_num_seqs=1)
+    executor = FakeExecutor(output_len={"a": 2, "b": 2}.__getitem__, block_size=4)
+    sched.add_request(req("a"))
+    sched.add_request(req("b"))
+    step(sched, executor)  # a: prefill + first token
+    step(sched, executor)  # a: EOS
+    plan, _ = step(sched, executor)
+    assert [n.request_id for n in plan.new_seqs] == ["b"]
+
+
+def test_chunked_cuts_a_long_prompt_and_never_stalls_running_decodes():
+    sched = make("chunked", max_num_batched_tokens=8, max_model_len=64, max_num_seqs=4)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("short", n=3, max_tokens=30))
+    step(sched, executor)
+    sched.add_request(req("long", n=40, max_tokens=4))
+    pieces = []
+    while "long" in sched.requests and sched.requests["long"].is_decoding is False:
+        plan, _ = step(sched, executor)
+        assert any(s.num_tokens == 1 and s.sample for s in plan.scheduled)  # the decode ran
+        pieces += [s.num_tokens for s in plan.scheduled if s.num_tokens > 1]
+    assert sum(pieces) == 40 and max(pieces) <= 7
+
+
+def test_slab_layout_reserves_max_model_len_at_admission():
+    sched = make("continuous", kv_layout="slab", max_model_len=32, block_size=4, num_kv_blocks=16)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    for name in "abc":
+        sched.add_request(req(name, n=2))
+    plan, _ = step(sched, executor)
+    # Each admitted sequence holds 8 blocks (32 tokens) however short: only two fit.
+    assert len(plan.new_seqs) == 2
+    assert all(len(s.new_block_ids) == 8 for s in plan.scheduled)
+
+
+def test_run_helper_finishes_every_request_exactly():
+    config = SchedulerConfig(
+        policy="chunked",
+        max_num_seqs=2,
+        max_num_batched_tokens=4,
+        max_model_len=16,
+        block_size=2,
+        num_kv_blocks=8,
+    )
+    arrivals = [Arrival(f"r{i}", i, 5, 6, 3 + i % 3) for i in range(6)]
+    executor = FakeExecutor(output_len={a.request_id: a.output_len for a in arrivals}.__getitem__)
+    log = run(Scheduler(config), executor, arrivals)
+    assert all(len(log.outputs[a.request_id]) == a.output_len for a in arrivals)
