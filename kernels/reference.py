@@ -1,0 +1,167 @@
+"""Pure-torch implementations of the serving kernels.
+
+These are the definition of correct behaviour for the Triton kernels and also
+what CPU inference runs, so they favour whole-tensor operations over Python
+loops (paged attention loops over sequences only). Everything is computed in
+fp32 and returned in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+# Paged attention materialises [num_heads, rows, kv_len] fp32 scores; longer
+# prefill pieces are processed this many query rows at a time to bound memory.
+_ATTN_QUERY_CHUNK = 512
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot; negative slots are skipped."""
+    checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= num_blocks * block_size:
+        raise ValueError(
+            f"slot_mapping holds slot {int(slots.max())}, but the cache has only "
+            f"{num_blocks * block_size} slots"
+        )
+    # [num_blocks * block_size, num_kv_heads, head_dim] views share storage with the caches.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a flattened mixed batch over a paged KV cache.
+
+    Query row ``i`` of sequence ``s`` sits at absolute position
+    ``seq_lens[s] - q_len + i`` and attends to KV positions ``0..`` that position.
+    """
+    checks.check_paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must run from 0 to num_tokens={num_tokens}, "
+            f"got {starts[0]}..{starts[-1]}"
+        )
+    out = torch.zeros_like(query)
+    for s, seq_len in enumerate(lens):
+        q_begin, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_begin
+        if q_len < 0:
+            raise ValueError(f"query_start_loc must be non-decreasing (sequence {s})")
+        if q_len == 0:
+            continue
+        if seq_len < q_len:
+            raise ValueError(f"seq_lens[{s}]={seq_len} is shorter than its {q_len} query rows")
+        num_blocks = -(-seq_len // block_size)
+        if num_blocks > block_tables.shape[1]:
+            raise ValueError(
+                f"seq_lens[{s}]={seq_len} needs {num_blocks} blocks, but block_tables "
+                f"has {block_tables.shape[1]} columns"
+            )
+        blocks = block_tables[s, :num_blocks].long()
+        # Gather the sequence's cache blocks into contiguous [kv_heads, seq_len, head_dim].
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.float().transpose(0, 1)
+        v = v.float().transpose(0, 1)
+        context_len = seq_len - q_len
+        kv_pos = torch.arange(seq_len, device=query.device)
+        for c0 in range(0, q_len, _ATTN_QUERY_CHUNK):
+            c1 = min(c0 + _ATTN_QUERY_CHUNK, q_len)
+            rows = c1 - c0
+            # [rows, num_heads, D] -> [kv_heads, group * rows, D]; row-major over
+            # (group member, query row) so each kv head serves its whole group.
+            q = query[q_begin + c0 : q_begin + c1].float()
+            q = q.view(rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            q = q.reshape(num_kv_heads, group * rows, head_dim)
+            scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [kv_heads, group*rows, L]
+            q_pos = context_len + torch.arange(c0, c1, device=query.device)
+            visible = kv_pos[None, :] <= q_pos[:, None]  # [rows, L]
+            scores = scores.view(num_kv_heads, group, rows, seq_len)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * rows, seq_len)
+            o = torch.matmul(probs, v)  # [kv_heads, group * rows, D]
+            o = o.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
+            out[q_begin + c0 : q_begin + c1] = o.reshape(rows, num_heads, head_dim).to(out.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Llama RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``.
+
+    Numerics follow Hugging Face's LlamaRMSNorm: normalise in fp32, cast to the
+    input dtype, then multiply by the weight.
+    """
+    checks.check_rms_norm(x, weight, eps, residual)
+    dtype = x.dtype
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    var = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(var + eps)
+    out = (weight * h.to(dtype)).to(dtype)
+    if residual is not None:
+        return out, x
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate_half) rotary embedding; returns new tensors."""
+    checks.check_rotary_embedding(positions, query, key, cos_sin_cache)
+    half = query.shape[-1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions.long()).float()  # [num_tokens, head_dim]
+    cos = cos_sin[:, None, :half]  # [num_tokens, 1, half]
+    sin = cos_sin[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` computed in fp32, returned in x's dtype."""
+    checks.check_silu_mul(x)
+    d = x.shape[1] // 2
+    xf = x.float()
+    return (torch.nn.functional.silu(xf[:, :d]) * xf[:, d:]).to(x.dtype)

@@ -1,0 +1,72 @@
+"""Backend selection: Triton kernels on CUDA, torch references elsewhere.
+
+The Triton modules are imported only when the triton backend is requested, so
+importing this package or using the torch backend never imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The five serving ops of one backend; every backend has the same signatures."""
+
+    name: str  # "triton" | "torch"
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _load(name: str) -> KernelOps:
+    if name == "torch":
+        mod = importlib.import_module(f"{__package__}.reference")
+        ops, attn, cache = mod, mod, mod
+    else:
+        ops = importlib.import_module(f"{__package__}.triton_ops")
+        attn = importlib.import_module(f"{__package__}.triton_attention")
+        cache = importlib.import_module(f"{__package__}.triton_cache")
+    return KernelOps(
+        name=name,
+        store_kv=cache.store_kv,
+        paged_attention=attn.paged_attention,
+        rms_norm=ops.rms_norm,
+        rotary_embedding=ops.rotary_embedding,
+        silu_mul=ops.silu_mul,
+    )
+
+
+def get_ops(backend: str = "auto", device: torch.device | str | None = None) -> KernelOps:
+    """Return the ops of ``backend`` ("auto", "triton" or "torch").
+
+    "auto" picks triton when ``device`` is a CUDA device (``None`` means CUDA
+    if available) and triton is installed, and the torch references otherwise.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device is None:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        else:
+            device_type = torch.device(device).type
+        backend = "triton" if device_type == "cuda" and triton_available() else "torch"
+    elif backend == "triton" and not triton_available():
+        raise ValueError("backend 'triton' requested but triton is not installed")
+    return _load(backend)

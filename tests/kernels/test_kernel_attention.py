@@ -1,0 +1,257 @@
+"""store_kv and paged_attention: references vs naive dense math, Triton vs references.
+
+On a machine without CUDA the Triton kernels run in the interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 before this module is imported), so
+shapes are kept tiny. Tolerances: fp32 atol/rtol 1e-5; fp16 atol 2e-3, rtol 1e-2
+(fp16 output rounding plus fp16 probabilities in the P @ V product).
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from iterserve.kernels import reference as ref
+
+triton_attention = pytest.importorskip("iterserve.kernels.triton_attention")
+triton_cache = pytest.importorskip("iterserve.kernels.triton_cache")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2)}
+
+# (cached prefix, query rows) per sequence. Covers: a decode row whose context
+# crosses block boundaries, a prefill chunk starting mid-block and crossing a
+# boundary, a sequence with no rows this step, a fresh prefill, a short decode.
+MIXED = [(37, 1), (21, 12), (9, 0), (0, 19), (5, 1)]
+DECODE = [(40, 1), (3, 1), (16, 1), (31, 1)]
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], int32
+    seq_lens: torch.Tensor  # [num_seqs], int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1], int32
+    keys: list  # per sequence [seq_len, num_kv_heads, head_dim], dense
+    values: list
+    q_lens: list
+    scale: float
+
+    def args(self):
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0) -> Batch:
+    """Random K/V written through store_kv into shuffled cache blocks."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [q for _, q in shape]
+    seq_lens = [c + q for c, q in shape]
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # a few spare blocks that nobody owns
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_needed) + 1  # one unused column, left as 0
+    block_tables = torch.zeros(len(shape), max_blocks, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache, v_cache = k_cache.to(dtype), torch.randn(k_cache.shape, generator=g).to(dtype)
+    keys, values = [], []
+    for s, n in enumerate(seq_lens):
+        table = order[: blocks_needed[s]]
+        order = order[blocks_needed[s] :]
+        block_tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(n)
+        slots = torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size
+        ref.store_kv(k, v, k_cache, v_cache, slots + pos % block_size)
+        keys.append(k)
+        values.append(v)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    return Batch(
+        query=query.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=starts.to(DEVICE),
+        keys=keys,
+        values=values,
+        q_lens=q_lens,
+        scale=head_dim**-0.5,
+    )
+
+
+def dense_attention(b: Batch) -> torch.Tensor:
+    """Row by row, fp64, on contiguous K/V: softmax(q k[:p+1]^T * scale) v[:p+1]."""
+    num_heads = b.query.shape[1]
+    out = torch.zeros(b.query.shape, dtype=torch.float64)
+    row = 0
+    for k, v, q_len in zip(b.keys, b.values, b.q_lens, strict=True):
+        group = num_heads // k.shape[1]
+        k = k.double().repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]
+        v = v.double().repeat_interleave(group, dim=1)
+        context = k.shape[0] - q_len
+        for i in range(q_len):
+            p = context + i
+            q = b.query[row].cpu().double()  # [num_heads, D]
+            scores = torch.einsum("hd,nhd->hn", q, k[: p + 1]) * b.scale
+            out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[: p + 1])
+            row += 1
+    return out
+
+
+# -------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_reference_attention_matches_dense(block_size, num_heads, num_kv_heads, shape):
+    b = make_batch(shape, num_heads, num_kv_heads, 64, block_size, torch.float32)
+    got = ref.paged_attention(*b.args())
+    torch.testing.assert_close(got.double().cpu(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_attention_chunks_long_queries(monkeypatch):
+    monkeypatch.setattr(ref, "_ATTN_QUERY_CHUNK", 5)
+    b = make_batch(MIXED, 4, 2, 64, 16, torch.float32)
+    torch.testing.assert_close(
+        ref.paged_attention(*b.args()).double().cpu(), dense_attention(b), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_reference_store_kv_matches_loop():
+    g = torch.Generator().manual_seed(1)
+    key, value = torch.randn(2, 7, 2, 8, generator=g)
+    slots = torch.tensor([0, 15, -1, 16, 63, -1, 33])
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros(4, 16, 2, 8)
+    ref.store_kv(key, value, k_cache, v_cache, slots)
+    k_want, v_want = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_want[slot // 16, slot % 16] = key[t]
+            v_want[slot // 16, slot % 16] = value[t]
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+
+def test_reference_rejects_bad_metadata():
+    b = make_batch(MIXED, 2, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ref.paged_attention(*b.args()[:4], b.seq_lens - 5, *b.args()[5:])
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ref.paged_attention(*b.args()[:5], b.query_start_loc + 1, b.scale)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        ref.store_kv(b.query[:1, :2], b.query[:1, :2], b.k_cache, b.v_cache, torch.tensor([10**6]))
+
+
+# ------------------------------------------------------------------------- triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_attention_mixed_batch(block_size, num_heads, num_kv_heads, head_dim, dtype):
+    b = make_batch(MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    got = triton_attention.paged_attention(*b.args())
+    assert got.dtype == dtype and got.shape == b.query.shape
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_triton_attention_decode_batch(num_heads, num_kv_heads, dtype):
+    b = make_batch(DECODE, num_heads, num_kv_heads, 64, 16, dtype, seed=3)
+    torch.testing.assert_close(
+        triton_attention.paged_attention(*b.args()), ref.paged_attention(*b.args()), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (64, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 1)])
+def test_triton_attention_tile_sizes(block_m, block_n, num_heads, num_kv_heads):
+    """Small tiles: several KV tiles per row (online softmax) and query blocks per piece."""
+    b = make_batch(MIXED, num_heads, num_kv_heads, 64, 16, torch.float32, seed=5)
+    got = triton_attention.paged_attention_launch(*b.args(), block_m=block_m, block_n=block_n)
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[torch.float32])
+
+
+def test_triton_attention_strided_query_and_empty_batch():
+    b = make_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=7)
+    # query as a view into a fused [num_tokens, q | k | v] projection output
+    fused = torch.randn(b.query.shape[0], 8, 64, device=DEVICE)
+    fused[:, :4] = b.query
+    b.query = fused[:, :4]
+    assert not b.query.is_contiguous()
+    torch.testing.assert_close(
+        triton_attention.paged_attention(*b.args()),
+        ref.paged_attention(*b.args()),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    empty = make_batch([(4, 0), (20, 0)], 4, 2, 64, 16, torch.float32)
+    assert triton_attention.paged_attention(*empty.args()).shape == (0, 4, 64)
+    assert ref.paged_attention(*empty.args()).shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_store_kv_matches_reference(block_size, dtype):
+    g = torch.Generator().manual_seed(2)
+    num_tokens, num_kv_heads, head_dim, num_blocks = 11, 2, 64, 3
+    # key/value as strided views of one fused buffer, as after a qkv projection
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 7]] = -1  # padding rows
+    slots = slots.to(DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
+    ref.store_kv(key, value, caches[0], caches[1], slots)
+    triton_cache.store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert int((caches[2] != 7.0).any(-1).any(-1).sum()) == num_tokens - 2
+
+
+def test_chunked_prefill_then_decode_through_store_kv():
+    """Feed one sequence as chunks (the second starts mid-block), then decode."""
+    g = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size, total = 4, 2, 64, 16, 30
+    q = torch.randn(total, num_heads, head_dim, generator=g)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.tensor([[3, 0, 2]], dtype=torch.int32, device=DEVICE)
+    dense = Batch(q, None, None, None, None, None, [k], [v], [total], head_dim**-0.5)
+    want = dense_attention(dense).float()
+    for start, end in [(0, 11), (11, 29), (29, 30)]:
+        pos = torch.arange(start, end)
+        slots = (table[0].cpu().long()[pos // block_size] * block_size + pos % block_size).to(
+            DEVICE
+        )
+        triton_cache.store_kv(
+            k[start:end].to(DEVICE), v[start:end].to(DEVICE), k_cache, v_cache, slots
+        )
+        args = (
+            q[start:end].to(DEVICE),
+            k_cache,
+            v_cache,
+            table,
+            torch.tensor([end], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE),
+            head_dim**-0.5,
+        )
+        got = triton_attention.paged_attention(*args)
+        torch.testing.assert_close(got.cpu(), want[start:end], atol=1e-5, rtol=1e-5)
