@@ -1,0 +1,149 @@
+"""Each sampling knob does what SamplingParams says it does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from iterserve.scheduler.sampling import SamplingParams
+from iterserve.workers.sampler import Sampler
+
+VOCAB = 32
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    request_id: str = "r"
+
+
+def rows_of(params: SamplingParams, n: int, prompt=(1, 2), output=()) -> list[Row]:
+    ids = [*prompt, *output]
+    return [Row(params, list(ids), len(prompt), f"r{i}") for i in range(n)]
+
+
+def random_logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sampler(eos=frozenset({0})) -> Sampler:
+    return Sampler(eos, "cpu", seed=123)
+
+
+def test_greedy_is_exact_argmax():
+    logits = random_logits(64)
+    out = sampler()(logits, rows_of(SamplingParams(temperature=0.0), 64))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)],
+    ids=["top_k=1", "tiny top_p"],
+)
+def test_filters_down_to_one_token_are_greedy(params):
+    logits = random_logits(256)
+    out = sampler()(logits, rows_of(params, 256))
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_temperature_draws_follow_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-1e9] * (VOCAB - 4)])
+    n = 20_000
+    out = sampler()(logits.expand(n, -1), rows_of(SamplingParams(temperature=0.7), n))
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB)[:4].float() / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0, :4] / 0.7, -1), atol=0.015, rtol=0)
+
+
+def test_top_k_keeps_the_k_best():
+    logits = random_logits(1).expand(4000, -1)
+    out = sampler()(logits, rows_of(SamplingParams(top_k=3, temperature=2.0), 4000))
+    assert set(out.token_ids) == set(logits[0].topk(3).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-12] * (VOCAB - 4)]))
+    out = sampler()(logits.expand(4000, -1), rows_of(SamplingParams(top_p=0.8), 4000))
+    # 0.5 + 0.3 reaches 0.8: exactly the first two survive.
+    assert set(out.token_ids) == {0, 1}
+
+
+def test_min_p_drops_tokens_below_the_floor():
+    probs = torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05] + [0.0] * (VOCAB - 5)])
+    logits = torch.log(probs.clamp_min(1e-12))
+    out = sampler()(logits.expand(4000, -1), rows_of(SamplingParams(min_p=0.3), 4000))
+    # floor = 0.3 * 0.4 = 0.12
+    assert set(out.token_ids) == {0, 1, 2}
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0] + [0.0] * (VOCAB - 4)])
+    # token 0 in the prompt, token 1 in the output: both count; 2 and 3 are unseen.
+    row = Row(SamplingParams(repetition_penalty=2.0), [0, 1], 1)
+    got = sampler().process(logits, [row])[0, :4]
+    assert got.tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_presence_and_frequency_penalties_count_output_only():
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    row = Row(params, [3, 3, 4, 4, 4, 5], 2)  # prompt [3, 3]; output 4, 4, 4, 5
+    got = sampler().process(logits, [row])[0]
+    assert got[3] == 0.0
+    assert got[4] == pytest.approx(-(0.5 + 3 * 0.25))
+    assert got[5] == pytest.approx(-(0.5 + 1 * 0.25))
+    assert (got[6:] == 0).all()
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 0] = 5.0  # EOS
+    logits[0, 7] = 4.0  # stop token
+    logits[0, 9] = 3.0
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(7,))
+    s = sampler()
+    # outputs so far: 0 and 1 -> the next token could not end the sequence
+    assert s(logits, [Row(params, [1], 1)]).token_ids == [9]
+    assert s(logits, [Row(params, [1, 9], 1)]).token_ids == [9]
+    # the third output token may stop it (SequenceTable's rule)
+    assert s(logits, [Row(params, [1, 9, 9], 1)]).token_ids == [0]
+    ignore = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert s(logits, [Row(ignore, [1], 1)]).token_ids == [0]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = random_logits(3)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=4),
+        SamplingParams(temperature=0.0, logprobs=None),
+        SamplingParams(temperature=1.0, logprobs=0, repetition_penalty=1.5),
+    ]
+    rows = [Row(p, [1, 2], 1, f"r{i}") for i, p in enumerate(params)]
+    out = sampler()(logits, rows)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs[0] == pytest.approx(ref[0].max().item(), abs=1e-6)
+    assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(4).indices.tolist()
+    for token, lp in out.top_logprobs[0]:
+        assert lp == pytest.approx(ref[0, token].item(), abs=1e-6)
+    assert out.logprobs[1] is None and out.top_logprobs[1] == []
+    assert out.logprobs[2] == pytest.approx(ref[2, out.token_ids[2]].item(), abs=1e-6)
+    assert out.top_logprobs[2] == []
+
+
+def test_seeded_rows_ignore_their_batch_neighbours():
+    logits = random_logits(1).expand(5, -1)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    s_alone, s_batched = sampler(), sampler()
+    alone = []
+    batched = []
+    for _ in range(20):
+        alone.append(s_alone(logits[:1], [Row(seeded, [1], 1, "x")]).token_ids[0])
+        others = [Row(SamplingParams(temperature=1.0), [1], 1, f"o{i}") for i in range(3)]
+        mixed = [others[0], Row(seeded, [1], 1, "x"), *others[1:], Row(seeded, [1], 1, "y")]
+        batched.append(s_batched(logits, mixed).token_ids[1])
+    assert alone == batched
+    assert len(set(alone)) > 1

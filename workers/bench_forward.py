@@ -1,0 +1,197 @@
+"""Forward-pass throughput of the model runtime, in tokens per second.
+
+Decode is measured at several batch sizes, each sequence holding about
+``context`` cached tokens; prefill as one ``prefill_len``-token piece. Times are
+the runner's ``forward_s`` (the model forward, logits included; batch building
+and sampling excluded), median over ``steps`` measured steps after one warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
+from iterserve.scheduler.sampling import SamplingParams
+from iterserve.workers.runner import ModelRunner
+
+# Used when no demo checkpoint is installed: small enough for a laptop CPU,
+# shaped like a real Llama (GQA, SwiGLU MLP of ~2.7x hidden).
+RANDOM_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def write_random_llama(path: Path, config: dict[str, Any] = RANDOM_LLAMA, seed: int = 0) -> Path:
+    """A random-weight checkpoint of ``config`` in Hugging Face layout."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    hd = h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    tensors = {
+        "model.embed_tokens.weight": rand(config["vocab_size"], h),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": rand(config["vocab_size"], h),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, q),
+            p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+class _Plans:
+    """Just enough scheduling for the benchmark: fresh blocks from a counter."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.bs = runner, runner.block_size
+        self.step = 0
+        self.next_block = 0
+        self.blocks: dict[int, int] = {}
+        self.computed: dict[int, int] = {}
+
+    def entry(self, slot: int, n: int, sample: bool) -> ScheduledSeq:
+        start = self.computed.get(slot, 0)
+        need = -(-(start + n) // self.bs) - self.blocks.get(slot, 0)
+        new = list(range(self.next_block, self.next_block + need))
+        self.next_block += need
+        self.blocks[slot] = self.blocks.get(slot, 0) + need
+        self.computed[slot] = start + n
+        return ScheduledSeq(slot, start, n, new, sample=sample)
+
+    def run(self, new: list[NewSequence], scheduled: list[ScheduledSeq]) -> float:
+        result = self.runner.execute(StepPlan(self.step, new_seqs=new, scheduled=scheduled))
+        self.step += 1
+        return result.forward_s
+
+
+def bench_forward(
+    model_path: str | Path | None = None,
+    *,
+    device: str = "cpu",
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 64),
+    context: int = 128,
+    prefill_len: int = 512,
+    steps: int = 5,
+    block_size: int = 16,
+    num_threads: int | None = None,
+) -> dict[str, Any]:
+    """Forward tokens/s at each decode batch size and for one prefill piece.
+
+    ``num_threads`` sets torch's intra-op threads for the run (restored after);
+    on a CPU shared with other work, 1 avoids threads spinning at barriers.
+    """
+    saved_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        return _bench(model_path, device, batch_sizes, context, prefill_len, steps, block_size)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _bench(model_path, device, batch_sizes, context, prefill_len, steps, block_size):
+    with tempfile.TemporaryDirectory() as tmp:
+        if model_path is None:
+            from iterserve.models import DEMO_MODEL_PATH
+
+            if (DEMO_MODEL_PATH / "config.json").exists():
+                model_path, model_name = DEMO_MODEL_PATH, "demo"
+            else:
+                model_path, model_name = write_random_llama(Path(tmp) / "random"), "random-llama"
+        else:
+            model_name = str(model_path)
+        return _measure(
+            Path(model_path),
+            model_name,
+            device,
+            batch_sizes,
+            context,
+            prefill_len,
+            steps,
+            block_size,
+        )
+
+
+def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps, block_size):
+    batch = max(batch_sizes)
+    decode_len = context + 1 + (steps + 1) * len(batch_sizes)
+    num_blocks = batch * -(-decode_len // block_size) + (steps + 1) * -(-prefill_len // block_size)
+    runner = ModelRunner(path, num_kv_blocks=num_blocks, block_size=block_size, device=device)
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    plans = _Plans(runner)
+    # Fill the cache: every sequence holds `context` tokens, its next one is pending.
+    per_step = max(1, 2048 // context)
+    for first in range(0, batch, per_step):
+        slots = range(first, min(first + per_step, batch))
+        new = [NewSequence(f"d{s}", s, prompt(context + 1), context + 1, params) for s in slots]
+        plans.run(new, [plans.entry(s, context, sample=False) for s in slots])
+
+    out: dict[str, Any] = {"model": model_name, "device": device, "dtype": str(runner.dtype)}
+    out["num_threads"] = torch.get_num_threads()
+    out["kernel_backend"] = runner.ops.name
+    for b in sorted(batch_sizes):
+        times = [
+            plans.run([], [plans.entry(s, 1, sample=True) for s in range(b)])
+            for _ in range(steps + 1)
+        ]
+        out[f"decode_tok_s_{b}"] = round(b / statistics.median(times[1:]), 1)
+
+    times = []
+    for i in range(steps + 1):
+        slot = batch + 1 + i
+        new = [NewSequence(f"p{i}", slot, prompt(prefill_len), prefill_len, params)]
+        times.append(plans.run(new, [plans.entry(slot, prefill_len, sample=True)]))
+        release = StepPlan(plans.step, released_slots=[slot])
+        runner.execute(release)
+        plans.step += 1
+    out[f"prefill_tok_s_{prefill_len}"] = round(prefill_len / statistics.median(times[1:]), 1)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    threads = int(sys.argv[1]) if len(sys.argv) > 1 else None
+    print(json.dumps(bench_forward(num_threads=threads), indent=2))
