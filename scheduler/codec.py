@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+
 from iterserve.scheduler.messages import (
     FinishedSeq,
     NewSequence,

@@ -116,6 +116,23 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return RequestOutput(request_id, finish_reason=FinishReason.ABORT)
 
+    def finish_with_error(self, request_id: str) -> None:
+        """Ends a request because the engine cannot serve it (workers lost)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.request_id in self.waiting:
+            self.waiting.remove(request.request_id)
+        self._finish(request, FinishReason.ERROR)
+
+    def requeue_running(self) -> None:
+        """The step in flight was lost with the workers: forget it and preempt every
+        running sequence, to be recomputed on fresh workers. No token is lost."""
+        self._in_flight = None
+        self.policy.reset(self)
+        for request in sorted(self.running.values(), key=Request.sort_key):
+            self.preempt(request)
+
     # -- the step --------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan | None:
@@ -300,7 +317,7 @@ class Scheduler:
         if not was_running:
             return
         del self.running[request.request_id]
-        if reason is FinishReason.ABORT:
+        if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self._release_slot(request)  # the workers still hold it: tell them
         elif not self.policy.holds_finished_slots:
             # The worker dropped the sequence itself when it finished it.

@@ -43,6 +43,16 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
         raise SamplingParamsError(name, f"must be in [{lo}, {hi}], got {value}")
 
 
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token, and when to stop.
@@ -70,6 +80,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, 2.0)
+        for name in _FLOAT_FIELDS:  # 0 and 0.0 are the same setting; store floats
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
         _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_int("top_k", self.top_k, 0, 1 << 30)
         _check_number("min_p", self.min_p, 0.0, 1.0)

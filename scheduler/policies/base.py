@@ -27,6 +27,9 @@ class Policy:
     def after_update(self, sched: Scheduler) -> None:
         """Called at the end of every update (a batch may have ended)."""
 
+    def reset(self, sched: Scheduler) -> None:
+        """Forget batch state: every running sequence is about to be preempted."""
+
     def next_deadline(self, sched: Scheduler) -> float | None:
         """The time at which waiting work must launch even if nothing else happens."""
         return None

@@ -59,6 +59,13 @@ class StaticPolicy(Policy):
                     member.slot_idx = -1
             self.batch = []
 
+    def reset(self, sched: Scheduler) -> None:
+        for member in self.batch:
+            if member.status.finished and member.slot_idx >= 0:
+                sched.release_slot(member.slot_idx)
+                member.slot_idx = -1
+        self.batch = []
+
     def next_deadline(self, sched: Scheduler) -> float | None:
         if self.batch:
             return None

@@ -8,6 +8,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from iterserve.scheduler.codec import CodecError, decode, encode
 from iterserve.scheduler.messages import (
     FinishedSeq,

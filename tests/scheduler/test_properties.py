@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams, Scheduler, SchedulerConfig
 
+from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams, Scheduler, SchedulerConfig
 from tests.scheduler.driver import Arrival, run
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from iterserve.scheduler import (
     FakeExecutor,
     FinishReason,
@@ -15,7 +16,6 @@ from iterserve.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-
 from tests.scheduler.driver import Arrival, run
 
 

@@ -1,0 +1,260 @@
+"""The scheduler actor: owns the iteration clock, the slot table and the workers.
+
+Its loop is one tick after another::
+
+    plan    = scheduler.schedule(now)     # who runs, how many tokens, which blocks
+    result  = await workers.execute(plan) # one broadcast, one reply
+    outputs = scheduler.update(result)    # append tokens, finish, free slots and KV
+    publish(outputs)                      # to each consumer's buffer
+
+It sleeps while there is no work and wakes on arrival. Consumers (engine
+clients in other processes) fetch their requests' outputs with one long-poll
+call per batch of steps, never one call per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Any
+
+from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
+from iterserve.scheduler import (
+    FinishReason,
+    PromptTooLongError,
+    QueueFullError,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+    Scheduler,
+)
+
+logger = logging.getLogger(__name__)
+
+# One published record: (request_id, new_token_ids, new_logprobs, finish_reason, error)
+Record = tuple[str, list[int], list, str | None, str | None]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.workers = WorkerGroup(config)
+        self.scheduler: Scheduler | None = None
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.owner: dict[str, str] = {}  # request_id -> consumer_id
+        self.buffers: dict[str, list[Record]] = defaultdict(list)
+        self.ready_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.wake = asyncio.Event()
+        self.loop_task: asyncio.Task | None = None
+        self.step_lock = asyncio.Lock()
+        self.dead_reason: str | None = None
+        self.num_restarts = 0
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> dict:
+        await self.workers.start()
+        info = self.workers.model_info
+        limit = info["max_model_len"]
+        self.max_model_len = min(self.config.max_model_len or min(limit, 4096), limit)
+        self.vocab_size = info["vocab_size"]
+        self.scheduler = Scheduler(
+            self.config.scheduler_config(
+                num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len
+            )
+        )
+        self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+        return {
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "num_kv_blocks": self.workers.num_kv_blocks,
+        }
+
+    async def shutdown(self) -> None:
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+        await self.workers.shutdown()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                ran = await self.tick()
+            except WorkerFailure as exc:
+                await self._recover(exc)
+                continue
+            if not ran:  # waiting for a batch to fill (static, dynamic)
+                await self._sleep_until(self.scheduler.next_deadline())
+
+    async def tick(self) -> bool:
+        async with self.step_lock:
+            plan = self.scheduler.schedule(time.monotonic())
+            if plan is None:
+                return False
+            result = await self.workers.execute(plan)
+            outputs = self.scheduler.update(result)
+        self.publish(outputs)
+        return True
+
+    async def _sleep_until(self, deadline: float | None) -> None:
+        self.wake.clear()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _recover(self, exc: WorkerFailure) -> None:
+        """Preempts every running sequence for recompute and restarts the workers;
+        once restarts are exhausted, every in-flight request ends with an error."""
+        logger.error("worker failure: %s", exc)
+        async with self.step_lock:
+            self.scheduler.requeue_running()
+            if self.num_restarts >= self.config.max_restarts:
+                self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
+                await self.workers.stop()
+                return
+            self.num_restarts += 1
+            try:
+                await self.workers.restart()
+            except Exception as restart_exc:  # any start-up failure ends service
+                self._fail_all(f"restarting the engine's workers failed: {restart_exc}")
+
+    def _fail_all(self, message: str) -> None:
+        self.dead_reason = message
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.finish_with_error(request_id)
+            self._push(request_id, (request_id, [], [], FinishReason.ERROR.value, message))
+            self.counters["finished_error"] += 1
+
+    # -- publishing -------------------------------------------------------------------
+
+    def publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            reason = out.finish_reason.value if out.finish_reason else None
+            self.counters["generation_tokens"] += len(out.new_token_ids)
+            if reason is not None:
+                self.counters[f"finished_{reason}"] += 1
+            self._push(
+                out.request_id, (out.request_id, out.new_token_ids, out.new_logprobs, reason, None)
+            )
+
+    def _push(self, request_id: str, record: Record) -> None:
+        consumer = self.owner.get(request_id)
+        if consumer is None:
+            return
+        if record[3] is not None:
+            del self.owner[request_id]
+        self.buffers[consumer].append(record)
+        self.ready_events[consumer].set()
+
+    async def poll(self, consumer_id: str, timeout_s: float = 1.0) -> list[Record]:
+        """Everything published for ``consumer_id`` since its last poll; waits up to
+        ``timeout_s`` for something to arrive."""
+        event = self.ready_events[consumer_id]
+        if not self.buffers.get(consumer_id):
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return []
+        records = self.buffers.pop(consumer_id, [])
+        event.clear()
+        return records
+
+    # -- requests ---------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        consumer_id: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        priority: int = 0,
+    ) -> tuple[str, str] | None:
+        """Queues a request. Returns None, or ``(kind, message)`` when refused:
+        kind is ``invalid``, ``prompt_too_long``, ``queue_full`` or ``engine_dead``."""
+        if self.dead_reason is not None:
+            return ("engine_dead", self.dead_reason)
+        try:
+            sampling = SamplingParams(**params)
+            sampling.check_limits(
+                max_n=self.config.max_n,
+                max_logprobs=self.config.max_logprobs,
+                vocab_size=self.vocab_size,
+            )
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be in [0, {self.vocab_size - 1}], got {bad[0]}"
+                )
+            request = Request(
+                request_id,
+                list(prompt_token_ids),
+                sampling,
+                arrival_time=time.monotonic(),
+                priority=priority,
+            )
+            self.scheduler.add_request(request)
+        except QueueFullError as exc:
+            self.counters["rejected_queue_full"] += 1
+            return ("queue_full", str(exc))
+        except PromptTooLongError as exc:
+            return ("prompt_too_long", str(exc))
+        except (SamplingParamsError, ValueError, TypeError) as exc:
+            return ("invalid", str(exc))
+        self.owner[request_id] = consumer_id
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.wake.set()
+        return None
+
+    async def abort(self, request_id: str) -> bool:
+        out = self.scheduler.abort(request_id)
+        if out is None:
+            return False
+        self.counters["finished_abort"] += 1
+        self._push(request_id, (request_id, [], [], FinishReason.ABORT.value, None))
+        return True
+
+    # -- introspection ----------------------------------------------------------------------
+
+    async def stats(self) -> dict:
+        stats = self.scheduler.stats()
+        stats.update(
+            healthy=self.dead_reason is None,
+            worker_restarts=self.num_restarts,
+            max_model_len=self.max_model_len,
+            counters=dict(self.counters),
+        )
+        return stats
+
+    async def check_integrity(self) -> None:
+        async with self.step_lock:
+            self.scheduler.check_integrity()
+
+    async def health(self) -> tuple[bool, str]:
+        """Healthy when a ping travels through every worker and back."""
+        if self.dead_reason is not None:
+            return False, self.dead_reason
+        try:
+            async with self.step_lock:
+                await self.workers.ping()
+        except WorkerFailure as exc:
+            # An idle engine learns of a dead worker here: restart it now.
+            await self._recover(exc)
+            return False, str(exc)
+        return True, "ok"
+
+    async def worker_pids(self) -> list[int]:
+        return await self.workers.pids()

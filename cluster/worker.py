@@ -1,0 +1,180 @@
+"""The worker actor: one per tensor-parallel rank, one executor each.
+
+Between steps a worker only ever receives encoded :class:`StepPlan` bytes and
+answers encoded :class:`StepResult` bytes (rank 0 only; other ranks answer
+``b""``), through the compiled graph built by :mod:`worker_group`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from typing import Any
+
+from iterserve.cluster.config import EngineConfig
+from iterserve.scheduler import codec
+from iterserve.scheduler.messages import StepPlan, StepResult
+
+PING_STEP = -1  # a plan with this step number only checks that the workers answer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _all_reduce(tensor):
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor)  # in place: sums the ranks' partial outputs
+    return tensor
+
+
+def _available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+class EngineWorker:
+    def __init__(self, config: EngineConfig, rank: int):
+        self.config = config
+        self.rank = rank
+        self.world_size = config.tensor_parallel_size
+        self.executor: Any = None
+        self.all_reduce = None
+        if config.torch_threads:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
+
+    # -- start-up (plain calls, once) ---------------------------------------------
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous address for torch.distributed."""
+        import ray
+
+        return (ray.util.get_node_ip_address(), _free_port())
+
+    def init_distributed(self, host: str, port: int) -> None:
+        if self.world_size == 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        self.all_reduce = _all_reduce
+
+    @property
+    def device(self) -> str:
+        if self.config.device != "auto":
+            return self.config.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def model_info(self) -> dict:
+        """Checkpoint facts the scheduler needs: context length, vocabulary, EOS."""
+        if self.config.executor != "model":
+            opts = self.config.executor_options
+            return {
+                "max_model_len": opts.get("max_model_len", 2048),
+                "vocab_size": opts.get("vocab_size", 32000),
+            }
+        from iterserve.workers.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(self.config.model_path)
+        info = {"max_model_len": ckpt.config.max_model_len, "vocab_size": ckpt.config.vocab_size}
+        ckpt.close()
+        return info
+
+    def kv_capacity(self) -> int:
+        """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.executor != "model":
+            return 4096
+        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
+        from iterserve.workers.kv_cache import blocks_for_budget
+
+        ckpt = load_checkpoint(self.config.model_path)
+        c = ckpt.config
+        dtype = resolve_dtype(self.config.dtype, c, self.device)
+        ckpt.close()
+        budget = int(_available_memory_bytes(self.device) * self.config.kv_memory_fraction)
+        kv_heads = max(1, c.num_kv_heads // self.world_size)
+        return blocks_for_budget(
+            budget, c.num_layers, self.config.block_size, kv_heads, c.head_dim, dtype
+        )
+
+    def load(self, num_kv_blocks: int) -> None:
+        """Builds the executor with the KV cache size every rank agreed on."""
+        kind = self.config.executor
+        if kind == "model":
+            from iterserve.workers.runner import ModelRunner
+
+            self.executor = ModelRunner(
+                self.config.model_path,
+                dtype=self.config.dtype,
+                num_kv_blocks=num_kv_blocks,
+                block_size=self.config.block_size,
+                device=self.device,
+                tp_rank=self.rank,
+                tp_size=self.world_size,
+                all_reduce=self.all_reduce,
+                kernel_backend=self.config.kernel_backend,
+            )
+        elif kind == "fake":
+            from iterserve.scheduler.fake_executor import FakeExecutor
+
+            opts = {
+                k: v
+                for k, v in self.config.executor_options.items()
+                if k != "max_model_len" and not k.startswith("fault_")
+            }
+            self.executor = FakeExecutor(block_size=self.config.block_size, **opts)
+        else:
+            module, _, attr = kind.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+            self.executor = factory(self.config, self.rank, self.world_size, self.all_reduce)
+
+    def _inject_fault(self, step: int) -> None:
+        """Fault injection for reliability tests: ``fault_rank`` crashes its process
+        at step ``fault_crash_at_step`` or hangs at ``fault_hang_at_step``. Step
+        numbers never repeat, so a restarted group does not fault again."""
+        opts = self.config.executor_options
+        if self.rank != opts.get("fault_rank", 0):
+            return
+        if step == opts.get("fault_crash_at_step"):
+            os._exit(1)
+        if step == opts.get("fault_hang_at_step"):
+            import time
+
+            time.sleep(3600)
+
+    # -- the step (through the compiled graph) ---------------------------------------
+
+    def execute(self, plan_bytes: bytes) -> bytes:
+        plan = codec.decode(plan_bytes, StepPlan)
+        if plan.step == PING_STEP:
+            return codec.encode(StepResult(step=PING_STEP))
+        self._inject_fault(plan.step)
+        result = self.executor.execute(plan)
+        return codec.encode(result) if self.rank == 0 else b""

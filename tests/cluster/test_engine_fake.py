@@ -1,0 +1,115 @@
+"""The engine through Ray with the fake executor: the control plane on its own."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from iterserve.cluster.engine import EngineError, InvalidRequestError
+from iterserve.scheduler import (
+    POLICIES,
+    FakeExecutor,
+    PromptTooLongError,
+    QueueFullError,
+    SamplingParams,
+)
+from tests.cluster.conftest import collect, fake_config, start_engine, wait_idle
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_every_policy_streams_exactly_the_expected_tokens(policy):
+    engine = await start_engine(fake_config(policy=policy))
+    try:
+        reference = FakeExecutor(vocab_size=1000, output_len=6)
+        params = [SamplingParams(max_tokens=m, temperature=0) for m in (3, 6, 9, 12)]
+        prompts = [[5 + i] * (1 + 3 * i) for i in range(4)]
+        ids = [f"{policy}-{i}" for i in range(4)]
+        results = await asyncio.gather(
+            *(collect(engine, p, sp, request_id=rid) for p, sp, rid in zip(prompts, params, ids))
+        )
+        for rid, sp, (tokens, reason) in zip(ids, params, results):
+            assert (tokens, reason) == reference.expected_output(rid, sp)
+        stats = await engine.stats()
+        assert stats["policy"] == policy and stats["kv_blocks_used"] == 0
+        await engine.actor.check_integrity.remote()
+    finally:
+        await engine.shutdown()
+
+
+async def test_leaving_a_stream_early_aborts_and_frees_slot_and_blocks():
+    engine = await start_engine(
+        fake_config(
+            executor_options={"output_len": None, "max_model_len": 128, "step_sleep_s": 0.005}
+        )
+    )
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0)
+        seen = 0
+        async for out in engine.generate([1, 2, 3], params):
+            seen += len(out.token_ids)
+            if seen >= 3:
+                break
+        stats = await wait_idle(engine)
+        assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
+        assert stats["counters"]["finished_abort"] == 1
+        await engine.actor.check_integrity.remote()
+    finally:
+        await engine.shutdown()
+
+
+async def test_queue_bound_is_respected():
+    engine = await start_engine(
+        fake_config(
+            max_queue_len=2,
+            max_num_seqs=1,
+            executor_options={"output_len": None, "max_model_len": 128, "step_sleep_s": 0.01},
+        )
+    )
+    try:
+        params = SamplingParams(max_tokens=100)
+        # One runs, two wait: the queue is at its bound.
+        tasks = [asyncio.ensure_future(collect(engine, [1], params)) for _ in range(3)]
+        while (await engine.stats())["num_waiting"] < 2:
+            await asyncio.sleep(0.02)
+        with pytest.raises(QueueFullError, match="queue is full"):
+            await collect(engine, [1], params)
+        for task in tasks:  # cancelling a stream aborts its request
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stats = await wait_idle(engine)
+        assert stats["counters"]["rejected_queue_full"] == 1
+        assert stats["num_waiting"] == 0 and stats["slots_used"] == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_bad_requests_are_refused_with_a_message_and_reach_no_slot():
+    engine = await start_engine(fake_config())
+    try:
+        with pytest.raises(PromptTooLongError, match="128 tokens"):
+            await collect(engine, [1] * 200, SamplingParams())
+        with pytest.raises(InvalidRequestError, match=r"prompt token ids must be in \[0, 999\]"):
+            await collect(engine, [5000], SamplingParams())
+        with pytest.raises(InvalidRequestError, match="logprobs"):
+            await collect(engine, [1], SamplingParams(logprobs=50))
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await collect(engine, [], SamplingParams())
+        stats = await engine.stats()
+        assert stats["step"] == 0 and stats["num_waiting"] == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_health_exercises_the_workers():
+    engine = await start_engine(fake_config())
+    try:
+        assert await engine.health() == (True, "ok")
+    finally:
+        await engine.shutdown()
+
+
+async def test_engine_error_type_is_exported():
+    assert issubclass(EngineError, RuntimeError)
