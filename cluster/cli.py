@@ -24,7 +24,26 @@ def _bench_scheduler(args: argparse.Namespace) -> None:
 def _bench_forward(args: argparse.Namespace) -> None:
     from iterserve.workers.bench_forward import bench_forward
 
-    _write(bench_forward(args.model), args.json)
+    _write(bench_forward(args.model, num_threads=args.threads), args.json)
+
+
+def _bench_overhead(args: argparse.Namespace) -> None:
+    from iterserve.bench import engine_bench
+
+    _write(engine_bench.overhead(), args.json)
+
+
+def _bench_ceiling(args: argparse.Namespace) -> None:
+    from iterserve.bench import engine_bench
+
+    _write(engine_bench.ceiling(args.model, num_seqs=args.num_seqs), args.json)
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from iterserve.bench import simulator
+
+    result = simulator.run(args.gpu, args.model, json_path=args.json)
+    print(json.dumps(result, indent=2))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     forward = benches.add_parser("forward", help="model forward tokens/s on this machine")
     forward.add_argument("--model", help="checkpoint directory (default: the demo model)")
     forward.add_argument("--json", help="also write the result to this file")
+    forward.add_argument("--threads", type=int, default=None, help="torch threads")
     forward.set_defaults(func=_bench_forward)
+    overhead = benches.add_parser("overhead", help="control-plane ms per step through Ray")
+    overhead.add_argument("--json", help="also write the result to this file")
+    overhead.set_defaults(func=_bench_overhead)
+    ceiling = benches.add_parser("ceiling", help="engine tok/s through Ray vs the bare runner")
+    ceiling.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    ceiling.add_argument("--num-seqs", type=int, default=16)
+    ceiling.add_argument("--json", help="also write the result to this file")
+    ceiling.set_defaults(func=_bench_ceiling)
+
+    simulate = commands.add_parser(
+        "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"
+    )
+    simulate.add_argument("--gpu", choices=["h100", "h200"], default="h200")
+    simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
+    simulate.add_argument("--json", help="also write the result to this file")
+    simulate.set_defaults(func=_simulate)
     return parser
 
 

@@ -55,6 +55,9 @@ class EngineCore:
         self.dead_reason: str | None = None
         self.num_restarts = 0
         self.counters: dict[str, int] = defaultdict(int)
+        # Wall time of whole steps vs the workers' own forward time: the difference
+        # is the control plane's cost (schedule, broadcast, collect, update).
+        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -99,13 +102,20 @@ class EngineCore:
 
     async def tick(self) -> bool:
         async with self.step_lock:
+            start = time.perf_counter()
             plan = self.scheduler.schedule(time.monotonic())
             if plan is None:
                 return False
             result = await self.workers.execute(plan)
             outputs = self.scheduler.update(result)
+            self._record_step(time.perf_counter() - start, result.forward_s)
         self.publish(outputs)
         return True
+
+    def _record_step(self, step_s: float, forward_s: float) -> None:
+        self.timing["steps"] += 1
+        self.timing["step_s"] += step_s
+        self.timing["forward_s"] += forward_s
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self.wake.clear()
@@ -236,6 +246,7 @@ class EngineCore:
             worker_restarts=self.num_restarts,
             max_model_len=self.max_model_len,
             counters=dict(self.counters),
+            timing=dict(self.timing),
         )
         return stats
 
@@ -258,3 +269,6 @@ class EngineCore:
 
     async def worker_pids(self) -> list[int]:
         return await self.workers.pids()
+
+    async def worker_nodes(self) -> list[dict]:
+        return await self.workers.placement()

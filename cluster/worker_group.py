@@ -104,6 +104,10 @@ class WorkerGroup:
         """Exercises every worker through the same path a step takes."""
         await self.execute(StepPlan(step=PING_STEP))
 
+    async def placement(self) -> list[dict]:
+        """Node id and pid of every rank, in rank order."""
+        return list(await asyncio.gather(*(w.placement.remote() for w in self.workers)))
+
     async def pids(self) -> list[int]:
         return list(await asyncio.gather(*(w.pid.remote() for w in self.workers)))
 

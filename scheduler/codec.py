@@ -150,12 +150,41 @@ def _decode_record(cls, value):
     return cls(**kwargs)
 
 
-def _encode_value(value):
-    if dataclasses.is_dataclass(value):
-        return [_encode_value(getattr(value, name)) for name in _FIELDS[type(value)]]
-    if isinstance(value, (list, tuple)):
-        return [_encode_value(v) for v in value]
-    return value
+def _encode_params(p: SamplingParams) -> list:
+    return [
+        p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+        p.repetition_penalty, p.max_tokens, p.min_tokens, p.n, p.seed, list(p.stop_token_ids),
+        p.ignore_eos, p.logprobs,
+    ]
+
+
+# Hand-written encoders: the hot path of every step, so no reflection here. The
+# schema assertion above and the round-trip tests keep them in step with the fields.
+def _encode_plan(m: StepPlan) -> list:
+    return [
+        m.step,
+        [[n.request_id, n.slot_idx, n.token_ids, n.num_prompt_tokens, _encode_params(n.params)]
+         for n in m.new_seqs],
+        [[s.slot_idx, s.start_pos, s.num_tokens, s.new_block_ids, s.sample, s.num_pad_tokens]
+         for s in m.scheduled],
+        m.released_slots,
+        m.padding_slots,
+    ]
+
+
+def _encode_result(m: StepResult) -> list:
+    return [
+        m.step,
+        [[t.request_id, t.token_id, t.logprob, [list(p) for p in t.top_logprobs]]
+         for t in m.sampled],
+        [[f.request_id, f.reason, f.block_ids] for f in m.finished],
+        m.forward_s,
+        m.num_tokens,
+        m.num_padding_tokens,
+    ]
+
+
+_ENCODERS = {StepPlan: _encode_plan, StepResult: _encode_result}
 
 
 # -- public API ----------------------------------------------------------------------
@@ -165,7 +194,7 @@ def encode(message: StepPlan | StepResult) -> bytes:
     tag = _TAGS.get(type(message))
     if tag is None:
         raise CodecError(f"cannot encode {type(message).__name__}")
-    return msgpack.packb([tag, VERSION, *_encode_value(message)], use_bin_type=True)
+    return msgpack.packb([tag, VERSION, *_ENCODERS[type(message)](message)], use_bin_type=True)
 
 
 def _reject_ext(code, data):
