@@ -18,9 +18,12 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.metrics import EngineMetrics
+from iterserve.cluster.recorder import MetricsRecorder
 from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
 from iterserve.scheduler import (
     FinishReason,
@@ -40,8 +43,25 @@ Record = tuple[str, list[int], list, str | None, str | None]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    """``model_name`` and ``engine_index`` label this engine's metrics; with
+    ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model_name: str | None = None,
+        engine_index: int = 0,
+        metrics_hub: str | None = None,
+    ):
         self.config = config
+        self.metrics = EngineMetrics(
+            model_name or Path(config.model_path).name, engine_index, config.policy
+        )
+        self.recorder = MetricsRecorder(self.metrics)
+        self.metrics_hub = metrics_hub
+        self.engine_key = f"{self.metrics.model_name}/{engine_index}"
+        self.push_task: asyncio.Task | None = None
         self.workers = WorkerGroup(config)
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
@@ -72,7 +92,15 @@ class EngineCore:
                 num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len
             )
         )
-        self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+        self.recorder.state(self.scheduler)
+        loop = asyncio.get_running_loop()
+        self.loop_task = loop.create_task(self._loop())
+        if self.metrics_hub:
+            from iterserve.cluster.metrics_hub import push_periodically
+
+            self.push_task = loop.create_task(
+                push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub)
+            )
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
@@ -80,8 +108,9 @@ class EngineCore:
         }
 
     async def shutdown(self) -> None:
-        if self.loop_task is not None:
-            self.loop_task.cancel()
+        for task in (self.loop_task, self.push_task):
+            if task is not None:
+                task.cancel()
         await self.workers.shutdown()
 
     # -- the loop ---------------------------------------------------------------------
@@ -108,14 +137,15 @@ class EngineCore:
                 return False
             result = await self.workers.execute(plan)
             outputs = self.scheduler.update(result)
-            self._record_step(time.perf_counter() - start, result.forward_s)
+            self._record_step(plan, time.perf_counter() - start, result.forward_s)
         self.publish(outputs)
         return True
 
-    def _record_step(self, step_s: float, forward_s: float) -> None:
+    def _record_step(self, plan, step_s: float, forward_s: float) -> None:
         self.timing["steps"] += 1
         self.timing["step_s"] += step_s
         self.timing["forward_s"] += forward_s
+        self.recorder.step(plan, step_s, self.scheduler)
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self.wake.clear()
@@ -136,6 +166,7 @@ class EngineCore:
                 await self.workers.stop()
                 return
             self.num_restarts += 1
+            self.recorder.worker_restart()
             try:
                 await self.workers.restart()
             except Exception as restart_exc:  # any start-up failure ends service
@@ -146,11 +177,14 @@ class EngineCore:
         for request_id in list(self.scheduler.requests):
             self.scheduler.finish_with_error(request_id)
             self._push(request_id, (request_id, [], [], FinishReason.ERROR.value, message))
+            self.recorder.finished(request_id, FinishReason.ERROR.value)
             self.counters["finished_error"] += 1
+        self.recorder.state(self.scheduler)
 
     # -- publishing -------------------------------------------------------------------
 
     def publish(self, outputs: list[RequestOutput]) -> None:
+        self.recorder.outputs(outputs)
         for out in outputs:
             reason = out.finish_reason.value if out.finish_reason else None
             self.counters["generation_tokens"] += len(out.new_token_ids)
@@ -219,6 +253,7 @@ class EngineCore:
             self.scheduler.add_request(request)
         except QueueFullError as exc:
             self.counters["rejected_queue_full"] += 1
+            self.recorder.rejected("queue_full")
             return ("queue_full", str(exc))
         except PromptTooLongError as exc:
             return ("prompt_too_long", str(exc))
@@ -226,6 +261,7 @@ class EngineCore:
             return ("invalid", str(exc))
         self.owner[request_id] = consumer_id
         self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.recorder.admitted(request_id, len(prompt_token_ids))
         self.wake.set()
         return None
 
@@ -234,6 +270,7 @@ class EngineCore:
         if out is None:
             return False
         self.counters["finished_abort"] += 1
+        self.recorder.finished(request_id, FinishReason.ABORT.value)
         self._push(request_id, (request_id, [], [], FinishReason.ABORT.value, None))
         return True
 
@@ -249,6 +286,10 @@ class EngineCore:
             timing=dict(self.timing),
         )
         return stats
+
+    async def metrics_text(self) -> bytes:
+        """This engine's metrics in the Prometheus text format."""
+        return self.metrics.exposition()
 
     async def check_integrity(self) -> None:
         async with self.step_lock:

@@ -113,3 +113,29 @@ async def test_health_exercises_the_workers():
 
 async def test_engine_error_type_is_exported():
     assert issubclass(EngineError, RuntimeError)
+
+
+async def test_metrics_record_every_request_and_step():
+    engine = await start_engine(fake_config())
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        await asyncio.gather(*(collect(engine, [1, 2], params) for _ in range(3)))
+        text = (await engine.actor.metrics_text.remote()).decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+
+        def sample(prefix, label=""):
+            return sum(v for k, v in samples.items() if k.startswith(prefix) and label in k)
+
+        assert sample("iterserve_time_to_first_token_seconds_count") == 3
+        assert sample("iterserve_generation_tokens_total") == 12
+        assert sample("iterserve_prompt_tokens_total") == 6
+        assert sample("iterserve_requests_finished_total", 'reason="length"') == 3
+        assert sample("iterserve_inter_token_latency_seconds_count") == 9
+        assert sample("iterserve_step_duration_seconds_count") >= 4
+        assert sample("iterserve_slots_used") == 0
+    finally:
+        await engine.shutdown()

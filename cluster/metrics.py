@@ -1,0 +1,290 @@
+"""Prometheus metrics of one engine replica.
+
+Every family is declared once in ``SPECS``; ``EngineMetrics`` builds it in its own
+``CollectorRegistry`` (several engines may share a process in tests) and, on request,
+mirrors it into ``ray.util.metrics`` so the same numbers reach Ray's metrics export.
+
+Naming: ``iterserve_*`` in base units. ``METRIC_NAMES`` holds the *family* names as
+prometheus_client declares them — the first field of every ``snapshot()`` entry:
+counters without their ``_total`` suffix, histograms without ``_bucket``/``_sum``/
+``_count``. A series name in a query maps back to its family by stripping exactly one
+of those four suffixes; no family name ends in one of them, so the map is unambiguous.
+
+Labels: ``model_name`` and ``engine`` (the replica index) on every series, plus the
+small fixed enums below. No label value ever comes from a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from iterserve.scheduler.config import POLICIES
+
+# `_created` series double the sample count and no dashboard reads them. The switch is
+# process-wide in prometheus_client; snapshot() also filters them, so the merged
+# exposition stays free of them even if something re-enables the switch.
+disable_created_metrics()
+
+BASE_LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full",)
+STEP_KINDS = ("prefill", "decode")
+# The scheduler's own finish reasons, folded into the OpenAI-level ones above.
+_REASON_ALIASES = {"eos": "stop", "stop_token": "stop"}
+
+# 1 ms .. 120 s: a GPU decode step (~5-30 ms) and a CPU one (~0.1-1 s) both land
+# mid-range, and the usual SLO lines (50/100/200/500 ms, 1/2/5 s) are exact bucket
+# edges, so "share of requests under the SLO" needs no interpolation.
+LATENCY_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+# Token and sequence counts per step: powers of two up to the largest token budget.
+COUNT_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192
+RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    kind: str  # gauge | counter | histogram
+    help: str
+    labels: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (label, allowed values)
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return BASE_LABELS + tuple(name for name, _ in self.labels)
+
+
+def _gauge(name, help, labels=()):
+    return MetricSpec(name, "gauge", help, labels)
+
+
+def _counter(name, help, labels=()):
+    return MetricSpec(name, "counter", help, labels)
+
+
+def _histogram(name, help, buckets, labels=()):
+    return MetricSpec(name, "histogram", help, labels, buckets)
+
+
+SPECS: tuple[MetricSpec, ...] = (
+    _gauge("iterserve_requests_running", "Requests holding a slot and computing."),
+    _gauge("iterserve_requests_waiting", "Requests queued for a slot, preempted ones included."),
+    _gauge("iterserve_requests_preempted", "Queued requests whose KV was dropped, awaiting recompute."),
+    _gauge("iterserve_slots_used", "Slots held, by running sequences or by static batching's finished ones."),
+    _gauge("iterserve_slots_capacity", "Slots of the engine (max_num_seqs)."),
+    _gauge("iterserve_kv_blocks_used", "KV cache blocks allocated to sequences."),
+    _gauge("iterserve_kv_blocks_capacity", "KV cache blocks of the engine."),
+    _gauge("iterserve_kv_cache_usage_ratio", "KV cache blocks used / capacity (0..1)."),
+    _gauge("iterserve_policy_info", "The engine's batching policy; value is always 1.",
+           (("policy", POLICIES),)),
+    _counter("iterserve_prompt_tokens", "Prompt tokens of admitted requests."),
+    _counter("iterserve_generation_tokens", "Tokens generated, the first token included."),
+    _counter("iterserve_padding_tokens", "Padding tokens computed: padded prefill positions and finished slots a static batch keeps computing."),
+    _counter("iterserve_preemptions", "Running sequences preempted (KV freed, recomputed later)."),
+    _counter("iterserve_recomputed_tokens", "Computed tokens whose KV preemption threw away; they are computed again."),
+    _counter("iterserve_requests_finished", "Requests finished, by reason.", (("reason", FINISH_REASONS),)),
+    _counter("iterserve_requests_rejected", "Requests refused at admission, by reason.", (("reason", REJECT_REASONS),)),
+    _counter("iterserve_worker_restarts", "Worker group restarts after a worker failure."),
+    _histogram("iterserve_time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS),
+    _histogram("iterserve_inter_token_latency_seconds", "Time between consecutive tokens of one request.", LATENCY_BUCKETS),
+    _histogram("iterserve_time_per_output_token_seconds", "Decode time / (output tokens - 1), per request.", LATENCY_BUCKETS),
+    _histogram("iterserve_e2e_request_latency_seconds", "Arrival to finish, per request.", LATENCY_BUCKETS),
+    _histogram("iterserve_request_queue_time_seconds", "Arrival to first scheduled step, per request.", LATENCY_BUCKETS),
+    _histogram("iterserve_request_prefill_time_seconds", "First scheduled step to first token, per request.", LATENCY_BUCKETS),
+    _histogram("iterserve_request_decode_time_seconds", "First token to finish, per request.", LATENCY_BUCKETS),
+    _histogram("iterserve_step_duration_seconds", "Wall time of one engine iteration.", LATENCY_BUCKETS),
+    _histogram("iterserve_step_tokens", "Useful tokens computed per step, by kind (padding excluded).", COUNT_BUCKETS,
+               (("kind", STEP_KINDS),)),
+    _histogram("iterserve_step_running_sequences", "Live sequences computing in one step.", COUNT_BUCKETS),
+    _histogram("iterserve_step_slot_utilization_ratio", "Live sequences / slots, per step (0..1).", RATIO_BUCKETS),
+)  # fmt: skip
+
+METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in SPECS)
+_TYPES = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
+
+
+class EngineMetrics:
+    """The metrics of one engine replica; every method is cheap enough for each step."""
+
+    def __init__(
+        self, model_name: str, engine_index: int, policy: str, *, ray_metrics: bool = False
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.model_name = model_name
+        self.engine = str(engine_index)
+        self.policy = policy
+        self.registry = CollectorRegistry()
+        base = (model_name, self.engine)
+        # Children are bound once for every allowed label combination: recording is one
+        # dict lookup, and counters of every reason exist at 0 from the start, so
+        # rate() over them returns 0 rather than nothing.
+        self._children: dict[tuple, object] = {}
+        for spec in SPECS:
+            kwargs = {"buckets": spec.buckets} if spec.kind == "histogram" else {}
+            family = _TYPES[spec.kind](
+                spec.name, spec.help, spec.label_names, registry=self.registry, **kwargs
+            )
+            values = [allowed for _, allowed in spec.labels]
+            if spec.name == "iterserve_policy_info":
+                values = [(policy,)]  # an info gauge carries only the active value
+            for extra in product(*values):
+                self._children[spec.name, extra] = family.labels(*base, *extra)
+        self._children["iterserve_policy_info", (policy,)].set(1)
+        self._ray = _RayMirror(model_name, self.engine) if ray_metrics else None
+        if self._ray is not None:
+            self._ray.record("set", "iterserve_policy_info", 1, (policy,))
+
+    # -- recording -------------------------------------------------------------------
+
+    def set_state(
+        self, *, num_running, num_waiting, num_preempted, slots_used, slots_total,
+        kv_blocks_used, kv_blocks_total,
+    ) -> None:  # fmt: skip
+        self._set("iterserve_requests_running", num_running)
+        self._set("iterserve_requests_waiting", num_waiting)
+        self._set("iterserve_requests_preempted", num_preempted)
+        self._set("iterserve_slots_used", slots_used)
+        self._set("iterserve_slots_capacity", slots_total)
+        self._set("iterserve_kv_blocks_used", kv_blocks_used)
+        self._set("iterserve_kv_blocks_capacity", kv_blocks_total)
+        usage = kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0
+        self._set("iterserve_kv_cache_usage_ratio", usage)
+
+    def observe_step(
+        self, *, duration_s, num_prefill_tokens, num_decode_tokens, num_padding_tokens,
+        num_running, max_num_seqs,
+    ) -> None:  # fmt: skip
+        """One iteration. Prefill/decode counts are useful tokens only; padding is
+        counted apart. ``num_running`` counts live sequences, not the finished slots a
+        static batch still pads, so slot utilization shows static batching's waste."""
+        self._observe("iterserve_step_duration_seconds", duration_s)
+        # Both kinds every step: per kind, _count is the step count and _sum/_count the
+        # average tokens of that kind per step, so the two stack into the step's load.
+        self._observe("iterserve_step_tokens", num_prefill_tokens, ("prefill",))
+        self._observe("iterserve_step_tokens", num_decode_tokens, ("decode",))
+        self._inc("iterserve_padding_tokens", num_padding_tokens)
+        self._observe("iterserve_step_running_sequences", num_running)
+        utilization = min(num_running / max_num_seqs, 1.0) if max_num_seqs else 0.0
+        self._observe("iterserve_step_slot_utilization_ratio", utilization)
+
+    def on_prompt(self, num_tokens: int) -> None:
+        self._inc("iterserve_prompt_tokens", num_tokens)
+
+    def on_rejected(self, reason: str) -> None:
+        self._inc("iterserve_requests_rejected", 1, (_checked(reason, REJECT_REASONS),))
+
+    def on_first_token(self, *, queue_s: float, prefill_s: float, ttft_s: float) -> None:
+        self._observe("iterserve_request_queue_time_seconds", queue_s)
+        self._observe("iterserve_request_prefill_time_seconds", prefill_s)
+        self._observe("iterserve_time_to_first_token_seconds", ttft_s)
+
+    def on_tokens(self, num_tokens: int, itl_s: list[float]) -> None:
+        """``num_tokens`` generated tokens (the first included); one ITL per later token."""
+        self._inc("iterserve_generation_tokens", num_tokens)
+        for gap in itl_s:
+            self._observe("iterserve_inter_token_latency_seconds", gap)
+
+    def on_finish(
+        self, *, reason: str, e2e_s: float, decode_s: float, tpot_s: float | None
+    ) -> None:
+        """``reason``: stop | length | abort | error (``eos``/``stop_token`` count as stop);
+        ``tpot_s`` is None for a request with fewer than two output tokens."""
+        reason = getattr(reason, "value", reason)  # FinishReason is a str enum
+        reason = _REASON_ALIASES.get(reason, reason)
+        self._inc("iterserve_requests_finished", 1, (_checked(reason, FINISH_REASONS),))
+        self._observe("iterserve_e2e_request_latency_seconds", e2e_s)
+        self._observe("iterserve_request_decode_time_seconds", decode_s)
+        if tpot_s is not None:
+            self._observe("iterserve_time_per_output_token_seconds", tpot_s)
+
+    def on_preemptions(self, n: int, recomputed_tokens: int) -> None:
+        self._inc("iterserve_preemptions", n)
+        self._inc("iterserve_recomputed_tokens", recomputed_tokens)
+
+    def on_worker_restart(self) -> None:
+        self._inc("iterserve_worker_restarts", 1)
+
+    # -- export ----------------------------------------------------------------------
+
+    def snapshot(self) -> list:
+        """Every family as ``(name, type, help, [(sample_name, labels, value), ...])``:
+        plain data that msgpack, pickle and Ray carry as is (see metrics_hub.render)."""
+        out = []
+        for family in self.registry.collect():
+            samples = [
+                (s.name, dict(s.labels), float(s.value))
+                for s in family.samples
+                if not s.name.endswith("_created")
+            ]
+            out.append((family.name, family.type, family.documentation, samples))
+        return out
+
+    def exposition(self) -> bytes:
+        """Prometheus text format of this engine alone."""
+        return generate_latest(self.registry)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _set(self, name: str, value: float, extra: tuple = ()) -> None:
+        self._children[name, extra].set(value)
+        if self._ray is not None:
+            self._ray.record("set", name, value, extra)
+
+    def _inc(self, name: str, value: float, extra: tuple = ()) -> None:
+        if value <= 0:  # counters only go up; a zero increment is a no-op anyway
+            return
+        self._children[name, extra].inc(value)
+        if self._ray is not None:
+            self._ray.record("inc", name, value, extra)
+
+    def _observe(self, name: str, value: float, extra: tuple = ()) -> None:
+        value = max(float(value), 0.0)  # a clock stepping back must not make sums shrink
+        self._children[name, extra].observe(value)
+        if self._ray is not None:
+            self._ray.record("observe", name, value, extra)
+
+
+def _checked(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+class _RayMirror:
+    """The same families in ``ray.util.metrics`` (Ray prefixes ``ray_`` on export and
+    appends ``_total`` to counters itself, so names match the registry's)."""
+
+    def __init__(self, model_name: str, engine: str):
+        from ray.util import metrics as ray_metrics  # only engines that ask pay for Ray
+
+        self._metrics: dict[str, tuple[object, tuple[str, ...]]] = {}
+        for spec in SPECS:
+            keys = spec.label_names
+            if spec.kind == "counter":
+                metric = ray_metrics.Counter(spec.name, spec.help, keys)
+            elif spec.kind == "gauge":
+                metric = ray_metrics.Gauge(spec.name, spec.help, keys)
+            else:
+                metric = ray_metrics.Histogram(spec.name, spec.help, list(spec.buckets), keys)
+            metric.set_default_tags({"model_name": model_name, "engine": engine})
+            self._metrics[spec.name] = (metric, keys[len(BASE_LABELS) :])
+
+    def record(self, method: str, name: str, value: float, extra: tuple) -> None:
+        """``method`` is ``set``, ``inc`` or ``observe``, as on the registry's children."""
+        metric, keys = self._metrics[name]
+        tags = dict(zip(keys, extra)) if keys else None
+        getattr(metric, method)(float(value), tags=tags)

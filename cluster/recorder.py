@@ -1,0 +1,112 @@
+"""Turns the engine's events into metrics: per-step figures and per-request latencies.
+
+The scheduler actor calls this once per step and once per published output;
+every timestamp is ``time.monotonic()`` taken in the scheduler actor, so queue,
+prefill and decode times are measured on the iteration clock's own process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from iterserve.cluster.metrics import EngineMetrics
+from iterserve.scheduler import RequestOutput, Scheduler, StepPlan
+
+
+@dataclass(slots=True)
+class _Times:
+    arrival: float
+    scheduled: float = 0.0  # start of the first step that computed any of its tokens
+    first_token: float = 0.0
+    last_token: float = 0.0
+    num_tokens: int = 0
+
+
+class MetricsRecorder:
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+        self.times: dict[str, _Times] = {}
+        self._num_preemptions = 0
+        self._num_recomputed = 0
+
+    def admitted(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.times[request_id] = _Times(arrival=time.monotonic())
+        self.metrics.on_prompt(num_prompt_tokens)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics.on_rejected(reason)
+
+    def worker_restart(self) -> None:
+        self.metrics.on_worker_restart()
+
+    def step(self, plan: StepPlan, step_s: float, sched: Scheduler) -> None:
+        started = time.monotonic() - step_s
+        for new in plan.new_seqs:
+            times = self.times.get(new.request_id)
+            if times is not None and not times.scheduled:
+                times.scheduled = started
+        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and s.sample)
+        self.metrics.observe_step(
+            duration_s=step_s,
+            num_prefill_tokens=plan.num_tokens - decode,
+            num_decode_tokens=decode,
+            num_padding_tokens=plan.num_padding_tokens,
+            num_running=len(sched.running),
+            max_num_seqs=sched.config.max_num_seqs,
+        )
+        self.state(sched)
+        preempted = sched.num_preemptions - self._num_preemptions
+        recomputed = sched.num_recomputed_tokens - self._num_recomputed
+        if preempted or recomputed:
+            self.metrics.on_preemptions(preempted, recomputed)
+            self._num_preemptions = sched.num_preemptions
+            self._num_recomputed = sched.num_recomputed_tokens
+
+    def state(self, sched: Scheduler) -> None:
+        stats = sched.stats()
+        self.metrics.set_state(
+            num_running=stats["num_running"],
+            num_waiting=stats["num_waiting"],
+            num_preempted=stats["num_preempted"],
+            slots_used=stats["slots_used"],
+            slots_total=stats["slots_total"],
+            kv_blocks_used=stats["kv_blocks_used"],
+            kv_blocks_total=stats["kv_blocks_total"],
+        )
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            times = self.times.get(out.request_id)
+            if times is None:
+                continue
+            n = len(out.new_token_ids)
+            if n:
+                itl = []
+                if times.num_tokens == 0:
+                    scheduled = times.scheduled or times.arrival
+                    self.metrics.on_first_token(
+                        queue_s=scheduled - times.arrival,
+                        prefill_s=now - scheduled,
+                        ttft_s=now - times.arrival,
+                    )
+                    times.first_token = now
+                else:
+                    itl = [(now - times.last_token) / n] * n
+                times.last_token = now
+                times.num_tokens += n
+                self.metrics.on_tokens(n, itl)
+            if out.finish_reason is not None:
+                self.finished(out.request_id, out.finish_reason.value)
+
+    def finished(self, request_id: str, reason: str) -> None:
+        times = self.times.pop(request_id, None)
+        if times is None:
+            return
+        now = time.monotonic()
+        decode_s = now - times.first_token if times.num_tokens else 0.0
+        tpot = decode_s / (times.num_tokens - 1) if times.num_tokens > 1 else None
+        self.metrics.on_finish(
+            reason=reason, e2e_s=now - times.arrival, decode_s=decode_s, tpot_s=tpot
+        )
