@@ -1,0 +1,311 @@
+{{/*
+Chart name, overridable with nameOverride.
+*/}}
+{{- define "iterserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource name prefix. KubeRay refuses RayService names longer than 47
+characters (it appends suffixes for the cluster and its Services) and names
+that are not DNS-1035 labels, so the name is cut to 47 and checked.
+*/}}
+{{- define "iterserve.fullname" -}}
+{{- $name := "" }}
+{{- if .Values.fullnameOverride }}
+{{- $name = .Values.fullnameOverride }}
+{{- else }}
+{{- $chart := default .Chart.Name .Values.nameOverride }}
+{{- if contains $chart .Release.Name }}
+{{- $name = .Release.Name }}
+{{- else }}
+{{- $name = printf "%s-%s" .Release.Name $chart }}
+{{- end }}
+{{- end }}
+{{- $name = $name | trunc 47 | trimSuffix "-" }}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) }}
+{{- fail (printf "resource name %q is not a DNS-1035 label (lower-case letters, digits and '-', starting with a letter): choose another release name or set fullnameOverride" $name) }}
+{{- end }}
+{{- $name }}
+{{- end }}
+
+{{- define "iterserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels of every object of the release.
+*/}}
+{{- define "iterserve.labels" -}}
+helm.sh/chart: {{ include "iterserve.chart" . }}
+{{ include "iterserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Labels that identify the pods of this release (Services, NetworkPolicy).
+*/}}
+{{- define "iterserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "iterserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "iterserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the API key, and whether the chart creates it.
+*/}}
+{{- define "iterserve.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else }}
+{{- printf "%s-api-key" (include "iterserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Checks across values that the schema cannot express. Stops rendering with a
+message naming the values to change.
+*/}}
+{{- define "iterserve.validate" -}}
+{{- $m := .Values.model }}
+{{- $sources := list }}
+{{- if $m.pvc.claimName }}{{ $sources = append $sources "model.pvc.claimName" }}{{ end }}
+{{- if $m.copy.url }}{{ $sources = append $sources "model.copy.url" }}{{ end }}
+{{- if $m.copy.volume }}{{ $sources = append $sources "model.copy.volume" }}{{ end }}
+{{- if eq (len $sources) 0 }}
+{{- fail "no model source: set exactly one of model.pvc.claimName (an existing PersistentVolumeClaim), model.copy.url (s3://, gs:// or https://) or model.copy.volume (a pod volume source)" }}
+{{- end }}
+{{- if gt (len $sources) 1 }}
+{{- fail (printf "more than one model source (%s): set exactly one of model.pvc.claimName, model.copy.url or model.copy.volume" (join ", " $sources)) }}
+{{- end }}
+{{- $tp := int .Values.engine.tensorParallelSize }}
+{{- $gpus := int .Values.worker.gpus }}
+{{- if gt $tp $gpus }}
+{{- fail (printf "engine.tensorParallelSize (%d) is larger than worker.gpus (%d): the ranks of one engine copy must fit on one worker pod; raise worker.gpus or lower engine.tensorParallelSize" $tp $gpus) }}
+{{- end }}
+{{- if ne (mod $gpus $tp) 0 }}
+{{- fail (printf "engine.tensorParallelSize (%d) does not divide worker.gpus (%d): every worker pod must hold a whole number of engine copies; use a worker.gpus that is a multiple of engine.tensorParallelSize" $tp $gpus) }}
+{{- end }}
+{{- $w := .Values.worker }}
+{{- if gt (int $w.minReplicas) (int $w.maxReplicas) }}
+{{- fail (printf "worker.minReplicas (%d) is larger than worker.maxReplicas (%d)" (int $w.minReplicas) (int $w.maxReplicas)) }}
+{{- end }}
+{{- if or (lt (int $w.replicas) (int $w.minReplicas)) (gt (int $w.replicas) (int $w.maxReplicas)) }}
+{{- fail (printf "worker.replicas (%d) must lie between worker.minReplicas (%d) and worker.maxReplicas (%d)" (int $w.replicas) (int $w.minReplicas) (int $w.maxReplicas)) }}
+{{- end }}
+{{- $pods := ternary (int $w.maxReplicas) (int $w.replicas) .Values.autoscaling.enabled }}
+{{- $copies := int .Values.serve.numEngineReplicas }}
+{{- $capacity := mul $pods (div $gpus $tp) }}
+{{- if gt $copies $capacity }}
+{{- fail (printf "serve.numEngineReplicas (%d) is not satisfiable: %d engine copies of engine.tensorParallelSize %d need %d GPUs, but %d worker pod(s) with %d GPU(s) each hold at most %d; raise worker.%s or worker.gpus, or lower serve.numEngineReplicas" $copies $copies $tp (mul $copies $tp) $pods $gpus $capacity (ternary "maxReplicas" "replicas" .Values.autoscaling.enabled)) }}
+{{- end }}
+{{- $e := .Values.engine }}
+{{- if lt (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs) }}
+{{- fail (printf "engine.maxNumBatchedTokens (%d) must be >= engine.maxNumSeqs (%d) so that every running sequence can decode each step" (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs)) }}
+{{- end }}
+{{- if and (ne $e.policy "chunked") (gt (int $e.maxModelLen) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
+{{- fail (printf "policy %s prefills whole prompts: engine.maxNumBatchedTokens (%d) must be >= engine.maxModelLen (%d)" $e.policy (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
+{{- end }}
+{{- if .Values.apiKey.enabled }}
+{{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
+{{- fail "apiKey: set either apiKey.existingSecret or apiKey.value, not both" }}
+{{- end }}
+{{- if not (or .Values.apiKey.existingSecret .Values.apiKey.value) }}
+{{- fail "apiKey.enabled is true but no key is given: set apiKey.existingSecret (and apiKey.secretKey) or apiKey.value" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The model's path inside the Ray containers: the argument `model` of the
+application.
+*/}}
+{{- define "iterserve.modelPath" -}}
+{{- $m := .Values.model }}
+{{- $root := trimSuffix "/" $m.mountPath }}
+{{- if and $m.pvc.claimName (trimAll "/" $m.pvc.path) }}
+{{- printf "%s/%s" $root (trimAll "/" $m.pvc.path) }}
+{{- else }}
+{{- default "/" $root }}
+{{- end }}
+{{- end }}
+
+{{/*
+The Serve config (serveConfigV2) as YAML.
+*/}}
+{{- define "iterserve.serveConfig" -}}
+{{- $e := .Values.engine }}
+{{- $config := dict
+  "policy" $e.policy
+  "max_num_seqs" (int $e.maxNumSeqs)
+  "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
+  "block_size" (int $e.blockSize)
+  "tensor_parallel_size" (int $e.tensorParallelSize)
+  "dtype" $e.dtype
+  "max_queue_len" (int $e.maxQueueLen)
+  "step_timeout_s" (float64 $e.stepTimeoutS)
+  "max_restarts" (int $e.maxRestarts)
+  "placement_strategy" $e.placementStrategy
+  "max_num_partial_prefills" (int $e.maxNumPartialPrefills)
+  "long_prefill_token_threshold" (int $e.longPrefillTokenThreshold)
+  "batch_timeout_s" (float64 $e.batchTimeoutS)
+  "batch_wait_s" (float64 $e.batchWaitS)
+}}
+{{- if gt (int $e.maxModelLen) 0 }}
+{{- $_ := set $config "max_model_len" (int $e.maxModelLen) }}
+{{- end }}
+{{- if gt (int $e.numKvBlocks) 0 }}
+{{- $_ := set $config "num_kv_blocks" (int $e.numKvBlocks) }}
+{{- else }}
+{{- $_ := set $config "kv_memory_fraction" (float64 $e.kvMemoryFraction) }}
+{{- end }}
+{{- $args := dict
+  "model" (include "iterserve.modelPath" .)
+  "config" $config
+  "num_engine_replicas" (int .Values.serve.numEngineReplicas)
+  "max_body_bytes" (int .Values.serve.maxBodyBytes)
+}}
+{{- if .Values.apiKey.enabled }}
+{{- $_ := set $args "api_key_env" .Values.apiKey.envName }}
+{{- end }}
+{{- $app := dict
+  "name" .Values.serve.appName
+  "route_prefix" .Values.serve.routePrefix
+  "import_path" "iterserve.cluster.serve_app:build_app"
+  "args" $args
+}}
+{{- $serve := dict
+  "proxy_location" "EveryNode"
+  "http_options" (dict "host" "0.0.0.0" "port" 8000)
+  "applications" (list $app)
+}}
+{{- toYaml $serve }}
+{{- end }}
+
+{{/*
+Volumes and mounts that carry the model into a Ray pod.
+*/}}
+{{- define "iterserve.modelVolumes" -}}
+{{- $m := .Values.model }}
+{{- if $m.pvc.claimName }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else }}
+- name: model
+  {{- if $m.copy.sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ $m.copy.sizeLimit | quote }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- if $m.copy.volume }}
+- name: model-source
+  {{- toYaml $m.copy.volume | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "iterserve.modelVolumeMounts" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{/*
+The init container that copies the checkpoint into the model emptyDir (only
+for model.copy sources). It runs `rclone copy` from the URL or the source
+volume; arguments are a list, never a shell line.
+*/}}
+{{- define "iterserve.modelInitContainers" -}}
+{{- $m := .Values.model }}
+{{- if not $m.pvc.claimName }}
+{{- $c := $m.copy }}
+- name: copy-model
+  image: {{ printf "%s:%s" $c.image.repository $c.image.tag | quote }}
+  imagePullPolicy: {{ $c.image.pullPolicy }}
+  command: ["rclone"]
+  {{- if $c.url }}
+  {{- $url := $c.url }}
+  {{- if hasPrefix "s3://" $url }}
+  args: ["copy", "--fast-list", "--transfers", "8", {{ printf ":s3:%s" (trimPrefix "s3://" $url) | quote }}, "/model"]
+  {{- else if hasPrefix "gs://" $url }}
+  args: ["copy", "--fast-list", "--transfers", "8", {{ printf ":gcs:%s" (trimPrefix "gs://" $url) | quote }}, "/model"]
+  {{- else }}
+  args: ["copy", "--transfers", "8", "--http-url", {{ $url | quote }}, ":http:", "/model"]
+  {{- end }}
+  {{- else }}
+  args: ["copy", "--transfers", "8", {{ printf "/model-source/%s" (trimAll "/" $c.path) | trimSuffix "/" | quote }}, "/model"]
+  {{- end }}
+  env:
+    - name: RCLONE_S3_PROVIDER
+      value: {{ $c.s3Provider | quote }}
+    - name: RCLONE_S3_ENV_AUTH
+      value: "true"
+    - name: RCLONE_GCS_ENV_AUTH
+      value: "true"
+    {{- with $c.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $c.envFrom }}
+  envFrom:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.resources }}
+  resources:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $.Values.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: /model
+    {{- if $c.volume }}
+    - name: model-source
+      mountPath: /model-source
+      readOnly: true
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Environment of the Ray containers: the API key from its Secret, then extra env.
+*/}}
+{{- define "iterserve.rayEnv" -}}
+{{- if .Values.apiKey.enabled }}
+- name: {{ .Values.apiKey.envName }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "iterserve.apiKeySecretName" . }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod metadata shared by head and workers; call with (dict "ctx" $ "component" "head").
+Only stable labels: KubeRay replaces the whole Ray cluster when a pod template
+changes, so the chart and app versions stay off the pods.
+*/}}
+{{- define "iterserve.podMetadata" -}}
+{{- $ctx := .ctx }}
+labels:
+  {{- include "iterserve.selectorLabels" $ctx | nindent 2 }}
+  app.kubernetes.io/component: {{ .component }}
+  {{- with $ctx.Values.podLabels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $ctx.Values.podAnnotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}

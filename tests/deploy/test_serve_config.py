@@ -1,0 +1,149 @@
+"""The Serve config the chart renders (and the example one) runs iterserve's app.
+
+The import path must name a module of this repository that defines the
+builder, and the engine config must be one that iterserve's own EngineConfig
+and SchedulerConfig accept.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from iterserve.cluster.config import EngineConfig
+
+from .conftest import REPO_ROOT, VARIANTS, load_yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+IMPORT_PATH = "iterserve.cluster.serve_app:build_app"
+APP_ARGS = {"model", "config", "num_engine_replicas", "api_key_env", "max_body_bytes"}
+EXAMPLE = REPO_ROOT / "deploy" / "serve-config.yaml"
+
+
+def _module_file(module: str) -> Path:
+    """Maps a dotted module of the project to its file, through pyproject's package-dir."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        package_dir: dict[str, str] = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    parts = module.split(".")
+    for cut in range(len(parts), 0, -1):
+        package = ".".join(parts[:cut])
+        if package in package_dir:
+            base = REPO_ROOT / package_dir[package]
+            rest = parts[cut:]
+            break
+    else:
+        pytest.fail(f"{module} is not in a package of this project")
+    if not rest:
+        return base / "__init__.py"
+    package_init = base.joinpath(*rest, "__init__.py")
+    return package_init if package_init.exists() else base.joinpath(*rest[:-1], rest[-1] + ".py")
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _check_engine_config(config: dict[str, Any]) -> None:
+    engine = EngineConfig.from_dict(config)
+    # What the scheduler will be built with once the checkpoint is known: the
+    # cross-field rules (token budget vs slots and context) must hold.
+    engine.scheduler_config(
+        num_kv_blocks=engine.num_kv_blocks or 1 << 20,
+        max_model_len=engine.max_model_len or 2048,
+    )
+
+
+def _the_app(serve_config: dict[str, Any]) -> dict[str, Any]:
+    assert serve_config["http_options"]["port"] == 8000
+    (app,) = serve_config["applications"]
+    return app
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_serve_config_runs_the_iterserve_app(renders, variant) -> None:
+    rendered = renders["defaults" if variant is None else variant.stem]
+    app = _the_app(rendered.serve_config)
+    assert app["import_path"] == IMPORT_PATH
+    args = app["args"]
+    assert set(args) <= APP_ARGS
+    assert {"model", "config", "num_engine_replicas"} <= set(args)
+    _check_engine_config(args["config"])
+
+
+def test_import_path_names_a_builder_in_this_repository(renders) -> None:
+    import_path = _the_app(renders["defaults"].serve_config)["import_path"]
+    module, _, attr = import_path.partition(":")
+    assert module and attr, f"{import_path!r} is not module:attr"
+    path = _module_file(module)
+    assert path.exists(), f"{import_path}: {path.relative_to(REPO_ROOT)} does not exist"
+    assert attr in _top_level_names(path), f"{path.relative_to(REPO_ROOT)} defines no {attr}"
+
+
+def test_example_serve_config_matches_the_chart(renders) -> None:
+    example = load_yaml(EXAMPLE)
+    app = _the_app(example)
+    chart_app = _the_app(renders["defaults"].serve_config)
+    assert app["import_path"] == chart_app["import_path"] == IMPORT_PATH
+    assert set(app["args"]) <= APP_ARGS
+    _check_engine_config(app["args"]["config"])
+    # Every engine knob of the example is one the chart sets as well.
+    assert set(app["args"]["config"]) <= set(chart_app["args"]["config"]) | {"num_kv_blocks"}
+
+
+def test_chart_maps_engine_values_to_config(render) -> None:
+    rendered = render(
+        {
+            "engine": {
+                "policy": "dynamic",
+                "maxNumSeqs": 8,
+                "maxNumBatchedTokens": 1024,
+                "maxModelLen": 1024,
+                "numKvBlocks": 512,
+                "tensorParallelSize": 2,
+                "dtype": "float16",
+                "batchWaitS": 0.05,
+            },
+            "worker": {"gpus": 4},
+            "serve": {"numEngineReplicas": 2, "maxBodyBytes": 65536},
+        }
+    )
+    args = rendered.app_args
+    config = args["config"]
+    assert config["policy"] == "dynamic"
+    assert config["max_num_seqs"] == 8
+    assert config["max_model_len"] == 1024
+    assert config["num_kv_blocks"] == 512
+    assert "kv_memory_fraction" not in config
+    assert config["tensor_parallel_size"] == 2
+    assert config["dtype"] == "float16"
+    assert config["batch_wait_s"] == 0.05
+    assert args["num_engine_replicas"] == 2
+    assert args["max_body_bytes"] == 65536
+    assert "api_key_env" not in args
+    _check_engine_config(config)
+
+
+def test_optional_engine_values_are_left_to_the_engine(renders) -> None:
+    config = renders["defaults"].app_args["config"]
+    # 0 means "let the engine decide": the checkpoint's context, memory-sized cache.
+    assert "max_model_len" not in config
+    assert "num_kv_blocks" not in config
+    assert 0 < config["kv_memory_fraction"] <= 1
