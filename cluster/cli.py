@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
+    from iterserve.cluster.serve_cli import add_serve_arguments
+
+    add_serve_arguments(
+        commands.add_parser("serve", help="the OpenAI-compatible server (default: the demo model)")
+    )
+
     bench = commands.add_parser("bench", help="benchmarks that print ratios; they never assert")
     benches = bench.add_subparsers(dest="bench", required=True)
     sched = benches.add_parser("scheduler", help="CPU ms of schedule()+update() per step")

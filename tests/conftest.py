@@ -6,6 +6,7 @@ machine without CUDA every Triton kernel runs in the interpreter.
 """
 
 import os
+import shutil
 
 import torch
 
@@ -22,7 +23,61 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
     yield ray
     ray.shutdown()
+
+
+# -- the HTTP server's fixtures, shared by tests/serve, tests/client, tests/observability and
+# tests/reliability (a conftest's fixtures are visible only below its own folder).
+
+from tests.serve.conftest import _free_port, build_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("serve") / "tiny-chat")
+
+
+@pytest.fixture(scope="session")
+def vocab_size(tokenizer_dir) -> int:
+    from iterserve.workers.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_dir).vocab_size
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer_dir, vocab_size, tmp_path_factory):
+    """A tiny random Llama whose vocabulary is the tokenizer's, EOS = </s>."""
+    import torch
+    import transformers
+
+    from tests.workers.tiny_checkpoints import BASE
+
+    config = transformers.LlamaConfig(
+        **{**BASE, "vocab_size": vocab_size, "head_dim": 16, "eos_token_id": 2, "bos_token_id": 1}
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("serve") / "tiny-llama"
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session) -> str:
+    """Serve's HTTP proxy on loopback, shared by every app of the session."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

@@ -1,0 +1,224 @@
+"""One HTTP request's engine requests: open them, merge their streams, end them.
+
+A request with ``n`` choices (or several prompts) becomes that many engine
+requests with distinct ids. Each engine stream yields batches of records
+``(new_token_ids, new_logprobs, finish_reason, error)``; a :class:`Choice` turns
+them into text deltas (detokenized, stop strings applied). Whatever way the
+request ends — finished, stop string, timeout, client gone — :meth:`Generation.close`
+cancels every engine stream still open, which aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from iterserve.cluster.openai.errors import (
+    APIError,
+    EngineFailure,
+    EngineRefusal,
+    from_refusal,
+    timed_out,
+    unavailable,
+)
+from iterserve.cluster.openai.stream import StopMatcher
+
+# Engine finish reasons as OpenAI names them.
+FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "length": "length", "abort": "stop"}
+
+
+class EngineStream(Protocol):
+    """An accepted engine request: async-iterates batches of records."""
+
+    def __aiter__(self) -> AsyncIterator[list[tuple]]: ...
+
+    def cancel(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP layer needs from the engine replicas."""
+
+    async def open(
+        self, request_id: str, prompt_token_ids: list[int], params: dict, priority: int
+    ) -> EngineStream:
+        """Queues a request; raises EngineRefusal when the engine refuses it."""
+
+    async def info(self) -> dict:
+        """``{"max_model_len", "vocab_size"}`` of the engines."""
+
+    async def stats(self) -> list[dict]:
+        """One stats dict per engine replica."""
+
+    async def health(self) -> list[dict]:
+        """``{"healthy", "message", "replica"}`` per engine replica."""
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[int, float, list]] = field(default_factory=list)  # (token, lp, top)
+    finish_reason: str | None = None
+
+
+class Choice:
+    """One output sequence: tokens in, text deltas out."""
+
+    def __init__(self, index: int, detokenizer: Any, stops: Sequence[str], logprobs: bool):
+        self.index = index
+        self.detokenizer = detokenizer
+        self.matcher = StopMatcher(stops)
+        self.want_logprobs = logprobs
+        self.num_tokens = 0
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def consume(self, records: list[tuple]) -> Delta:
+        delta = Delta()
+        for token_ids, logprobs, reason, error in records:
+            if reason == "error":
+                raise EngineFailure(error or "the engine failed this request")
+            for pos, token_id in enumerate(token_ids):
+                self.num_tokens += 1
+                delta.token_ids.append(token_id)
+                if self.want_logprobs and pos < len(logprobs):
+                    logprob, top = logprobs[pos]
+                    delta.logprobs.append((token_id, logprob, top))
+                if self._emit(delta, self.detokenizer.add(token_id)):
+                    return delta
+            if reason is not None:
+                if not self._emit(delta, self.detokenizer.flush()):
+                    self._add_text(delta, self.matcher.flush())
+                    self.finish_reason = FINISH_REASONS.get(reason, "stop")
+                    delta.finish_reason = self.finish_reason
+                return delta
+        return delta
+
+    def _emit(self, delta: Delta, text: str) -> bool:
+        """Passes new text through the stop matcher; True once a stop string matched."""
+        if not text:
+            return False
+        safe, matched = self.matcher.feed(text)
+        self._add_text(delta, safe)
+        if matched:
+            self.stopped_by_string = True
+            self.finish_reason = delta.finish_reason = "stop"
+        return matched
+
+    def _add_text(self, delta: Delta, text: str) -> None:
+        delta.text += text
+        self.text += text
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+    priority: int
+    choice: Choice
+
+
+class Generation:
+    """The engine requests of one HTTP request, merged into one stream of deltas."""
+
+    def __init__(self, engine: EngineClient, jobs: list[Job], timeout_s: float | None):
+        self.engine = engine
+        self.jobs = jobs
+        self.timeout_s = timeout_s
+        loop = asyncio.get_running_loop()
+        self.deadline = None if timeout_s is None else loop.time() + timeout_s
+        self.streams: list[EngineStream] = []
+        self.tasks: list[asyncio.Task] = []
+        self.open_streams: set[int] = set()
+
+    def _remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    async def open(self) -> None:
+        """Queues every engine request; on any refusal, cancels the others and raises."""
+        opens = [
+            self.engine.open(j.request_id, j.prompt_token_ids, j.params, j.priority)
+            for j in self.jobs
+        ]
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*opens, return_exceptions=True), self._remaining()
+            )
+        except asyncio.TimeoutError:
+            raise timed_out(self.timeout_s) from None
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    result.cancel()
+            raise _as_api_error(errors[0])
+        self.streams = list(results)
+        self.open_streams = set(range(len(self.streams)))
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """Deltas of every choice as they come. Raises APIError (timeout, engine failure)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: EngineStream) -> None:
+            try:
+                async for records in stream:
+                    queue.put_nowait((i, records, None))
+                queue.put_nowait((i, None, None))
+            except Exception as exc:  # the replica died or the call failed
+                queue.put_nowait((i, None, exc))
+
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        while self.open_streams:
+            try:
+                i, records, exc = await asyncio.wait_for(queue.get(), self._remaining())
+            except asyncio.TimeoutError:
+                raise timed_out(self.timeout_s) from None
+            if i not in self.open_streams:
+                continue  # after a stop string: the stream was cancelled
+            choice = self.jobs[i].choice
+            if records is None:
+                self.open_streams.discard(i)
+                if exc is not None or not choice.finished:
+                    raise unavailable(f"the engine lost the request: {exc or 'stream ended'}")
+                continue
+            try:
+                delta = choice.consume(records)
+            except EngineFailure as failure:
+                raise unavailable(str(failure)) from None
+            if choice.stopped_by_string:
+                self._cancel(i)  # aborts the engine request
+            elif choice.finished:
+                self.open_streams.discard(i)
+            yield choice, delta
+
+    def _cancel(self, i: int) -> None:
+        self.open_streams.discard(i)
+        self.streams[i].cancel()
+        if i < len(self.tasks):
+            self.tasks[i].cancel()
+
+    def close(self) -> None:
+        """Cancels every stream still open (client gone, timeout, error)."""
+        for i in list(self.open_streams):
+            self._cancel(i)
+        for task in self.tasks:
+            task.cancel()
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineRefusal):
+        return from_refusal(exc)
+    return unavailable(f"{type(exc).__name__}: {exc}")

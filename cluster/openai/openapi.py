@@ -1,0 +1,237 @@
+"""The OpenAPI 3.1 description of the HTTP API, served at GET /openapi.json.
+
+The request bodies come from the pydantic models in :mod:`protocol` (field
+names, types, descriptions, ``additionalProperties: false``); the ranges that
+:class:`~iterserve.scheduler.SamplingParams` and the handlers check are laid
+over them here, with the limits of the running engine (context length,
+vocabulary, ``max_n``, ``max_logprobs``). A body the schema accepts is served,
+except where one field constrains another — JSON Schema cannot say that, so
+the operation descriptions do (``CROSS_FIELD_RULES``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from iterserve.cluster.openai.protocol import (
+    MAX_PROMPTS,
+    PRIORITY_RANGE,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
+from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
+
+CROSS_FIELD_RULES = (
+    "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "
+    "(400, code context_length_exceeded); min_tokens <= max_tokens; stream_options only "
+    "with stream: true; best_of equals n; top_logprobs needs logprobs: true; "
+    "max_completion_tokens overrides max_tokens."
+)
+_ERROR_STATUSES = {
+    "400": "Invalid body or field (the message names it).",
+    "401": "Missing or wrong API key.",
+    "404": "Unknown model.",
+    "413": "Body over max_body_bytes.",
+    "415": "Content-Type is not application/json.",
+    "429": "The engine's waiting queue is full; see Retry-After.",
+    "503": "No engine replica can serve; see Retry-After.",
+    "504": "The request ran past request_timeout_s.",
+}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _integer(lo: int, hi: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+def _number(lo: float, hi: float, *, lo_open: bool = False) -> dict:
+    low = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
+    return {"type": "number", **low, "maximum": hi}
+
+
+def field_constraints(*, max_model_len: int, vocab_size: int, max_n: int, max_logprobs: int):
+    """The value schema of every field whose range the server checks."""
+    token_id = _integer(0, vocab_size - 1)
+    max_tokens = _integer(1, max_model_len - 1)  # every prompt holds at least one token
+    token_list = {"type": "array", "items": token_id, "minItems": 1, "maxItems": max_model_len - 1}
+    stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
+    common = {
+        "max_tokens": _nullable(max_tokens),
+        "temperature": _nullable(_number(0.0, 2.0)),
+        "top_p": _nullable(_number(0.0, 1.0, lo_open=True)),
+        "top_k": _nullable(_integer(0, 1 << 30)),
+        "min_p": _nullable(_number(0.0, 1.0)),
+        "presence_penalty": _nullable(_number(-2.0, 2.0)),
+        "frequency_penalty": _nullable(_number(-2.0, 2.0)),
+        "repetition_penalty": _nullable(_number(0.0, 2.0, lo_open=True)),
+        "seed": _nullable(_integer(0, MAX_SEED)),
+        "n": _integer(1, max_n),
+        "stop": {
+            "anyOf": [
+                stop_string,
+                {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
+                {"type": "null"},
+            ]
+        },
+        "stop_token_ids": _nullable(
+            {"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}
+        ),
+        "min_tokens": _nullable(_integer(0, max_model_len - 1)),
+        "priority": _integer(*PRIORITY_RANGE),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+    }
+    completion = {
+        **common,
+        "prompt": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
+                },
+                token_list,
+                {"type": "array", "items": token_list, "minItems": 1, "maxItems": MAX_PROMPTS},
+            ]
+        },
+        "logprobs": _nullable(_integer(0, max_logprobs)),
+        "echo": {"type": "boolean", "const": False},
+        "best_of": _nullable(_integer(1, max_n)),
+        "suffix": _nullable({"type": "string", "maxLength": 0}),
+    }
+    chat = {
+        **common,
+        "messages": {
+            "type": "array",
+            "items": {"$ref": "#/components/schemas/ChatMessage"},
+            "minItems": 1,
+        },
+        "max_completion_tokens": _nullable(max_tokens),
+        "top_logprobs": _nullable(_integer(0, max_logprobs)),
+        "tools": _nullable({"type": "array", "maxItems": 0}),
+        "tool_choice": _nullable({"type": "string", "const": "none"}),
+        "chat_template": {"type": "null"},
+    }
+    return completion, chat
+
+
+def _request_schemas(limits: dict[str, int]) -> dict[str, dict]:
+    """Component schemas: the pydantic models, with the checked ranges laid over."""
+    template = "#/components/schemas/{model}"
+    schemas: dict[str, dict] = {}
+    overlays = field_constraints(**limits)
+    for model, overlay in zip((CompletionRequest, ChatCompletionRequest), overlays):
+        schema = copy.deepcopy(model.model_json_schema(ref_template=template))
+        schemas.update(schema.pop("$defs", {}))
+        unknown = set(overlay) - set(schema["properties"])
+        assert not unknown, f"constraints for fields {model.__name__} lacks: {unknown}"
+        for name, value_schema in overlay.items():
+            prop = schema["properties"][name]
+            keep = {k: prop[k] for k in ("description", "default", "title") if k in prop}
+            schema["properties"][name] = {**value_schema, **keep}
+        schemas[model.__name__] = schema
+    message = schemas["ChatMessage"]["properties"]
+    message["role"] = {
+        "type": "string",
+        "enum": ["system", "user", "assistant"],
+        "description": "Who speaks; the model's chat template refuses other roles.",
+    }
+    return schemas
+
+
+def _json(schema: dict) -> dict:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _generation(summary: str, request: str) -> dict:
+    errors = {
+        status: {"description": text, **_json({"$ref": "#/components/schemas/Error"})}
+        for status, text in _ERROR_STATUSES.items()
+    }
+    ok = _json({"type": "object"})
+    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    return {
+        "post": {
+            "summary": summary,
+            "description": CROSS_FIELD_RULES,
+            "operationId": request,
+            "requestBody": {"required": True, **_json({"$ref": f"#/components/schemas/{request}"})},
+            "responses": {
+                "200": {"description": "The generation (SSE when stream).", **ok},
+                **errors,
+            },
+        }
+    }
+
+
+def _get(summary: str, operation_id: str, content: dict | None = None, **extra: Any) -> dict:
+    ok = content or _json({"type": "object"})
+    error = {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})}
+    return {
+        "get": {
+            "summary": summary,
+            "operationId": operation_id,
+            "responses": {"200": {"description": "OK", **ok}, "default": error},
+            **extra,
+        }
+    }
+
+
+def openapi_schema(
+    *, model_name: str, max_model_len: int, vocab_size: int, max_n: int, max_logprobs: int
+) -> dict:
+    """The whole API as an OpenAPI 3.1 document, for this server's model and limits."""
+    limits = dict(
+        max_model_len=max_model_len, vocab_size=vocab_size, max_n=max_n, max_logprobs=max_logprobs
+    )
+    schemas = _request_schemas(limits)
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        model = schemas[request]["properties"]["model"]
+        schemas[request]["properties"]["model"] = {**model, "enum": [model_name]}
+    error_fields = ("message", "type", "param", "code", "request_id")
+    schemas["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": list(error_fields[:4]),
+                "properties": {name: {"type": ["string", "null"]} for name in error_fields},
+            }
+        },
+    }
+    model_id = {
+        "name": "model_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "enum": [model_name]},
+    }
+    paths = {
+        "/v1/completions": _generation("Text completion", "CompletionRequest"),
+        "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+        "/v1/models": _get("The served model", "listModels"),
+        "/v1/models/{model_id}": _get("One model", "getModel", parameters=[model_id]),
+        "/v1/stats": _get("Engine state summed over replicas", "getStats"),
+        "/health": _get("200 when every engine replica serves, else 503", "health", security=[]),
+        "/metrics": _get(
+            "Prometheus metrics",
+            "metrics",
+            {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        ),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "iterserve", "version": "1", "description": CROSS_FIELD_RULES},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

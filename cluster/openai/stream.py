@@ -1,0 +1,67 @@
+"""Stop strings over a stream of text deltas, and Server-Sent Events framing.
+
+Stop strings are matched on detokenized text, so a stop string may span any
+number of tokens. While streaming, the tail of the text that could still be the
+start of a stop string is held back: the client never sees text that a later
+token turns into (part of) a stop string.
+
+    emitted          pending
+    ──────────────── ───────
+    "the answer is " "EN"      stops=["END"]: "EN" may become "END", hold it
+    "the answer is " "ENx"  →  no stop can start here: emit "ENx"
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 128
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class StopMatcher:
+    """Finds the first stop string in a text that arrives in pieces."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Adds text; returns ``(text safe to emit, matched)``. After a match the
+        emitted text ends just before the stop string and the matcher is spent."""
+        if not self.stops:
+            return delta, False
+        self.pending += delta
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            cut = min(found)
+            text, self.pending = self.pending[:cut], ""
+            return text, True
+        hold = self._held_len()
+        keep = len(self.pending) - hold
+        text, self.pending = self.pending[:keep], self.pending[keep:]
+        return text, False
+
+    def _held_len(self) -> int:
+        # The longest suffix of pending that is a proper prefix of some stop string.
+        # Every occurrence not yet complete must start inside this suffix.
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """At the end of the sequence: the held-back text is not a stop after all."""
+        text, self.pending = self.pending, ""
+        return text
+
+
+def sse(payload: dict) -> bytes:
+    """One Server-Sent Event carrying a JSON payload."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,157 @@
+"""``iterserve serve``: the OpenAI-compatible server on a local Ray instance.
+
+``run_server`` starts Ray on this machine (loopback only, no dashboard), starts
+Serve's HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
+at ``/``, waits until every engine replica has loaded its model, prints the URL
+and serves until Ctrl-C or SIGTERM, then shuts Serve and Ray down.
+For a Ray cluster you run yourself, use ``serve run deploy/serve-config.example.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+APP_NAME = "iterserve"
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """An engine config (EngineConfig keys) from a YAML or JSON file."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the engine config must be a mapping of EngineConfig keys")
+    return data
+
+
+def run_server(
+    model: str | None = None,
+    config_file: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    num_engine_replicas: int = 1,
+    api_key_env: str | None = None,
+    max_body_bytes: int = 8 << 20,
+    model_name: str | None = None,
+    request_timeout_s: float | None = 600.0,
+    config: dict[str, Any] | None = None,
+    ready_timeout_s: float = 900.0,
+    block: bool = True,
+) -> str:
+    """Serves the OpenAI-compatible API; returns the base URL.
+
+    model: checkpoint directory (``None``: the bundled demo model).
+    config_file: YAML or JSON file of EngineConfig keys (policy, max_num_seqs, ...).
+    host, port: where Serve's HTTP proxy listens (``0.0.0.0`` to accept remote clients).
+    num_engine_replicas: data-parallel engine copies behind the one ingress.
+    api_key_env: name of the environment variable that holds the API key; unset: no auth.
+    max_body_bytes: largest request body; larger ones get 413.
+    model_name: the name clients send as ``model`` (default: the checkpoint's directory name).
+    request_timeout_s: requests still running after this long are aborted (504).
+    config: EngineConfig keys that override the file's.
+    ready_timeout_s: how long to wait for the engines to load before giving up.
+    block: serve until Ctrl-C / SIGTERM, then shut down (``False``: return at once,
+        leaving Serve running; the caller shuts it down).
+    """
+    from iterserve.cluster.serve_app import ServeArgs, build_app
+
+    engine = load_config_file(config_file) if config_file else {}
+    engine.update(config or {})
+    args = ServeArgs(
+        model=model,
+        config=engine,
+        num_engine_replicas=num_engine_replicas,
+        api_key_env=api_key_env,
+        max_body_bytes=max_body_bytes,
+        model_name=model_name,
+        request_timeout_s=request_timeout_s,
+    )
+    args.engine_config()  # refuse a bad config before starting anything
+
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        # A fresh single-node Ray, bound to loopback: nothing of it is reachable
+        # from other machines; only Serve's proxy listens on host:port.
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            logging_level="WARNING",
+            _node_ip_address="127.0.0.1",
+        )
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    engines = serve.get_deployment_handle("EngineServer", APP_NAME)
+    engines.broadcast("info").results(timeout_s=ready_timeout_s)
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+    print(
+        f"iterserve: serving {args.served_model_name(args.engine_config())} at {url}/v1", flush=True
+    )
+    if not block:
+        return url
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("iterserve: shutting down", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return url
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's options; ``serve_from_args`` runs them."""
+    parser.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    parser.add_argument("--config", help="engine config file, YAML or JSON (EngineConfig keys)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
+    parser.add_argument(
+        "--engine-replicas", type=int, default=1, help="data-parallel engine copies (default 1)"
+    )
+    parser.add_argument(
+        "--api-key-env", help="environment variable holding the API key (default: no auth)"
+    )
+    parser.add_argument("--served-model-name", help="name clients use as `model`")
+    parser.set_defaults(func=serve_from_args)
+    return parser
+
+
+def serve_from_args(args: argparse.Namespace) -> None:
+    run_server(
+        model=args.model,
+        config_file=args.config,
+        host=args.host,
+        port=args.port,
+        num_engine_replicas=args.engine_replicas,
+        api_key_env=args.api_key_env,
+        model_name=args.served_model_name,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_serve_arguments(argparse.ArgumentParser(prog="iterserve serve"))
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

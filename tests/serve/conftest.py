@@ -1,0 +1,141 @@
+"""The Serve app on the session's Ray: one HTTP server for the session, one app per module.
+
+Checkpoints are built here: a byte-level BPE tokenizer (with a chat template)
+for the fake executor, and the same tokenizer next to a tiny random Llama for
+text-level tests. With the fake executor the text is whatever the tokenizer
+decodes the fake's (predictable) tokens to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+CORPUS = [
+    "hello world, this is a tiny corpus for a tiny tokenizer.",
+    "héllo wörld ✓ 日本語のテキスト and some more words",
+    "the quick brown fox jumps over the lazy dog 🦊",
+    "user assistant system: say something nice about the weather today",
+]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "tiny-chat"  # the tokenizer directory's name: the default served name
+
+
+def build_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<s>", "</s>"],  # ids 0, 1, 2: the fake's EOS is 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_engine(vocab_size: int, **overrides) -> dict:
+    """An EngineConfig dict for the fake executor (tokens in the tokenizer's vocabulary)."""
+    options = {"output_len": 12, "max_model_len": 128, "vocab_size": vocab_size}
+    options.update(overrides.pop("executor_options", {}))
+    config = dict(
+        executor="fake",
+        executor_options=options,
+        num_kv_blocks=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        block_size=4,
+        num_cpus_per_worker=0.1,
+    )
+    config.update(overrides)
+    return config
+
+
+def deploy(serve_url: str, name: str, **args) -> str:
+    """Runs the app under /<name>; returns its base URL. Waits until the engines answer."""
+    from ray import serve
+
+    from iterserve.cluster.serve_app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    engine = serve.get_deployment_handle("EngineServer", name)
+    engine.broadcast("info").results(timeout_s=120)
+    return f"{serve_url}/{name}"
+
+
+@pytest.fixture(scope="session")
+def api_url(serve_url, tokenizer_dir, vocab_size) -> str:
+    """The fake-executor app most API tests share, with an API key and a 64 KiB body limit."""
+    name = "api"
+    yield deploy(
+        serve_url,
+        name,
+        model=str(tokenizer_dir),
+        config=fake_engine(vocab_size),
+        api_key=API_KEY,
+        max_body_bytes=65536,
+    )
+    undeploy(name)
+
+
+def undeploy(name: str) -> None:
+    from ray import serve
+
+    serve.delete(name)
+
+
+async def engine_replicas(name: str, method: str) -> list:
+    """Calls ``method`` on every engine replica of app ``name``."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("EngineServer", name)
+    return await engine.broadcast(method).results_async(timeout_s=60)
+
+
+async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 20.0) -> dict:
+    """/v1/stats once no slot and no KV block is held any more (aborts free at the
+    next step); the last stats seen when that does not happen in time."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = (await client.get("/v1/stats")).json()
+        idle = stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
+        if idle and stats["num_waiting"] == 0 or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of an SSE body (as lines), checking it ends in [DONE]."""
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]

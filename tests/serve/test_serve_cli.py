@@ -1,0 +1,88 @@
+"""The builder's arguments, the example Serve config, and ``run_server``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from iterserve.cluster.serve_app import ServeArgs, build_app
+from iterserve.cluster.serve_cli import add_serve_arguments, load_config_file, run_server
+from tests.serve.conftest import fake_engine
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "serve-config.example.yaml"
+
+
+def test_the_example_config_names_the_builder_and_valid_args():
+    (app,) = yaml.safe_load(EXAMPLE.read_text())["applications"]
+    assert app["import_path"] == "iterserve.cluster.serve_app:build_app"
+    args = ServeArgs.model_validate(app["args"])
+    config = args.engine_config()
+    assert config.policy == "chunked" and args.num_engine_replicas == 1
+    build_app(app["args"])  # binds the deployments without starting anything
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        ({"num_engine_replicas": 0}, "num_engine_replicas"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+        ({"unknown": 1}, "unknown"),
+        ({"request_timeout_s": -1}, "request_timeout_s"),
+    ],
+)
+def test_bad_builder_args_are_refused_by_name(args, word):
+    with pytest.raises(ValidationError, match=word):
+        ServeArgs.model_validate(args)
+
+
+def test_bad_engine_config_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="unknown engine config keys: nope"):
+        build_app({"config": {"nope": 1}})
+    with pytest.raises(ValueError, match="policy"):
+        run_server(config={"policy": "fastest"})
+    with pytest.raises(ValueError, match="given twice"):
+        ServeArgs(model="/a", config={"model": "/b"}).engine_config()
+
+
+def test_config_files_are_yaml_or_json(tmp_path):
+    (tmp_path / "c.yaml").write_text("policy: static\nmax_num_seqs: 4\n")
+    (tmp_path / "c.json").write_text(json.dumps({"policy": "dynamic"}))
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    assert load_config_file(tmp_path / "c.yaml") == {"policy": "static", "max_num_seqs": 4}
+    assert load_config_file(tmp_path / "c.json") == {"policy": "dynamic"}
+    with pytest.raises(ValueError, match="mapping"):
+        load_config_file(tmp_path / "bad.yaml")
+
+
+def test_serve_subcommand_arguments():
+    import argparse
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", "/m", "--port", "9000", "--engine-replicas", "2"])
+    assert (args.model, args.port, args.engine_replicas, args.host) == ("/m", 9000, 2, "127.0.0.1")
+    assert args.func.__name__ == "serve_from_args"
+
+
+def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, tmp_path):
+    from ray import serve
+
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump(fake_engine(vocab_size)))
+    port = int(serve_url.rsplit(":", 1)[1])  # Serve is already up on the session's Ray
+    url = run_server(
+        model=str(tokenizer_dir), config_file=str(config), port=port, model_name="m", block=False
+    )
+    try:
+        assert url == serve_url
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "m"
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+        assert (
+            httpx.post(f"{url}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2
+        )
+    finally:
+        serve.delete("iterserve")
