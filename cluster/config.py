@@ -24,11 +24,12 @@ class EngineConfig:
     dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
     tensor_parallel_size: worker ranks; heads and MLP columns are split across them.
     num_kv_blocks: KV blocks per rank; ``None`` sizes the cache from free memory
-        times ``kv_memory_fraction``.
+        times ``kv_memory_fraction`` (on CPU, at most 1 GiB).
     max_model_len: context length; ``None`` takes the checkpoint's, capped at 4096.
     step_timeout_s: a step that takes longer is a hung worker: the group restarts.
     max_restarts: worker-group restarts before in-flight requests fail with an error.
     placement_strategy: ``PACK`` (one node) or ``SPREAD`` (across nodes).
+    ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory
         ``(config, rank, world_size, all_reduce) -> executor``.
@@ -59,6 +60,7 @@ class EngineConfig:
     placement_strategy: str = "PACK"
     num_cpus_per_worker: float = 1.0
     torch_threads: int | None = None
+    ray_metrics: bool = True
     executor: str = "model"
     executor_options: dict[str, Any] = field(default_factory=dict)
 

@@ -21,6 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.metrics import EngineMetrics
 from iterserve.cluster.recorder import MetricsRecorder
@@ -37,6 +39,7 @@ from iterserve.scheduler import (
 )
 
 logger = logging.getLogger(__name__)
+METRICS_PUSH_INTERVAL_S = 1.0  # a scrape sees the engines at most this stale
 
 # One published record: (request_id, new_token_ids, new_logprobs, finish_reason, error)
 Record = tuple[str, list[int], list, str | None, str | None]
@@ -56,7 +59,10 @@ class EngineCore:
     ):
         self.config = config
         self.metrics = EngineMetrics(
-            model_name or Path(config.model_path).name, engine_index, config.policy
+            model_name or Path(config.model_path).name,
+            engine_index,
+            config.policy,
+            ray_metrics=config.ray_metrics and ray.is_initialized(),
         )
         self.recorder = MetricsRecorder(self.metrics)
         self.metrics_hub = metrics_hub
@@ -99,7 +105,8 @@ class EngineCore:
             from iterserve.cluster.metrics_hub import push_periodically
 
             self.push_task = loop.create_task(
-                push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub)
+                push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
+                                  interval_s=METRICS_PUSH_INTERVAL_S)
             )
         return {
             "max_model_len": self.max_model_len,

@@ -16,7 +16,8 @@ from iterserve.cluster.config import EngineConfig
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
 
-PING_STEP = -1  # a plan with this step number only checks that the workers answer
+PING_STEP = -1
+CPU_KV_CACHE_MAX_BYTES = 1 << 30  # a plan with this step number only checks that the workers answer
 
 
 def _free_port() -> int:
@@ -134,6 +135,9 @@ class EngineWorker:
         dtype = resolve_dtype(self.config.dtype, c, self.device)
         ckpt.close()
         budget = int(_available_memory_bytes(self.device) * self.config.kv_memory_fraction)
+        if not self.device.startswith("cuda"):
+            # Host memory is shared with everything else on the machine: cap the cache.
+            budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
         kv_heads = max(1, c.num_kv_heads // self.world_size)
         return blocks_for_budget(
             budget, c.num_layers, self.config.block_size, kv_heads, c.head_dim, dtype

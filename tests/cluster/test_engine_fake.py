@@ -139,3 +139,29 @@ async def test_metrics_record_every_request_and_step():
         assert sample("iterserve_slots_used") == 0
     finally:
         await engine.shutdown()
+
+
+async def test_metrics_are_visible_on_rays_own_metrics_path():
+    import urllib.request
+
+    import ray
+
+    port = ray._private.worker._global_node.metrics_export_port
+    engine = await start_engine(fake_config())
+    try:
+        await collect(engine, [1, 2], SamplingParams(max_tokens=3, temperature=0))
+        found = []
+        for _ in range(60):  # Ray's agent exports every few seconds
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+            found = [
+                line
+                for line in body.splitlines()
+                if line.startswith("ray_iterserve_generation_tokens_total")
+            ]
+            if found:
+                break
+            await asyncio.sleep(0.5)
+        assert found and all('model_name="' in line and 'engine="' in line for line in found)
+    finally:
+        await engine.shutdown()
