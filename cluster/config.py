@@ -87,22 +87,14 @@ class EngineConfig:
             raise ValueError(f"executor must be model, fake or module:attr, got {self.executor!r}")
 
     def scheduler_config(self, *, num_kv_blocks: int, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            policy=self.policy,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=self.block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_layout=self.kv_layout,
-            max_queue_len=self.max_queue_len,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            batch_timeout_s=self.batch_timeout_s,
-            batch_wait_s=self.batch_wait_s,
-            max_n=self.max_n,
-            max_logprobs=self.max_logprobs,
-        )
+        """The scheduler's share of this config, with the two values only known once
+        the workers have loaded the checkpoint."""
+        shared = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SchedulerConfig)
+            if f.name not in ("num_kv_blocks", "max_model_len")
+        }
+        return SchedulerConfig(**shared, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
 
     @property
     def model_path(self) -> str:
