@@ -65,15 +65,18 @@ async def test_queue_bound_is_respected():
         fake_config(
             max_queue_len=2,
             max_num_seqs=1,
-            executor_options={"output_len": None, "max_model_len": 128, "step_sleep_s": 0.01},
+            executor_options={"output_len": None, "max_model_len": 128, "step_sleep_s": 0.1},
         )
     )
     try:
-        params = SamplingParams(max_tokens=100)
+        params = SamplingParams(max_tokens=120)  # ~12 s each: they outlast the checks below
         # One runs, two wait: the queue is at its bound.
         tasks = [asyncio.ensure_future(collect(engine, [1], params)) for _ in range(3)]
-        while (await engine.stats())["num_waiting"] < 2:
+        for _ in range(1500):  # bounded: a slow machine fails the assert below, never hangs
+            if (await engine.stats())["num_waiting"] == 2:
+                break
             await asyncio.sleep(0.02)
+        assert (await engine.stats())["num_waiting"] == 2
         with pytest.raises(QueueFullError, match="queue is full"):
             await collect(engine, [1], params)
         for task in tasks:  # cancelling a stream aborts its request
