@@ -30,6 +30,7 @@ def _ensure_ray() -> None:
 async def _drive(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
     engine = await AsyncEngine(config).start()
     try:
+
         async def one(prompt):
             n = 0
             async for out in engine.generate(prompt, params):
@@ -76,8 +77,13 @@ def _default_model() -> str:
     return str(DEMO_MODEL_PATH)
 
 
-def ceiling(model: str | None = None, num_seqs: int = 16, prompt_len: int = 32,
-            max_tokens: int = 64, torch_threads: int = 1) -> dict:
+def ceiling(
+    model: str | None = None,
+    num_seqs: int = 16,
+    prompt_len: int = 32,
+    max_tokens: int = 64,
+    torch_threads: int = 1,
+) -> dict:
     """Engine tokens/s through Ray ÷ the same plans through the bare runner."""
     import torch
 
@@ -86,9 +92,15 @@ def ceiling(model: str | None = None, num_seqs: int = 16, prompt_len: int = 32,
     model = model or _default_model()
     _ensure_ray()
     config = EngineConfig(
-        model=model, dtype="float32", kernel_backend="torch", num_kv_blocks=num_seqs * 16,
-        max_num_seqs=num_seqs, max_num_batched_tokens=max(256, num_seqs * prompt_len),
-        max_model_len=512, torch_threads=torch_threads, num_cpus_per_worker=1.0,
+        model=model,
+        dtype="float32",
+        kernel_backend="torch",
+        num_kv_blocks=num_seqs * 16,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(256, num_seqs * prompt_len),
+        max_model_len=512,
+        torch_threads=torch_threads,
+        num_cpus_per_worker=1.0,
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [[10 + (i * 7 + j) % 300 for j in range(prompt_len)] for i in range(num_seqs)]
@@ -97,8 +109,13 @@ def ceiling(model: str | None = None, num_seqs: int = 16, prompt_len: int = 32,
     # The same scheduler decisions replayed in-process: only the runner is timed.
     torch.set_num_threads(torch_threads)
     sched = Scheduler(config.scheduler_config(num_kv_blocks=num_seqs * 16, max_model_len=512))
-    runner = ModelRunner(model, dtype="float32", num_kv_blocks=num_seqs * 16,
-                         block_size=config.block_size, kernel_backend="torch")
+    runner = ModelRunner(
+        model,
+        dtype="float32",
+        num_kv_blocks=num_seqs * 16,
+        block_size=config.block_size,
+        kernel_backend="torch",
+    )
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"r{i}", prompt, params))
     bare_s, num_tokens = 0.0, 0
