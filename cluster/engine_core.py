@@ -167,6 +167,8 @@ class EngineCore:
         once restarts are exhausted, every in-flight request ends with an error."""
         logger.error("worker failure: %s", exc)
         async with self.step_lock:
+            if exc.generation != self.workers.generation:
+                return  # a failure of a group already replaced (a step and a ping both saw it)
             self.scheduler.requeue_running()
             if self.num_restarts >= self.config.max_restarts:
                 self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
@@ -312,7 +314,9 @@ class EngineCore:
         except WorkerFailure as exc:
             # An idle engine learns of a dead worker here: restart it now.
             await self._recover(exc)
-            return False, str(exc)
+            # Healthy again once replaced: failing Serve's check now would make it tear
+            # down this replica and the requests it is recomputing.
+            return self.dead_reason is None, self.dead_reason or "ok"
         return True, "ok"
 
     async def worker_pids(self) -> list[int]:

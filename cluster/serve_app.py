@@ -177,6 +177,11 @@ class EngineServer:
         await self._ready()
         await self.core.check_integrity()
 
+    async def worker_pids(self) -> list[int]:
+        """The worker actors' process ids, in rank order (fault-injection tests)."""
+        await self._ready()
+        return await self.core.worker_pids()
+
     async def check_health(self) -> None:
         """Serve's health check: raising makes Serve replace this replica."""
         status = await self.health()

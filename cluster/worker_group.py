@@ -34,6 +34,10 @@ async def _resolve(futures):
 class WorkerFailure(RuntimeError):
     """A worker died, hung past the step timeout, or raised during a step."""
 
+    def __init__(self, message: str, generation: int = 0):
+        super().__init__(message)
+        self.generation = generation
+
 
 class WorkerGroup:
     def __init__(self, config: EngineConfig):
@@ -43,6 +47,7 @@ class WorkerGroup:
         self.dag = None
         self.num_kv_blocks = 0
         self.model_info: dict = {}
+        self.generation = 0
 
     def _bundle(self) -> dict:
         bundle = {"CPU": self.config.num_cpus_per_worker or 0.001}

@@ -158,6 +158,9 @@ class OpenAIServing:
     ) -> SamplingParams:
         max_model_len = info["max_model_len"]
         room = max_model_len - prompt_len
+        if room < 1:  # the prompt alone fills the context: say so before any other field
+            completion_len = max_tokens if max_tokens is not None and max_tokens >= 1 else 1
+            raise _context_error(request, max_model_len, prompt_len, completion_len)
         # The configured caps first, so the message states the range that applies here.
         if request.n > self.max_n:
             raise SamplingParamsError("n", f"must be in [1, {self.max_n}], got {request.n}")
@@ -181,16 +184,7 @@ class OpenAIServing:
             max_n=self.max_n, max_logprobs=self.max_logprobs, vocab_size=info["vocab_size"]
         )
         if params.max_tokens > room:
-            where = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_len + params.max_tokens} tokens ({prompt_len} in the {where}, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the "
-                f"{where} or completion.",
-                param=where,
-                code="context_length_exceeded",
-            )
+            raise _context_error(request, max_model_len, prompt_len, params.max_tokens)
         return params
 
     def _jobs(self, request, prompts, max_tokens, info, logprobs, request_id, renames) -> list[Job]:
@@ -290,6 +284,19 @@ class OpenAIServing:
             # Runs when the client leaves too (the generator is cancelled or closed).
             generation.close()
         yield SSE_DONE
+
+
+def _context_error(request, max_model_len: int, prompt_len: int, completion_len: int) -> APIError:
+    where = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_len + completion_len} tokens ({prompt_len} in the {where}, "
+        f"{completion_len} in the completion). Please reduce the length of the "
+        f"{where} or completion.",
+        param=where,
+        code="context_length_exceeded",
+    )
 
 
 class _GenerationStream(StreamingResponse):

@@ -1,0 +1,163 @@
+"""schemathesis against the live server's own OpenAPI schema (GET /openapi.json).
+
+Positive cases (bodies the schema accepts) must be served (2xx); negative cases
+(bodies that break it) must be refused with a 4xx; nothing may be a 5xx, and the
+server must be healthy and hold no slot and no KV block afterwards.
+
+Positive cases are adjusted for the rules JSON Schema cannot state, which the
+schema lists in its description (``CROSS_FIELD_RULES``): the prompt plus
+``max_tokens`` must fit the context, ``min_tokens <= max_tokens``, and so on. A
+prompt that alone fills the context is then the one expected refusal (400,
+``context_length_exceeded``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from iterserve.cluster.openai.protocol import ChatMessage
+from iterserve.workers.tokenizer import Tokenizer
+from tests.reliability.conftest import idle_replicas
+from tests.serve.conftest import API_KEY, AUTH, deploy, engine_replicas, fake_engine, undeploy
+
+APP = "fuzz"
+MAX_MODEL_LEN = 128  # short: every generation is at most 127 steps
+EXAMPLES = 200
+SEEN: Counter = Counter()  # (mode, operation, status) -> responses
+
+
+@pytest.fixture(scope="module")
+def fuzz_url(serve_url, tokenizer_dir, vocab_size):
+    config = fake_engine(
+        vocab_size,
+        max_n=2,
+        max_num_seqs=32,
+        num_kv_blocks=1024,
+        executor_options={"max_model_len": MAX_MODEL_LEN},
+    )
+    yield deploy(serve_url, APP, model=str(tokenizer_dir), config=config, api_key=API_KEY)
+    undeploy(APP)
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return Tokenizer(tokenizer_dir)
+
+
+def prompt_lens(body: dict, chat: bool, tok: Tokenizer) -> list[int]:
+    if chat:
+        messages = [ChatMessage.model_validate(m).as_template_input() for m in body["messages"]]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        return [len(tok.encode(text, False))]
+    prompt = body["prompt"]
+    # Token ids may be integral floats (42.0): JSON Schema and the server take them.
+    flat = isinstance(prompt, str) or isinstance(prompt[0], (int, float))
+    prompts = [prompt] if flat else prompt
+    return [len(tok.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+
+
+def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
+    """Adjusts a schema-valid body to the rules across fields; False when its
+    prompt alone fills the context (the server must then refuse it)."""
+    if body.get("stream_options") is not None and not body.get("stream"):
+        body["stream_options"] = None
+    if chat and body.get("top_logprobs") is not None:
+        body["logprobs"] = True
+    if not chat and body.get("best_of") is not None:
+        body["best_of"] = body.get("n", 1)
+    room = MAX_MODEL_LEN - max(prompt_lens(body, chat, tok))
+    if room < 1:
+        return False
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
+    if body.get(key) is not None:
+        body[key] = min(body[key], room)
+    if body.get("min_tokens") is not None:
+        body["min_tokens"] = min(body["min_tokens"], body.get(key) or room)
+    return True
+
+
+WITH_INPUT = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+WITH_INPUT.append(("GET", "/v1/models/{model_id}"))
+WITHOUT_INPUT = [
+    ("GET", "/v1/models"),
+    ("GET", "/v1/stats"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+]
+# Operations without input have one positive case and nothing to break.
+CASES = [("positive", *op) for op in WITH_INPUT + WITHOUT_INPUT]
+CASES += [("negative", *op) for op in WITH_INPUT]
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def check_positive(case, tok: Tokenizer) -> int:
+    expect_context_refusal = False
+    if case.operation.method == "post":
+        chat = case.operation.path.endswith("chat/completions")
+        expect_context_refusal = not fit_cross_field_rules(case.body, chat, tok)
+    response = case.call(headers=AUTH, timeout=60)
+    detail = f"{case.body!r:.2000} -> {response.status_code} {response.text[:500]}"
+    if expect_context_refusal:
+        assert response.status_code == 400, detail
+        assert response.json()["error"]["code"] == "context_length_exceeded", detail
+    else:
+        assert response.status_code == 200, detail
+    if response.status_code == 200 and isinstance(case.body, dict) and case.body.get("stream"):
+        events = response.content.split(b"\n\n")  # SSE events; bytes: text may hold U+0085
+        assert events[-2:] == [b"data: [DONE]", b""], f"{detail} ... {response.content[-800:]}"
+        assert b'"error"' not in events[-3], detail
+    return response.status_code
+
+
+def check_negative(case) -> int:
+    response = case.call(headers=AUTH, timeout=60)
+    detail = f"{case.body!r:.2000} -> {response.status_code} {response.text[:500]}"
+    assert 400 <= response.status_code < 500, detail
+    error = response.json()["error"]
+    assert error["message"] and error["type"], detail
+    return response.status_code
+
+
+@pytest.mark.parametrize("mode, method, path", CASES, ids=[" ".join(c) for c in CASES])
+def test_schema_cases_are_served_or_refused_by_the_rules(fuzz_url, tok, mode, method, path):
+    schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json", headers=AUTH, timeout=60)
+    schema.config.update(base_url=fuzz_url)
+    schema.config.max_stream_events = 1 << 20  # read every stream to its end
+    # The key is sent by the test; random Authorization headers would only test 401.
+    schema.config.generation.update(with_security_parameters=False)
+    operation = schema[path][method]
+
+    @FUZZ
+    @given(operation.as_strategy(generation_mode=GenerationMode(mode)))
+    def fuzz(case):
+        status = check_positive(case, tok) if mode == "positive" else check_negative(case)
+        SEEN[mode, f"{method} {path}", status] += 1
+
+    fuzz()
+
+
+async def test_fuzzing_left_the_server_healthy_and_idle(fuzz_url):
+    print("\nresponses per (mode, operation, status):")
+    for key, count in sorted(SEEN.items()):
+        print(f"  {key}: {count}")
+    assert not any(status >= 500 for _, _, status in SEEN)
+    for mode in ("positive", "negative"):
+        for op in ("POST /v1/completions", "POST /v1/chat/completions"):
+            runs = sum(n for (m, o, _), n in SEEN.items() if (m, o) == (mode, op))
+            assert runs >= EXAMPLES, (mode, op, runs)
+    async with httpx.AsyncClient(base_url=fuzz_url, headers=AUTH, timeout=60) as client:
+        assert (await client.get("/health")).status_code == 200
+        for replica in await idle_replicas(client):
+            assert replica["slots_used"] == 0 and replica["kv_blocks_used"] == 0, replica
+    await engine_replicas(APP, "check_integrity")
