@@ -70,12 +70,16 @@ async def test_queue_bound_is_respected():
     )
     try:
         params = SamplingParams(max_tokens=120)  # ~12 s each: they outlast the checks below
-        # One runs, two wait: the queue is at its bound.
-        tasks = [asyncio.ensure_future(collect(engine, [1], params)) for _ in range(3)]
-        for _ in range(1500):  # bounded: a slow machine fails the assert below, never hangs
-            if (await engine.stats())["num_waiting"] == 2:
-                break
-            await asyncio.sleep(0.02)
+        # One runs, two wait: the queue is at its bound. Started one at a time, since a
+        # request that arrives before the first is admitted would itself find the queue full.
+        tasks = []
+        for num_waiting in (0, 1, 2):
+            tasks.append(asyncio.ensure_future(collect(engine, [1], params)))
+            for _ in range(1500):  # bounded: a slow machine fails the assert, never hangs
+                stats = await engine.stats()
+                if stats["num_running"] == 1 and stats["num_waiting"] == num_waiting:
+                    break
+                await asyncio.sleep(0.02)
         assert (await engine.stats())["num_waiting"] == 2
         with pytest.raises(QueueFullError, match="queue is full"):
             await collect(engine, [1], params)

@@ -63,13 +63,17 @@ async def test_a_full_queue_is_429_with_retry_after(slow_url):
                 async for _ in r.aiter_lines():
                     pass
 
-        holders = [asyncio.create_task(hold()) for _ in range(3)]
+        holders = []
         try:
-            for _ in range(200):  # one running, two waiting: the queue is at its bound
-                stats = (await client.get("/v1/stats")).json()
-                if stats["num_waiting"] == 2:
-                    break
-                await asyncio.sleep(0.05)
+            # One running, two waiting: the queue is at its bound. One at a time: a request
+            # arriving before the first is admitted would itself find the queue full.
+            for num_waiting in (0, 1, 2):
+                holders.append(asyncio.create_task(hold()))
+                for _ in range(400):
+                    stats = (await client.get("/v1/stats")).json()
+                    if stats["num_running"] == 1 and stats["num_waiting"] == num_waiting:
+                        break
+                    await asyncio.sleep(0.05)
             assert stats["num_running"] == 1 and stats["num_waiting"] == 2, json.dumps(stats)
             r = await client.post("/v1/completions", json=long_request())
             assert r.status_code == 429, r.text
