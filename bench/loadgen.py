@@ -296,13 +296,14 @@ def render(result: dict) -> str:
 def main(args: argparse.Namespace) -> None:
     result = benchmark(args)
     timings = result.pop("_timings")
-    print(render(result))
-    print(json.dumps(result, indent=2))
+    # Files first: a reader that stops reading stdout early must not lose them.
     write_json(result, args.json)
     if args.png:
         from iterserve.bench.plots import loadgen_plot
 
         loadgen_plot(result, timings, args.png)
+    print(render(result))
+    print(json.dumps(result, indent=2))
 
 
 def register(subparsers) -> argparse.ArgumentParser:

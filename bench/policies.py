@@ -326,13 +326,14 @@ def main(args: argparse.Namespace) -> None:
         args.workload, args.model, policies=policies, hf=not args.no_hf, seed=args.seed,
         torch_threads=args.torch_threads, scale=args.scale, repeats=args.repeats,
     )  # fmt: skip
-    print(render_policies(result))
-    print(json.dumps(result, indent=2))
+    # Files first: a reader that stops reading stdout early must not lose them.
     write_json(result, args.json)
     if args.png:
         from iterserve.bench.plots import policy_plot
 
         policy_plot(result, args.png)
+    print(render_policies(result))
+    print(json.dumps(result, indent=2))
 
 
 def register(subparsers) -> argparse.ArgumentParser:

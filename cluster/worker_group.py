@@ -24,6 +24,10 @@ from iterserve.scheduler.messages import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
+# While a step runs longer than this, the graph's per-rank loops are checked: a rank
+# killed mid-step fails the step within a second instead of at the step timeout (the
+# compiled graph's reply channel does not always wake up when a rank dies).
+LIVENESS_CHECK_S = 1.0
 
 
 async def _resolve(futures):
@@ -32,7 +36,8 @@ async def _resolve(futures):
 
 
 class WorkerFailure(RuntimeError):
-    """A worker died, hung past the step timeout, or raised during a step."""
+    """A worker died, hung past the step timeout, or raised during a step.
+    ``generation`` names the started group that failed (see ``WorkerGroup.generation``)."""
 
     def __init__(self, message: str, generation: int = 0):
         super().__init__(message)
@@ -47,7 +52,7 @@ class WorkerGroup:
         self.dag = None
         self.num_kv_blocks = 0
         self.model_info: dict = {}
-        self.generation = 0
+        self.generation = 0  # bumped by every start: a failure of an older group is stale
 
     def _bundle(self) -> dict:
         bundle = {"CPU": self.config.num_cpus_per_worker or 0.001}
@@ -59,6 +64,7 @@ class WorkerGroup:
 
     async def start(self) -> None:
         """Places the ranks, agrees on a KV cache size, loads, compiles the graph."""
+        self.generation += 1
         tp = self.config.tensor_parallel_size
         if self.pg is None:
             self.pg = placement_group(
@@ -96,14 +102,48 @@ class WorkerGroup:
         timeout_s = timeout_s or self.config.step_timeout_s
         try:
             futures = await self.dag.execute_async(data)
-            replies = await asyncio.wait_for(_resolve(futures), timeout=timeout_s)
+            replies = await self._replies(futures, timeout_s)
         except asyncio.TimeoutError:
             raise WorkerFailure(
-                f"step {plan.step} took longer than the step timeout of {timeout_s} s"
+                f"step {plan.step} took longer than the step timeout of {timeout_s} s",
+                self.generation,
             ) from None
+        except WorkerFailure as exc:
+            raise WorkerFailure(f"step {plan.step} failed: {exc}", self.generation) from None
         except Exception as exc:  # actor death, channel errors, a worker's exception
-            raise WorkerFailure(f"step {plan.step} failed: {type(exc).__name__}: {exc}") from exc
+            message = f"step {plan.step} failed: {type(exc).__name__}: {exc}"
+            raise WorkerFailure(message, self.generation) from exc
         return codec.decode(replies[0], StepResult)
+
+    async def _replies(self, futures, timeout_s: float) -> list:
+        """Every rank's reply; raises TimeoutError past ``timeout_s``, and WorkerFailure
+        within about ``LIVENESS_CHECK_S`` of a rank's death."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        replies = asyncio.ensure_future(_resolve(futures))
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                done, _ = await asyncio.wait({replies}, timeout=min(LIVENESS_CHECK_S, remaining))
+                if done:
+                    return replies.result()
+                if self._rank_loop_ended():
+                    raise WorkerFailure("a rank died during the step", self.generation)
+        finally:
+            if not replies.done():
+                replies.cancel()
+
+    def _rank_loop_ended(self) -> bool:
+        """Whether a rank's compiled-graph loop has ended, which it only does when the
+        rank dies. A local check of references this process owns: no call reaches a
+        rank (a hung rank is the step timeout's to catch)."""
+        loops = list(getattr(self.dag, "worker_task_refs", {}).values())
+        if not loops:
+            return False
+        ended, _ = ray.wait(loops, num_returns=1, timeout=0, fetch_local=False)
+        return bool(ended)
 
     async def ping(self) -> None:
         """Exercises every worker through the same path a step takes."""
