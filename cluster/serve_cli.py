@@ -1,6 +1,6 @@
 """``iterserve serve``: the OpenAI-compatible server on a local Ray instance.
 
-``run_server`` starts Ray on this machine (loopback only, no dashboard), starts
+``run_server`` starts Ray on this machine (no dashboard; Ray itself listens on the machine's address, see docs/reliability.md), starts
 Serve's HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
 at ``/``, waits until every engine replica has loaded its model, prints the URL
 and serves until Ctrl-C or SIGTERM, then shuts Serve and Ray down.
