@@ -9,11 +9,11 @@ asserts on time: the figures are printed side by side and written as JSON.
 
 Workloads (see docs/benchmarks.md for why they look like this):
 
-- ``longtail``: Poisson arrivals faster than any policy serves them, short-to-medium
+- ``longtail``: Poisson arrivals faster than any policy serves them, short
   prompts, lognormal output lengths capped at a quarter of the context (many
   short, a few long): the first-finisher problem.
-- ``long-prompts``: steady streams decoding long outputs while prompts of
-  half to most of the context arrive periodically: the prefill stall.
+- ``long-prompts``: steady streams decoding long outputs while prompts of 60-90% of
+  the context arrive periodically: the prefill stall.
 """
 
 from __future__ import annotations

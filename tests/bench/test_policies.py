@@ -30,6 +30,7 @@ def longtail(ray_session, tiny_model) -> dict:
     return policies.compare("longtail", tiny_model, scale="small", log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_every_policy_and_the_baseline_report_every_figure(longtail):
     assert set(longtail["policies"]) == {"static", "dynamic", "continuous", "chunked"}
     entries = {**longtail["policies"], "hf_generate": longtail["hf_generate"]}
@@ -42,6 +43,7 @@ def test_every_policy_and_the_baseline_report_every_figure(longtail):
     json.dumps(longtail)  # the result is plain JSON
 
 
+@pytest.mark.slow
 def test_every_policy_computes_exactly_the_workloads_output_tokens(longtail):
     expected = longtail["workload"]["num_output_tokens"]
     entries = {**longtail["policies"], "hf_generate": longtail["hf_generate"]}
@@ -50,6 +52,7 @@ def test_every_policy_computes_exactly_the_workloads_output_tokens(longtail):
     )
 
 
+@pytest.mark.slow
 def test_static_batching_pays_for_padding_and_continuous_pays_none(longtail):
     p = longtail["policies"]
     assert p["continuous"]["padding_fraction"] == 0.0 == p["chunked"]["padding_fraction"]
@@ -58,12 +61,14 @@ def test_static_batching_pays_for_padding_and_continuous_pays_none(longtail):
     assert longtail["hf_generate"]["padding_fraction"] > 0
 
 
+@pytest.mark.slow
 def test_targets_name_each_ratio_and_whether_it_was_met(longtail):
     names = {t["name"] for t in longtail["targets"]}
     assert "continuous / static throughput" in names
     assert all(isinstance(t["met"], bool) for t in longtail["targets"])
 
 
+@pytest.mark.slow
 def test_long_prompts_break_the_stream_and_long_prompt_figures_apart(ray_session, tiny_model):
     result = policies.compare(
         "long-prompts", tiny_model, policies=("continuous", "chunked"), hf=False,
