@@ -27,7 +27,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import ray
 
 from iterserve.bench.report import (
     RequestTiming,
@@ -274,7 +273,7 @@ def compare(
 ) -> dict:
     """Runs ``workload`` under each policy and the transformers baseline, ``repeats``
     rounds; each figure is the median over the rounds."""
-    from iterserve.bench.engine_bench import _default_model
+    from iterserve.bench.engine_bench import _default_model, ensure_ray
 
     model = model or _default_model()
     spec = SPECS[workload][scale]
@@ -283,12 +282,7 @@ def compare(
     expected = sum(r.output_len for r in requests)
     result = {"workload": describe(spec, requests, seed), "policies": {}}
     result["workload"].update(model=model, torch_threads=torch_threads, repeats=repeats)
-    if not ray.is_initialized():
-        # Ray starts its workers at nice 15; on a shared machine that starves the engine
-        # next to the baseline, which runs in this process at the default priority.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR",
-                 log_to_driver=False, _node_ip_address="127.0.0.1")  # fmt: skip
+    ensure_ray()
     # Rounds run every policy once, in the same order: a burst of load from elsewhere
     # on a shared machine then hits one round of all of them, and the median drops it.
     runs: dict[str, list[dict]] = {name: [] for name in (*policies, *(["hf_generate"] * hf))}
