@@ -14,6 +14,7 @@ from typing import Any
 from iterserve.scheduler.config import POLICIES, SchedulerConfig
 
 EXECUTORS = ("model", "fake")
+STEP_TRANSPORTS = ("auto", "compiled_graph", "actor_calls")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class EngineConfig:
     step_timeout_s: a step that takes longer is a hung worker: the group restarts.
     max_restarts: worker-group restarts before in-flight requests fail with an error.
     placement_strategy: ``PACK`` (one node) or ``SPREAD`` (across nodes).
+    step_transport: how a step's plan reaches the ranks. ``compiled_graph``: one
+        write into a Ray compiled graph (shared memory, a fraction of a millisecond);
+        ``actor_calls``: one actor call per rank (about a millisecond each, works
+        anywhere); ``auto``: the compiled graph when every rank shares the
+        scheduler's node, actor calls when the group spans nodes (Ray's cross-node
+        compiled-graph channels can lose a step's input and stall).
     ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory
@@ -58,6 +65,7 @@ class EngineConfig:
     step_timeout_s: float = 60.0
     max_restarts: int = 3
     placement_strategy: str = "PACK"
+    step_transport: str = "auto"
     num_cpus_per_worker: float = 1.0
     torch_threads: int | None = None
     ray_metrics: bool = True
@@ -82,6 +90,11 @@ class EngineConfig:
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(
                 f"placement_strategy must be PACK or SPREAD, got {self.placement_strategy!r}"
+            )
+        if self.step_transport not in STEP_TRANSPORTS:
+            raise ValueError(
+                f"step_transport must be one of {', '.join(STEP_TRANSPORTS)}, "
+                f"got {self.step_transport!r}"
             )
         if self.executor not in EXECUTORS and ":" not in self.executor:
             raise ValueError(f"executor must be model, fake or module:attr, got {self.executor!r}")

@@ -290,6 +290,7 @@ class EngineCore:
         stats.update(
             healthy=self.dead_reason is None,
             worker_restarts=self.num_restarts,
+            step_transport=self.workers.transport,
             max_model_len=self.max_model_len,
             counters=dict(self.counters),
             timing=dict(self.timing),

@@ -1,10 +1,13 @@
 """The worker group: placement, start-up, and the per-step broadcast.
 
-Each step crosses the actor boundary exactly once in each direction: the plan
-is written once into a Ray compiled graph whose input every rank reads, and the
-results come back together (shared-memory channels on one node). One plain
-actor call per worker per step would cost milliseconds; the compiled graph
-costs a fraction of one.
+Each step crosses the actor boundary exactly once in each direction. On one
+node the plan is written once into a Ray compiled graph whose input every rank
+reads, and the results come back together over shared memory: a fraction of a
+millisecond, where one plain actor call per worker per step would cost
+milliseconds. A group spanning nodes takes one actor call per rank instead
+(``step_transport``): Ray's cross-node compiled-graph channels can drop a
+step's input and leave every rank waiting, which no step timeout should be
+needed to survive.
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ async def _resolve(futures):
     return [await future for future in futures]
 
 
+def _failed(ref) -> bool:
+    """Whether a finished call's reply is an error (a call still running is not)."""
+    ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+    if not ready:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:
+        return True
+    return False
+
+
 class WorkerFailure(RuntimeError):
     """A worker died, hung past the step timeout, or raised during a step.
     ``generation`` names the started group that failed (see ``WorkerGroup.generation``)."""
@@ -53,6 +68,8 @@ class WorkerGroup:
         self.num_kv_blocks = 0
         self.model_info: dict = {}
         self.generation = 0  # bumped by every start: a failure of an older group is stale
+        self.transport = ""  # compiled_graph | actor_calls, chosen by start()
+        self._step_refs: list = []  # the running step's replies (actor_calls)
 
     def _bundle(self) -> dict:
         bundle = {"CPU": self.config.num_cpus_per_worker or 0.001}
@@ -90,18 +107,34 @@ class WorkerGroup:
         capacities = await asyncio.gather(*(w.kv_capacity.remote() for w in self.workers))
         self.num_kv_blocks = min(capacities)
         await asyncio.gather(*(w.load.remote(self.num_kv_blocks) for w in self.workers))
-        with InputNode() as plan:
-            outputs = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
-        self.dag = outputs.experimental_compile(enable_asyncio=True)
+        self.transport = await self._choose_transport()
+        if self.transport == "compiled_graph":
+            with InputNode() as plan:
+                outputs = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
+            self.dag = outputs.experimental_compile(enable_asyncio=True)
         # The first execution sets up the channels; keep that out of the step timeout.
         await self.execute(StepPlan(step=PING_STEP), timeout_s=STARTUP_TIMEOUT_S)
+
+    async def _choose_transport(self) -> str:
+        if self.config.step_transport != "auto":
+            return self.config.step_transport
+        here = ray.get_runtime_context().get_node_id()
+        nodes = {p["NodeID"] for p in await self.placement()}
+        return "compiled_graph" if nodes == {here} else "actor_calls"
+
+    async def _send(self, data: bytes) -> list:
+        """Hands the encoded plan to every rank; one awaitable reply per rank."""
+        if self.dag is not None:
+            return await self.dag.execute_async(data)
+        self._step_refs = [w.execute.remote(data) for w in self.workers]
+        return self._step_refs
 
     async def execute(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
         """One broadcast, one reply. Raises WorkerFailure on death, error or timeout."""
         data = codec.encode(plan)
         timeout_s = timeout_s or self.config.step_timeout_s
         try:
-            futures = await self.dag.execute_async(data)
+            futures = await self._send(data)
             replies = await self._replies(futures, timeout_s)
         except asyncio.TimeoutError:
             raise WorkerFailure(
@@ -136,9 +169,12 @@ class WorkerGroup:
                 replies.cancel()
 
     def _rank_loop_ended(self) -> bool:
-        """Whether a rank's compiled-graph loop has ended, which it only does when the
-        rank dies. A local check of references this process owns: no call reaches a
-        rank (a hung rank is the step timeout's to catch)."""
+        """Whether a rank has died mid-step: its compiled-graph loop has ended (which
+        it only does when the rank dies), or its step call failed. A local check of
+        references this process owns: no call reaches a rank (a hung rank is the
+        step timeout's to catch)."""
+        if self.dag is None:
+            return any(_failed(ref) for ref in self._step_refs)
         loops = list(getattr(self.dag, "worker_task_refs", {}).values())
         if not loops:
             return False
@@ -162,6 +198,7 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
+        self._step_refs = []
         if dag is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(dag.teardown), timeout=30)

@@ -32,12 +32,17 @@ async def test_every_policy_matches_the_single_process_runner(tiny_llama, refere
         await engine.shutdown()
 
 
-async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference):
-    engine = await start_engine(model_config(tiny_llama, tensor_parallel_size=2))
+@pytest.mark.parametrize("transport", ["auto", "actor_calls"])
+async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference, transport):
+    config = model_config(tiny_llama, tensor_parallel_size=2, step_transport=transport)
+    engine = await start_engine(config)
     try:
         results = await collect_all(engine, PROMPTS, GREEDY)
         assert [tokens for tokens, _ in results] == reference
         assert len(set(await engine.actor.worker_pids.remote())) == 2
+        # One node: auto takes the compiled graph.
+        expected = "compiled_graph" if transport == "auto" else transport
+        assert (await engine.stats())["step_transport"] == expected
     finally:
         await engine.shutdown()
 

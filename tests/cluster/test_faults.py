@@ -24,10 +24,12 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
+@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
 async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
-    tiny_llama, reference
+    tiny_llama, reference, transport
 ):
-    engine = await start_engine(model_config(tiny_llama, tensor_parallel_size=2))
+    config = model_config(tiny_llama, tensor_parallel_size=2, step_transport=transport)
+    engine = await start_engine(config)
     try:
         pids = await engine.actor.worker_pids.remote()
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

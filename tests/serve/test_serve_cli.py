@@ -45,6 +45,8 @@ def test_bad_engine_config_is_refused_before_anything_starts():
         build_app({"config": {"nope": 1}})
     with pytest.raises(ValueError, match="policy"):
         run_server(config={"policy": "fastest"})
+    with pytest.raises(ValueError, match="step_transport must be one of auto"):
+        build_app({"config": {"step_transport": "pigeon"}})
     with pytest.raises(ValueError, match="given twice"):
         ServeArgs(model="/a", config={"model": "/b"}).engine_config()
 
