@@ -2,8 +2,10 @@
 
 These are the definition of correct behaviour for the Triton kernels and also
 what CPU inference runs, so they favour whole-tensor operations over Python
-loops (paged attention loops over sequences only). Everything is computed in
-fp32 and returned in the input dtype.
+loops: paged attention serves every one-row (decode) sequence of a batch in one
+gather and one pair of matmuls, and loops only over multi-row prefill pieces,
+of which a step carries few. Everything is computed in fp32 and returned in the
+input dtype.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def paged_attention(
             f"got {starts[0]}..{starts[-1]}"
         )
     out = torch.zeros_like(query)
+    decodes = []  # sequences with one query row: attended together below
     for s, seq_len in enumerate(lens):
         q_begin, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_begin
@@ -86,6 +89,9 @@ def paged_attention(
                 f"seq_lens[{s}]={seq_len} needs {num_blocks} blocks, but block_tables "
                 f"has {block_tables.shape[1]} columns"
             )
+        if q_len == 1:
+            decodes.append(s)
+            continue
         blocks = block_tables[s, :num_blocks].long()
         # Gather the sequence's cache blocks into contiguous [kv_heads, seq_len, head_dim].
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
@@ -111,7 +117,40 @@ def paged_attention(
             o = torch.matmul(probs, v)  # [kv_heads, group * rows, D]
             o = o.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
             out[q_begin + c0 : q_begin + c1] = o.reshape(rows, num_heads, head_dim).to(out.dtype)
+    if decodes:
+        _attend_decodes(query, k_cache, v_cache, block_tables, decodes, starts, lens, scale, out)
     return out
+
+
+def _attend_decodes(query, k_cache, v_cache, block_tables, seqs, starts, lens, scale, out):
+    """One query row per sequence, every sequence at once: the blocks of all of them
+    gathered into one padded [seqs, kv_heads, max_len, head_dim] tensor, positions
+    past each sequence's length masked out."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    dev = query.device
+    seq_lens = torch.tensor([lens[s] for s in seqs], device=dev)
+    rows = torch.tensor([starts[s] for s in seqs], device=dev)
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].long()
+    n = len(seqs)
+    # Columns past a sequence's own blocks may hold anything; they are masked below
+    # and clamped here so the gather stays inside the cache.
+    blocks = blocks.clamp(0, k_cache.shape[0] - 1).reshape(-1)
+    shape = (n, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, blocks).view(shape)[:, :max_len]
+    v = v_cache.index_select(0, blocks).view(shape)[:, :max_len]
+    k = k.float().transpose(1, 2).contiguous()  # [n, kv_heads, L, D]
+    v = v.float().transpose(1, 2).contiguous()
+    q = query.index_select(0, rows).float().view(n, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [n, kv_heads, group, L]
+    beyond = torch.arange(max_len, device=dev)[None, :] >= seq_lens[:, None]  # [n, L]
+    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v)  # [n, kv_heads, group, D]
+    out[rows] = o.reshape(n, num_heads, head_dim).to(out.dtype)
 
 
 def rms_norm(

@@ -122,6 +122,18 @@ def test_reference_attention_matches_dense(block_size, num_heads, num_kv_heads, 
     torch.testing.assert_close(got.double().cpu(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("filler", [-1, 0])
+def test_reference_decodes_ignore_table_columns_past_their_length(filler):
+    # Decode rows are attended together over a table padded to the longest sequence:
+    # what a shorter sequence's unused columns hold (a dangling -1, another
+    # sequence's block) must not reach its output.
+    b = make_batch(DECODE, 8, 2, 64, 4, torch.float32)
+    for s, n in enumerate(b.seq_lens.tolist()):
+        b.block_tables[s, -(-n // 4) :] = filler
+    got = ref.paged_attention(*b.args())
+    torch.testing.assert_close(got.double().cpu(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
 def test_reference_attention_chunks_long_queries(monkeypatch):
     monkeypatch.setattr(ref, "_ATTN_QUERY_CHUNK", 5)
     b = make_batch(MIXED, 4, 2, 64, 16, torch.float32)
