@@ -39,6 +39,7 @@ from iterserve.bench.report import (
     write_json,
 )
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.scheduler import POLICIES, SamplingParams
 
 WALL_CAP_S = 1800.0  # one policy's run never outlives this, whatever the machine
@@ -283,6 +284,9 @@ def compare(
     result = {"workload": describe(spec, requests, seed), "policies": {}}
     result["workload"].update(model=model, torch_threads=torch_threads, repeats=repeats)
     ensure_ray()
+    # This process times every token: keep full collections of its start-up objects
+    # (torch, Ray) out of the inter-token gaps it measures.
+    freeze_startup_objects()
     # Rounds run every policy once, in the same order: a burst of load from elsewhere
     # on a shared machine then hits one round of all of them, and the median drops it.
     runs: dict[str, list[dict]] = {name: [] for name in (*policies, *(["hf_generate"] * hf))}

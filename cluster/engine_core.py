@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.metrics import EngineMetrics
 from iterserve.cluster.recorder import MetricsRecorder
 from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
@@ -99,6 +100,7 @@ class EngineCore:
             )
         )
         self.recorder.state(self.scheduler)
+        freeze_startup_objects()
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
         if self.metrics_hub:

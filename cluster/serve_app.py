@@ -31,6 +31,7 @@ from ray.serve import Application
 
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine_core import EngineCore
+from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.metrics_hub import HUB_NAME, get_or_create_hub, render
 from iterserve.cluster.openai.app import APISettings, build_api
 from iterserve.cluster.openai.errors import EngineRefusal
@@ -265,6 +266,7 @@ class OpenAIIngress:
             max_logprobs=config.max_logprobs,
             request_timeout_s=args.request_timeout_s,
         )
+        freeze_startup_objects()  # a full collection would stall every stream it serves
 
     def __serve_build_asgi_app__(self):
         return build_api(self.serving, self.settings, self.metrics_body)

@@ -13,6 +13,7 @@ import socket
 from typing import Any
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
 
@@ -173,6 +174,7 @@ class EngineWorker:
             module, _, attr = kind.partition(":")
             factory = getattr(importlib.import_module(module), attr)
             self.executor = factory(self.config, self.rank, self.world_size, self.all_reduce)
+        freeze_startup_objects()
 
     def _inject_fault(self, step: int) -> None:
         """Fault injection for reliability tests: ``fault_rank`` crashes its process
