@@ -52,8 +52,14 @@ async def _drive(config: EngineConfig, prompts: list[list[int]], params: Samplin
     return {"num_tokens": num_tokens, "wall_s": wall_s, "timing": stats["timing"]}
 
 
-def control_ms_per_step(num_seqs: int, step_sleep_s: float = 0.005, max_tokens: int = 100) -> float:
+def control_ms_per_step(
+    num_seqs: int,
+    step_sleep_s: float = 0.005,
+    max_tokens: int = 100,
+    step_transport: str = "compiled_graph",
+) -> float:
     config = EngineConfig(
+        step_transport=step_transport,
         executor="fake",
         executor_options={"output_len": None, "max_model_len": 512, "step_sleep_s": step_sleep_s},
         num_kv_blocks=num_seqs * 16,
@@ -70,8 +76,9 @@ def control_ms_per_step(num_seqs: int, step_sleep_s: float = 0.005, max_tokens: 
 def overhead() -> dict:
     ensure_ray()
     return {
-        "control_ms_per_step_8": round(control_ms_per_step(8), 3),
-        "control_ms_per_step_64": round(control_ms_per_step(64), 3),
+        f"{key}_ms_per_step_{n}": round(control_ms_per_step(n, step_transport=transport), 3)
+        for key, transport in (("control", "compiled_graph"), ("actor_calls", "actor_calls"))
+        for n in (8, 64)
     }
 
 

@@ -31,11 +31,11 @@ class EngineConfig:
     max_restarts: worker-group restarts before in-flight requests fail with an error.
     placement_strategy: ``PACK`` (one node) or ``SPREAD`` (across nodes).
     step_transport: how a step's plan reaches the ranks. ``compiled_graph``: one
-        write into a Ray compiled graph (shared memory, a fraction of a millisecond);
-        ``actor_calls``: one actor call per rank (about a millisecond each, works
-        anywhere); ``auto``: the compiled graph when every rank shares the
-        scheduler's node, actor calls when the group spans nodes (Ray's cross-node
-        compiled-graph channels can lose a step's input and stall).
+        write into a Ray compiled graph (shared memory, a fraction of a millisecond,
+        but the scheduler and every rank busy-wait on a core each, even idle);
+        ``actor_calls``: one actor call per rank (about a millisecond, no core
+        held, works across nodes); ``auto``: the compiled graph for GPU ranks on
+        the scheduler's node, actor calls otherwise.
     ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
@@ -36,6 +37,7 @@ from iterserve.cluster.metrics_hub import HUB_NAME, get_or_create_hub, render
 from iterserve.cluster.openai.app import APISettings, build_api
 from iterserve.cluster.openai.errors import EngineRefusal
 from iterserve.cluster.openai.serving import OpenAIServing
+from iterserve.cluster.worker_group import SCHEDULER_BUNDLE, engine_bundles
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,9 @@ def metrics_hub_name(model_name: str) -> str:
     return f"{HUB_NAME}-{model_name}"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, health_check_period_s=10)
+@serve.deployment(
+    ray_actor_options={"num_cpus": SCHEDULER_BUNDLE["CPU"]}, health_check_period_s=10
+)
 class EngineServer:
     """One data-parallel engine copy: an ``EngineCore`` running in this replica."""
 
@@ -182,6 +186,16 @@ class EngineServer:
         """The worker actors' process ids, in rank order (fault-injection tests)."""
         await self._ready()
         return await self.core.worker_pids()
+
+    async def placement(self) -> dict:
+        """Where this replica and its ranks run: node and placement group ids."""
+        await self._ready()
+        context = ray.get_runtime_context()
+        return {
+            "NodeID": context.get_node_id(),
+            "placement_group": context.get_placement_group_id(),
+            "workers": await self.core.worker_nodes(),
+        }
 
     async def check_health(self) -> None:
         """Serve's health check: raising makes Serve replace this replica."""
@@ -326,5 +340,9 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
         health_check_period_s=args.health_check_period_s,
         # A health check pings through the step lock: it may wait out one slow step.
         health_check_timeout_s=config.step_timeout_s + 30,
+        # The scheduler and its ranks reserved together: with PACK they share a node,
+        # and each step is one compiled-graph broadcast instead of an actor call per rank.
+        placement_group_bundles=engine_bundles(config),
+        placement_group_strategy=config.placement_strategy,
     ).bind(config, args.served_model_name(config), metrics_hub_name(args.served_model_name(config)))
     return OpenAIIngress.bind(engine, config, args)

@@ -77,7 +77,12 @@ class EngineWorker:
     def placement(self) -> dict:
         import ray
 
-        return {"NodeID": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        context = ray.get_runtime_context()
+        return {
+            "NodeID": context.get_node_id(),
+            "pid": os.getpid(),
+            "placement_group": context.get_placement_group_id(),
+        }
 
     def address(self) -> tuple[str, int]:
         """Rank 0's rendezvous address for torch.distributed."""

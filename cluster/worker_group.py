@@ -1,13 +1,13 @@
 """The worker group: placement, start-up, and the per-step broadcast.
 
-Each step crosses the actor boundary exactly once in each direction. On one
-node the plan is written once into a Ray compiled graph whose input every rank
-reads, and the results come back together over shared memory: a fraction of a
-millisecond, where one plain actor call per worker per step would cost
-milliseconds. A group spanning nodes takes one actor call per rank instead
-(``step_transport``): Ray's cross-node compiled-graph channels can drop a
-step's input and leave every rank waiting, which no step timeout should be
-needed to survive.
+Each step crosses the actor boundary exactly once in each direction. GPU ranks
+on the scheduler's node get the plan written once into a Ray compiled graph
+whose input every rank reads, and the results come back together over shared
+memory: a fraction of a millisecond, where one plain actor call per worker per
+step costs about a millisecond. Everything else takes one actor call per rank
+(``step_transport``): the compiled graph's readers busy-wait, a core each, which
+CPU ranks need for their forward; and its cross-node channels can drop a step's
+input and leave every rank waiting.
 """
 
 from __future__ import annotations
@@ -59,11 +59,41 @@ class WorkerFailure(RuntimeError):
         self.generation = generation
 
 
+# The scheduler's own share of a Serve replica's placement group (bundle 0): a
+# token amount, for the replica to sit on the same node as the ranks it drives.
+SCHEDULER_BUNDLE = {"CPU": 0.01}
+
+
+def rank_bundle(config: EngineConfig) -> dict:
+    """What one rank reserves: its CPUs, and a GPU unless the device is the CPU."""
+    bundle = {"CPU": config.num_cpus_per_worker or 0.001}
+    if config.device.startswith("cuda") or (
+        config.device == "auto"
+        and ray.is_initialized()
+        and ray.cluster_resources().get("GPU", 0) >= 1
+    ):
+        bundle["GPU"] = 1
+    return bundle
+
+
+def engine_bundles(config: EngineConfig) -> list[dict]:
+    """The placement group of one Serve engine replica: the scheduler, then every rank.
+    Reserved together (``placement_strategy``), so with ``PACK`` the scheduler lands
+    on its ranks' node and steps take the compiled graph."""
+    return [dict(SCHEDULER_BUNDLE)] + [rank_bundle(config)] * config.tensor_parallel_size
+
+
 class WorkerGroup:
+    """The ranks of one engine. Inside a placement group laid out by
+    :func:`engine_bundles` (a Serve replica's), the ranks take bundles 1..tp;
+    otherwise the group reserves a placement group of its own."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.workers: list = []
         self.pg = None
+        self.owns_pg = True
+        self.first_bundle = 0  # the bundle index of rank 0 in ``pg``
         self.dag = None
         self.num_kv_blocks = 0
         self.model_info: dict = {}
@@ -71,24 +101,25 @@ class WorkerGroup:
         self.transport = ""  # compiled_graph | actor_calls, chosen by start()
         self._step_refs: list = []  # the running step's replies (actor_calls)
 
-    def _bundle(self) -> dict:
-        bundle = {"CPU": self.config.num_cpus_per_worker or 0.001}
-        if self.config.device.startswith("cuda") or (
-            self.config.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1
-        ):
-            bundle["GPU"] = 1
-        return bundle
+    async def _reserve(self) -> None:
+        tp = self.config.tensor_parallel_size
+        current = ray.util.get_current_placement_group()
+        if current is not None and current.bundle_count == tp + 1:
+            self.pg, self.owns_pg, self.first_bundle = current, False, 1
+            return
+        self.pg = placement_group(
+            [rank_bundle(self.config)] * tp, strategy=self.config.placement_strategy
+        )
+        self.owns_pg, self.first_bundle = True, 0
+        await self.pg.ready()
 
     async def start(self) -> None:
         """Places the ranks, agrees on a KV cache size, loads, compiles the graph."""
         self.generation += 1
         tp = self.config.tensor_parallel_size
         if self.pg is None:
-            self.pg = placement_group(
-                [self._bundle()] * tp, strategy=self.config.placement_strategy
-            )
-            await self.pg.ready()
-        bundle = self._bundle()
+            await self._reserve()
+        bundle = self.pg.bundle_specs[self.first_bundle]
         remote_cls = ray.remote(EngineWorker)
         self.workers = [
             remote_cls.options(
@@ -96,7 +127,8 @@ class WorkerGroup:
                 num_gpus=bundle.get("GPU", 0),
                 max_concurrency=2,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank
+                    placement_group=self.pg,
+                    placement_group_bundle_index=self.first_bundle + rank,
                 ),
             ).remote(self.config, rank)
             for rank in range(tp)
@@ -116,11 +148,17 @@ class WorkerGroup:
         await self.execute(StepPlan(step=PING_STEP), timeout_s=STARTUP_TIMEOUT_S)
 
     async def _choose_transport(self) -> str:
+        """``auto``: the compiled graph for GPU ranks on the scheduler's node, actor
+        calls otherwise. Ray's compiled-graph channels busy-wait: the scheduler and
+        every rank each keep a core at 100% while they wait, idle or not. On a GPU
+        node that core buys ~0.5 ms steps; on CPU ranks it is taken from the
+        forward itself. Across nodes the channels can lose a step's input."""
         if self.config.step_transport != "auto":
             return self.config.step_transport
         here = ray.get_runtime_context().get_node_id()
         nodes = {p["NodeID"] for p in await self.placement()}
-        return "compiled_graph" if nodes == {here} else "actor_calls"
+        on_gpu = self.pg.bundle_specs[self.first_bundle].get("GPU", 0) > 0
+        return "compiled_graph" if nodes == {here} and on_gpu else "actor_calls"
 
     async def _send(self, data: bytes) -> list:
         """Hands the encoded plan to every rank; one awaitable reply per rank."""
@@ -211,6 +249,6 @@ class WorkerGroup:
 
     async def shutdown(self) -> None:
         await self.stop()
-        if self.pg is not None:
+        if self.pg is not None and self.owns_pg:
             remove_placement_group(self.pg)
-            self.pg = None
+        self.pg = None

@@ -134,6 +134,8 @@ def test_chart_maps_engine_values_to_config(render) -> None:
     assert "kv_memory_fraction" not in config
     assert config["tensor_parallel_size"] == 2
     assert config["dtype"] == "float16"
+    # Explicit, not auto: a replica may start before its GPU pod has joined the cluster.
+    assert config["device"] == "cuda"
     assert config["batch_wait_s"] == 0.05
     assert args["num_engine_replicas"] == 2
     assert args["max_body_bytes"] == 65536

@@ -145,6 +145,7 @@ The Serve config (serveConfigV2) as YAML.
   "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
   "block_size" (int $e.blockSize)
   "tensor_parallel_size" (int $e.tensorParallelSize)
+  "device" "cuda"
   "dtype" $e.dtype
   "max_queue_len" (int $e.maxQueueLen)
   "step_timeout_s" (float64 $e.stepTimeoutS)
