@@ -17,6 +17,9 @@ from . import checks
 # Paged attention materialises [num_heads, rows, kv_len] fp32 scores; longer
 # prefill pieces are processed this many query rows at a time to bound memory.
 _ATTN_QUERY_CHUNK = 512
+# Decode rows attended together are padded to their group's longest sequence; a
+# group's longest is at most this many times its shortest (plus one block).
+_DECODE_GROUP_GROWTH = 1.5
 
 
 def store_kv(
@@ -94,8 +97,8 @@ def paged_attention(
             continue
         blocks = block_tables[s, :num_blocks].long()
         # Gather the sequence's cache blocks into contiguous [kv_heads, seq_len, head_dim].
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = _gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        v = _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
         k = k.float().transpose(0, 1)
         v = v.float().transpose(0, 1)
         context_len = seq_len - q_len
@@ -122,35 +125,58 @@ def paged_attention(
     return out
 
 
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache blocks ``blocks`` (int64) as one contiguous tensor. Selecting rows of a
+    2-D view copies a whole block at a time, several times faster than indexing the
+    4-D cache."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
+
+
 def _attend_decodes(query, k_cache, v_cache, block_tables, seqs, starts, lens, scale, out):
-    """One query row per sequence, every sequence at once: the blocks of all of them
-    gathered into one padded [seqs, kv_heads, max_len, head_dim] tensor, positions
-    past each sequence's length masked out."""
+    """One query row per sequence, many sequences per matmul. Sequences are sorted by
+    length and cut into groups whose longest is at most ``_DECODE_GROUP_GROWTH``
+    times their shortest (plus a block), so padding every member to its group's
+    longest copies little more KV than the members own."""
+    block_size = k_cache.shape[1]
+    group: list[int] = []
+    for s in sorted(seqs, key=lambda s: lens[s]):
+        if group and lens[s] > _DECODE_GROUP_GROWTH * lens[group[0]] + block_size:
+            _attend_decode_group(query, k_cache, v_cache, block_tables, group, starts, lens,
+                                 scale, out)  # fmt: skip
+            group = []
+        group.append(s)
+    _attend_decode_group(query, k_cache, v_cache, block_tables, group, starts, lens, scale, out)
+
+
+def _attend_decode_group(query, k_cache, v_cache, block_tables, seqs, starts, lens, scale, out):
+    """The blocks of every sequence in ``seqs`` gathered into one padded
+    [seqs, length, kv_heads, head_dim] tensor; positions past each sequence's
+    length masked out. Each kv head is one strided batched matmul over the gathered
+    layout, with no transposed copy."""
     _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_cache_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     dev = query.device
-    seq_lens = torch.tensor([lens[s] for s in seqs], device=dev)
-    rows = torch.tensor([starts[s] for s in seqs], device=dev)
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].long()
     n = len(seqs)
+    num_blocks = -(-max(lens[s] for s in seqs) // block_size)
+    length = num_blocks * block_size
+    blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].long()
     # Columns past a sequence's own blocks may hold anything; they are masked below
     # and clamped here so the gather stays inside the cache.
-    blocks = blocks.clamp(0, k_cache.shape[0] - 1).reshape(-1)
-    shape = (n, num_blocks * block_size, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, blocks).view(shape)[:, :max_len]
-    v = v_cache.index_select(0, blocks).view(shape)[:, :max_len]
-    k = k.float().transpose(1, 2).contiguous()  # [n, kv_heads, L, D]
-    v = v.float().transpose(1, 2).contiguous()
+    blocks = blocks.clamp(0, num_cache_blocks - 1).reshape(-1)
+    shape = (n, length, num_kv_heads, head_dim)
+    k = _gather_blocks(k_cache, blocks).view(shape).float()
+    v = _gather_blocks(v_cache, blocks).view(shape).float()
+    rows = torch.tensor([starts[s] for s in seqs], device=dev)
     q = query.index_select(0, rows).float().view(n, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale  # [n, kv_heads, group, L]
-    beyond = torch.arange(max_len, device=dev)[None, :] >= seq_lens[:, None]  # [n, L]
-    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v)  # [n, kv_heads, group, D]
-    out[rows] = o.reshape(n, num_heads, head_dim).to(out.dtype)
+    seq_lens = torch.tensor([lens[s] for s in seqs], device=dev)
+    beyond = torch.arange(length, device=dev)[None, None, :] >= seq_lens[:, None, None]
+    o = torch.empty(n, num_kv_heads, group, head_dim, device=dev)
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [n, group, L]
+        probs = torch.softmax(scores.masked_fill_(beyond, float("-inf")), dim=-1)
+        o[:, h] = torch.bmm(probs, v[:, :, h])  # [n, group, D]
+    out[rows] = o.view(n, num_heads, head_dim).to(out.dtype)
 
 
 def rms_norm(
