@@ -14,7 +14,7 @@ from typing import Any
 from iterserve.scheduler.config import POLICIES, SchedulerConfig
 
 EXECUTORS = ("model", "fake")
-STEP_TRANSPORTS = ("auto", "compiled_graph", "actor_calls")
+STEP_TRANSPORTS = ("auto", "socket", "compiled_graph", "actor_calls")
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,12 @@ class EngineConfig:
     step_timeout_s: a step that takes longer is a hung worker: the group restarts.
     max_restarts: worker-group restarts before in-flight requests fail with an error.
     placement_strategy: ``PACK`` (one node) or ``SPREAD`` (across nodes).
-    step_transport: how a step's plan reaches the ranks. ``compiled_graph``: one
-        write into a Ray compiled graph (shared memory, a fraction of a millisecond,
-        but the scheduler and every rank busy-wait on a core each, even idle);
-        ``actor_calls``: one actor call per rank (about a millisecond, no core
-        held, works across nodes); ``auto``: the compiled graph for GPU ranks on
-        the scheduler's node, actor calls otherwise.
+    step_transport: how a step's plan reaches the ranks. ``socket`` (what ``auto``
+        picks): the plan encoded once and written to one stream socket per rank
+        (Unix on the scheduler's node, TCP beyond), no core held while waiting;
+        ``compiled_graph``: one write into a Ray compiled graph (shared memory,
+        ~0.5 ms, but the scheduler and every rank busy-wait on a core each, even
+        idle; one node only); ``actor_calls``: one actor call per rank per step.
     ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory

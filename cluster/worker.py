@@ -2,7 +2,7 @@
 
 Between steps a worker only ever receives encoded :class:`StepPlan` bytes and
 answers encoded :class:`StepResult` bytes (rank 0 only; other ranks answer
-``b""``), through the compiled graph built by :mod:`worker_group`.
+``b""``), through the transport :mod:`worker_group` chose.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class EngineWorker:
         self.world_size = config.tensor_parallel_size
         self.executor: Any = None
         self.all_reduce = None
+        self.endpoint = None  # the step channel's rank end, once opened
         if config.torch_threads:
             import torch
 
@@ -195,7 +196,17 @@ class EngineWorker:
 
             time.sleep(3600)
 
-    # -- the step (through the compiled graph) ---------------------------------------
+    def open_step_channel(self, token: bytes, local: bool) -> tuple:
+        """Listens for the scheduler's step channel (see :mod:`step_channel`); returns
+        the address to connect to: a Unix socket path when ``local``, else TCP."""
+        import ray
+
+        from iterserve.cluster.step_channel import RankEndpoint
+
+        self.endpoint = RankEndpoint(self.execute, token, local, ray.util.get_node_ip_address())
+        return self.endpoint.address
+
+    # -- the step (through the step channel or the compiled graph) --------------------
 
     def execute(self, plan_bytes: bytes) -> bytes:
         plan = codec.decode(plan_bytes, StepPlan)

@@ -32,7 +32,7 @@ async def test_every_policy_matches_the_single_process_runner(tiny_llama, refere
         await engine.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["auto", "compiled_graph"])
+@pytest.mark.parametrize("transport", ["auto", "compiled_graph", "actor_calls"])
 async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference, transport):
     config = model_config(tiny_llama, tensor_parallel_size=2, step_transport=transport)
     engine = await start_engine(config)
@@ -40,8 +40,7 @@ async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference, transp
         results = await collect_all(engine, PROMPTS, GREEDY)
         assert [tokens for tokens, _ in results] == reference
         assert len(set(await engine.actor.worker_pids.remote())) == 2
-        # CPU ranks: auto leaves the busy-waiting compiled graph to GPU ranks.
-        expected = "actor_calls" if transport == "auto" else transport
+        expected = "socket" if transport == "auto" else transport
         assert (await engine.stats())["step_transport"] == expected
     finally:
         await engine.shutdown()

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
-@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
+@pytest.mark.parametrize("transport", ["socket", "compiled_graph", "actor_calls"])
 async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
     tiny_llama, reference, transport
 ):

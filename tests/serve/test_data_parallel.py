@@ -113,8 +113,8 @@ async def test_non_streaming_requests_spread_over_both_replicas(dp_url):
 
 async def test_each_replica_drives_its_ranks_from_its_own_placement_group(dp_url):
     # Serve reserves one placement group per replica (scheduler bundle + rank bundles):
-    # the ranks take their bundles, so the scheduler shares their node (on GPU nodes
-    # the condition for the compiled graph; these CPU ranks take actor calls).
+    # the ranks take their bundles, so the scheduler shares their node and reaches
+    # them over Unix sockets.
     placements = await engine_replicas(APP, "placement")
     assert len({p["placement_group"] for p in placements}) == 2
     for p in placements:
@@ -122,4 +122,4 @@ async def test_each_replica_drives_its_ranks_from_its_own_placement_group(dp_url
         assert [w["placement_group"] for w in p["workers"]] == [p["placement_group"]]
         assert [w["NodeID"] for w in p["workers"]] == [p["NodeID"]]
     stats = await engine_replicas(APP, "stats")
-    assert {s["step_transport"] for s in stats} == {"actor_calls"}
+    assert {s["step_transport"] for s in stats} == {"socket"}
