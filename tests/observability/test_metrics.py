@@ -207,3 +207,6 @@ def test_ray_mirror_declares_the_same_families(ray_session, busy_metrics):
         assert info["name"] == spec.name
         assert tuple(info["tag_keys"]) == spec.label_names
         assert info["default_tags"] == {"model_name": "demo", "engine": "0"}
+    # Recorded off the caller's thread: everything queued reaches Ray, nothing dropped.
+    metrics._ray.flush()
+    assert metrics._ray._pending.empty() and metrics._ray.dropped == 0
