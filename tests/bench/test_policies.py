@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from iterserve.bench import policies
+from iterserve.bench import policies, workloads
 from iterserve.bench.report import prometheus_values, step_figures
 from iterserve.cluster.metrics import EngineMetrics
 from tests.workers.tiny_checkpoints import build_hf_model, save
@@ -84,15 +84,15 @@ def test_long_prompts_break_the_stream_and_long_prompt_figures_apart(ray_session
 
 
 def test_long_prompts_workload_keeps_streams_running_while_long_prompts_arrive():
-    spec = policies.SPECS["long-prompts"]["full"]
-    requests = policies.build(spec, vocab_size=4096, seed=0)
+    spec = workloads.SPECS["long-prompts"]["full"]
+    requests = workloads.build(spec, vocab_size=4096, seed=0)
     streams = [r for r in requests if r.kind == "stream"]
     long = [r for r in requests if r.kind == "long"]
     assert len(streams) == spec.num_streams and len(long) == spec.num_requests - spec.num_streams
     assert all(len(r.prompt_ids) >= spec.max_model_len // 2 for r in long)
     assert all(len(r.prompt_ids) + r.output_len <= spec.max_model_len for r in requests)
     assert all(r.output_len > 10 * long[0].output_len for r in streams)
-    assert policies.build(spec, 4096, 0)[5].prompt_ids == requests[5].prompt_ids  # seeded
+    assert workloads.build(spec, 4096, 0)[5].prompt_ids == requests[5].prompt_ids  # seeded
 
 
 def test_slot_utilization_counts_live_sequences_per_slot_and_step():
