@@ -7,6 +7,8 @@ OpenAI's error shape (a 422 never leaves this server).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -29,6 +31,8 @@ from iterserve.cluster.openai.errors import (
 )
 from iterserve.cluster.openai.openapi import openapi_schema
 from iterserve.cluster.openai.serving import OpenAIServing
+
+MODEL_INFO_WAIT_S = 2.0  # how long /v1/models waits for the engines' context length
 
 logger = logging.getLogger(__name__)
 
@@ -176,22 +180,27 @@ def build_api(
         body = await read_body(request, settings.max_body_bytes)
         return await serving.chat(body, _request_id(request))
 
-    def model_card() -> dict:
+    async def model_card() -> dict:
         card = {"id": serving.model_name, "object": "model", "created": created}
         card["owned_by"] = "iterserve"
+        if serving._info is None:
+            # Asked of the engines once; a replica still loading must not hold the
+            # listing up, which then goes out without the context length.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving.engine_info(), MODEL_INFO_WAIT_S)
         if serving._info is not None:
             card["max_model_len"] = serving._info["max_model_len"]
         return card
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [await model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != serving.model_name:
             raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found")
-        return model_card()
+        return await model_card()
 
     @app.get("/openapi.json")
     async def openapi() -> dict:

@@ -181,6 +181,7 @@ def test_stop_string_across_a_token_boundary_cuts_the_text(http, tok, predict):
 def test_models_health_stats_and_metrics(http, api):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] > 0  # asked of the engines, not left out
     assert http.get(f"/v1/models/{MODEL}").status_code == 200
     assert httpx.get(f"{api}/health").json()["status"] == "ok"  # no key needed
     stats = http.get("/v1/stats").json()
