@@ -341,7 +341,7 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
         # A health check pings through the step lock: it may wait out one slow step.
         health_check_timeout_s=config.step_timeout_s + 30,
         # The scheduler and its ranks reserved together: with PACK they share a node,
-        # and each step is one compiled-graph broadcast instead of an actor call per rank.
+        # and steps reach the ranks over Unix sockets.
         placement_group_bundles=engine_bundles(config),
         placement_group_strategy=config.placement_strategy,
     ).bind(config, args.served_model_name(config), metrics_hub_name(args.served_model_name(config)))

@@ -91,7 +91,7 @@ def rank_bundle(config: EngineConfig) -> dict:
 def engine_bundles(config: EngineConfig) -> list[dict]:
     """The placement group of one Serve engine replica: the scheduler, then every rank.
     Reserved together (``placement_strategy``), so with ``PACK`` the scheduler lands
-    on its ranks' node and steps take the compiled graph."""
+    on its ranks' node."""
     return [dict(SCHEDULER_BUNDLE)] + [rank_bundle(config)] * config.tensor_parallel_size
 
 

@@ -62,6 +62,13 @@ class StopMatcher:
         return text
 
 
+# Characters that JSON leaves raw inside strings but many line readers (Python's
+# str.splitlines, httpx's aiter_lines) take for line breaks: escaped, so an event
+# is always one line whatever text the model generates.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: dict) -> bytes:
-    """One Server-Sent Event carrying a JSON payload."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    """One Server-Sent Event carrying a JSON payload, on one line."""
+    text = json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+    return b"data: " + text.encode() + b"\n\n"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from iterserve.cluster.openai.stream import StopMatcher
+from iterserve.cluster.openai.stream import StopMatcher, sse
 
 ALPHABET = "abcé✓"
 
@@ -58,3 +60,14 @@ def test_a_stop_split_over_three_pieces():
     emitted, matched = run(["the EN", "", "D", " more"], ["END"])
     assert matched and "".join(emitted) == "the "
     assert emitted[0] == "the "  # "EN" was held back
+
+
+@given(st.text(alphabet=st.sampled_from("ab \n\r\x1c\x85\u2028\u2029é€\U0001f600"), max_size=30))
+def test_an_event_is_one_line_for_every_reader_whatever_the_text(text):
+    # Generated text may hold characters that str.splitlines and httpx's line reader
+    # take for line breaks (U+0085, U+2028, U+2029): the event must stay one line.
+    event = sse({"choices": [{"text": text}]})
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    line = event[:-2].decode()
+    assert line.splitlines() == [line]
+    assert json.loads(line.removeprefix("data: ")) == {"choices": [{"text": text}]}
