@@ -227,6 +227,11 @@ class HandleEngineClient:
             stream.cancel()
             raise
         if tuple(first) != ACCEPTED:
+            # The replica's generator has ended, but Serve counts a stream as ongoing
+            # until it is read to the end or cancelled: left alone, every refusal
+            # held a slot of the replica's max_ongoing_requests (and memory here),
+            # until the router queued new requests into timeouts.
+            stream.cancel()
             kind, message = first
             raise EngineRefusal(kind, message)
         return stream
