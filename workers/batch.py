@@ -1,15 +1,17 @@
 """Lays one :class:`StepPlan` out as a single flat batch of token rows.
 
 Real rows come first, entry by entry in plan order; padding rows follow, one
-per padding token. Each padding row is a sequence of its own (one query row,
-KV length 1, its K/V written to and read back from the scratch block), so it
-costs a real token's compute and cannot disturb any real sequence::
+per padding token. Each padding row is a sequence of its own: one query row
+whose K/V is written to the scratch block, attending over the step's longest
+KV length with every block-table entry pointing at the scratch block. It costs
+what a padded row of a rectangular batch costs, attention included, and cannot
+disturb any real sequence::
 
     plan: A decode @17, B prefill piece [0, 3) sample, C decode @40 with 1 pad,
           padding_slots [7]
     rows:            A17 | B0 B1 B2 | C40 | padC | pad7
     query_start_loc: 0     1          4     5      6     7
-    seq_lens:        18    3          41    1      1
+    seq_lens:        18    3          41    41     41
     logits rows:     A17, B2, C40, pad7 (the last one is computed and discarded)
 """
 
@@ -90,11 +92,12 @@ def build_batch(
 
     num_pads = sum(e.num_pad_tokens for e in plan.scheduled)
     pad_logit_rows = []
+    padded_len = max(seq_lens, default=1)  # the rectangle a static batch computes
     for i in range(num_pads + len(plan.padding_slots)):
         ids.append(pad_token_id)
         first_pos.append(0)
         starts.append(len(ids))
-        seq_lens.append(1)
+        seq_lens.append(padded_len)
         tables.append([scratch_block])
         if i >= num_pads:
             # A finished-but-batched member still decodes; its logits are the honest cost.
