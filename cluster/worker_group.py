@@ -50,18 +50,6 @@ async def _first_failure(futures):
     return await asyncio.gather(*futures)
 
 
-def _failed(ref) -> bool:
-    """Whether a finished call's reply is an error (a call still running is not)."""
-    ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-    if not ready:
-        return False
-    try:
-        ray.get(ref, timeout=0)
-    except Exception:
-        return True
-    return False
-
-
 class WorkerFailure(RuntimeError):
     """A worker died, hung past the step timeout, or raised during a step.
     ``generation`` names the started group that failed (see ``WorkerGroup.generation``)."""
@@ -110,8 +98,7 @@ class WorkerGroup:
         self.num_kv_blocks = 0
         self.model_info: dict = {}
         self.generation = 0  # bumped by every start: a failure of an older group is stale
-        self.transport = ""  # compiled_graph | actor_calls, chosen by start()
-        self._step_refs: list = []  # the running step's replies (actor_calls)
+        self.transport = ""  # socket | compiled_graph | actor_calls, set by start()
         self.channel: SchedulerChannel | None = None  # the socket transport
 
     async def _reserve(self) -> None:
@@ -152,7 +139,9 @@ class WorkerGroup:
         capacities = await asyncio.gather(*(w.kv_capacity.remote() for w in self.workers))
         self.num_kv_blocks = min(capacities)
         await asyncio.gather(*(w.load.remote(self.num_kv_blocks) for w in self.workers))
-        self.transport = await self._choose_transport()
+        self.transport = (
+            "socket" if self.config.step_transport == "auto" else self.config.step_transport
+        )
         if self.transport == "compiled_graph":
             with InputNode() as plan:
                 outputs = MultiOutputNode([w.execute.bind(plan) for w in self.workers])
@@ -161,9 +150,6 @@ class WorkerGroup:
             await self._open_channel()
         # The first execution sets up the channels; keep that out of the step timeout.
         await self.execute(StepPlan(step=PING_STEP), timeout_s=STARTUP_TIMEOUT_S)
-
-    async def _choose_transport(self) -> str:
-        return "socket" if self.config.step_transport == "auto" else self.config.step_transport
 
     async def _open_channel(self) -> None:
         """Each rank listens (a Unix socket when it shares the scheduler's node, TCP
@@ -183,8 +169,7 @@ class WorkerGroup:
             return _first_failure(await self.channel.send(data))
         if self.dag is not None:
             return _resolve(await self.dag.execute_async(data))
-        self._step_refs = [w.execute.remote(data) for w in self.workers]
-        return _first_failure(self._step_refs)
+        return _first_failure([w.execute.remote(data) for w in self.workers])
 
     async def execute(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
         """One broadcast, one reply. Raises WorkerFailure on death, error or timeout."""
@@ -225,14 +210,12 @@ class WorkerGroup:
                 replies.cancel()
 
     def _rank_loop_ended(self) -> bool:
-        """Whether a rank has died mid-step: its compiled-graph loop has ended (which
-        it only does when the rank dies), or its step call failed. A local check of
-        references this process owns: no call reaches a rank (a hung rank is the
-        step timeout's to catch). A dead rank's socket ends its step by itself."""
-        if self.channel is not None:
-            return False
+        """Whether a rank's compiled-graph loop has ended, which it only does when the
+        rank dies. A local check of references this process owns: no call reaches a
+        rank (a hung rank is the step timeout's to catch). The other transports need
+        no check: a dead rank's socket, or its failed actor call, ends the step."""
         if self.dag is None:
-            return any(_failed(ref) for ref in self._step_refs)
+            return False
         loops = list(getattr(self.dag, "worker_task_refs", {}).values())
         if not loops:
             return False
@@ -259,7 +242,6 @@ class WorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        self._step_refs = []
         if dag is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(dag.teardown), timeout=30)
