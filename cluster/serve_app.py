@@ -12,7 +12,9 @@ Each ``EngineServer`` replica *is* a scheduler actor: it runs an ``EngineCore``
 on its own event loop and owns that core's worker actors. Serve routes every
 request to the less loaded of two replicas; ``max_ongoing_requests`` is set
 above the engine's own queue bound, so the engine's queue — answered with a
-429 — is what pushes back, not Serve's. ``build_app`` is the entry point of
+429 — is what pushes back, not Serve's. The ingress takes at most what its
+engines can hold; beyond that and a queue as long again, Serve's proxy answers
+503. ``build_app`` is the entry point of
 ``serve run`` configs (see ``deploy/serve-config.example.yaml``).
 """
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 ACCEPTED = ("accepted", "")  # first item of an accepted generate() stream
 CONSUMER_ID = "replica"  # the one consumer of an in-process EngineCore
-INGRESS_MAX_ONGOING_REQUESTS = 4096
+ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
 
 
 def _replica_name() -> str:
@@ -256,7 +258,7 @@ class HandleEngineClient:
         ]
 
 
-@serve.deployment(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
+@serve.deployment
 @serve.ingress()
 class OpenAIIngress:
     """The HTTP front: every route of the OpenAI-compatible API."""
@@ -338,10 +340,11 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
     """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = args.engine_config()
+    # Above the engine's own bound, so the engine refuses (429) before Serve queues.
+    per_engine = config.max_queue_len + config.max_num_seqs + ENGINE_HEADROOM
     engine = EngineServer.options(
         num_replicas=args.num_engine_replicas,
-        # Above the engine's own bound, so the engine refuses (429) before Serve queues.
-        max_ongoing_requests=config.max_queue_len + config.max_num_seqs + 64,
+        max_ongoing_requests=per_engine,
         health_check_period_s=args.health_check_period_s,
         # A health check pings through the step lock: it may wait out one slow step.
         health_check_timeout_s=config.step_timeout_s + 30,
@@ -350,4 +353,11 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
         placement_group_bundles=engine_bundles(config),
         placement_group_strategy=config.placement_strategy,
     ).bind(config, args.served_model_name(config), metrics_hub_name(args.served_model_name(config)))
-    return OpenAIIngress.bind(engine, config, args)
+    # The ingress holds no more than its engines can take; the proxy queues a bounded
+    # number more and answers 503 beyond that. Unbounded, a burst faster than the
+    # HTTP path itself can turn around piled up in the ingress (memory, then 504s).
+    ingress = OpenAIIngress.options(
+        max_ongoing_requests=args.num_engine_replicas * per_engine,
+        max_queued_requests=args.num_engine_replicas * per_engine,
+    )
+    return ingress.bind(engine, config, args)
