@@ -71,6 +71,7 @@ async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict
         async for _ in engine.generate(requests[0].prompt_ids[:8], warm, request_id="warmup"):
             pass
         before = prometheus_values(await engine.actor.metrics_text.remote())
+        timing_before = (await engine.stats())["timing"]
         start = time.perf_counter()
 
         async def one(req: BenchRequest) -> RequestTiming:
@@ -83,10 +84,15 @@ async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict
 
         timings = await asyncio.wait_for(asyncio.gather(*map(one, requests)), WALL_CAP_S)
         after = prometheus_values(await engine.actor.metrics_text.remote())
+        timing_after = (await engine.stats())["timing"]
     finally:
         await engine.shutdown()
     makespan = max(t.chunks[-1][0] for t in timings if t.chunks)
     steps = step_figures(before, after, config.max_num_seqs)
+    # The rank's own time in the model per step: the rest of ms/step is the control plane.
+    num_steps = timing_after["steps"] - timing_before["steps"]
+    forward_s = timing_after["forward_s"] - timing_before["forward_s"]
+    steps["forward_ms_mean"] = round(1000 * forward_s / num_steps, 2) if num_steps else 0.0
     return policy_entry([r.kind for r in requests], timings, makespan, steps)
 
 

@@ -197,6 +197,7 @@ POLICY_TABLE = [
     ("e2e_p99_s", "E2E p99", ".2f"),
     ("num_steps", "steps", "d"),
     ("step_ms_mean", "ms/step", ".1f"),
+    ("forward_ms_mean", "fwd ms", ".1f"),
 ]
 _LATENCY_PREFIXES = ("ttft_", "itl_", "tpot_", "e2e_")
 

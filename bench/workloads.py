@@ -1,8 +1,9 @@
 """The batching lab's workloads: seeded request lists, the same for every policy.
 
 - ``longtail``: Poisson arrivals faster than any policy serves them, short
-  prompts, lognormal output lengths capped at a quarter of the context (many
-  short, a few long): the first-finisher problem.
+  chat-turn prompts (1/128 to 1/32 of the context), lognormal output lengths
+  capped at a quarter of the context (many short, a few long): the
+  first-finisher problem.
 - ``long-prompts``: steady streams decoding long outputs while prompts of 60-90% of
   the context arrive periodically: the prefill stall.
 """
@@ -34,7 +35,8 @@ class Spec:
 
 SPECS = {
     "longtail": {
-        "full": Spec("longtail", num_requests=320, max_model_len=1024),
+        "full": Spec("longtail", num_requests=640, max_model_len=1024, max_num_seqs=32,
+                     request_rate=96.0),
         "small": Spec("longtail", num_requests=24, max_model_len=128, max_num_seqs=4,
                       chunk_budget=16, batch_timeout_s=0.2, batch_wait_s=0.05, output_median=6),
     },
@@ -68,7 +70,7 @@ def build(spec: Spec, vocab_size: int, seed: int) -> list[BenchRequest]:
     out: list[tuple[float, int, int, str]] = []  # (arrival, prompt_len, output_len, kind)
     if spec.name == "longtail":
         arrivals = np.cumsum(rng.exponential(1.0 / spec.request_rate, spec.num_requests))
-        prompt_lens = rng.integers(ctx // 64, ctx // 16 + 1, spec.num_requests)
+        prompt_lens = rng.integers(ctx // 128, ctx // 32 + 1, spec.num_requests)
         drawn = rng.lognormal(math.log(spec.output_median), spec.output_sigma, spec.num_requests)
         output_lens = np.clip(np.rint(drawn), 2, ctx // 4)
         out = [
