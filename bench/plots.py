@@ -85,7 +85,8 @@ def policy_plot(result: dict, path: str) -> None:
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)
         for x, v in enumerate(values):
-            ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=8)
+            text = f"{v:.0f}" if v >= 100 else f"{v:.3g}"  # 1859, not 1.86e+03
+            ax.annotate(text, (x, v), ha="center", va="bottom", fontsize=8)
     fig.suptitle(f"bench policies --workload {result['workload']['name']}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
