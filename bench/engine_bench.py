@@ -142,38 +142,47 @@ def ceiling(
         kernel_backend="torch",
     )
 
-    def bare_pass() -> float:
-        """The same scheduler decisions replayed in-process: only the runner is timed."""
+    def bare_pass() -> tuple[float, float]:
+        """The same scheduler decisions replayed in-process: only the runner is timed.
+        Returns tokens/s and the model forward's ms per step."""
         sched = Scheduler(config.scheduler_config(num_kv_blocks=num_kv_blocks, max_model_len=512))
         for i, prompt in enumerate(prompts):
             sched.add_request(Request(f"r{i}", prompt, params))
-        bare_s, num_tokens = 0.0, 0
+        bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0
         while sched.has_work:
             plan = sched.schedule(time.monotonic())
             start = time.perf_counter()
             result = runner.execute(plan)
             bare_s += time.perf_counter() - start
+            forward_s += result.forward_s
+            steps += 1
             num_tokens += len(result.sampled)
             sched.update(result)
-        return num_tokens / bare_s
+        return num_tokens / bare_s, 1000 * forward_s / steps
 
-    async def alternate() -> tuple[list[float], list[float]]:
+    async def alternate() -> dict[str, list[float]]:
         engine = await AsyncEngine(config).start()
-        engine_tok_s, bare_tok_s = [], []
+        runs: dict[str, list[float]] = {"engine": [], "bare": [], "engine_fwd": [], "bare_fwd": []}
         try:
             await _generate_all(engine, prompts[:1], params)  # one-off start-up costs
             bare_pass()
             for _ in range(rounds):
+                before = (await engine.stats())["timing"]
                 run = await _generate_all(engine, prompts, params)
-                engine_tok_s.append(run["num_tokens"] / run["wall_s"])
-                bare_tok_s.append(bare_pass())
+                after = (await engine.stats())["timing"]
+                runs["engine"].append(run["num_tokens"] / run["wall_s"])
+                steps = after["steps"] - before["steps"]
+                runs["engine_fwd"].append(1000 * (after["forward_s"] - before["forward_s"]) / steps)
+                tok_s, fwd_ms = bare_pass()
+                runs["bare"].append(tok_s)
+                runs["bare_fwd"].append(fwd_ms)
         finally:
             await engine.shutdown()
-        return engine_tok_s, bare_tok_s
+        return runs
 
-    engine_runs, bare_runs = asyncio.run(alternate())
-    engine_tok_s = statistics.median(engine_runs)
-    ceiling_tok_s = statistics.median(bare_runs)
+    runs = asyncio.run(alternate())
+    engine_tok_s = statistics.median(runs["engine"])
+    ceiling_tok_s = statistics.median(runs["bare"])
     return {
         "model": model,
         "num_seqs": num_seqs,
@@ -181,6 +190,10 @@ def ceiling(
         "engine_tok_s": round(engine_tok_s, 2),
         "ceiling_tok_s": round(ceiling_tok_s, 2),
         "ratio": round(engine_tok_s / ceiling_tok_s, 3),
-        "engine_tok_s_runs": [round(x, 1) for x in engine_runs],
-        "ceiling_tok_s_runs": [round(x, 1) for x in bare_runs],
+        # The model forward alone, per step, in the rank and in this process: how much
+        # of the gap is the forward itself running slower next to the other processes.
+        "engine_forward_ms": round(statistics.median(runs["engine_fwd"]), 3),
+        "bare_forward_ms": round(statistics.median(runs["bare_fwd"]), 3),
+        "engine_tok_s_runs": [round(x, 1) for x in runs["engine"]],
+        "ceiling_tok_s_runs": [round(x, 1) for x in runs["bare"]],
     }
