@@ -119,7 +119,8 @@ def ceiling(
 
     model = model or _default_model()
     ensure_ray()
-    num_kv_blocks = num_seqs * (-(-(prompt_len + max_tokens) // 16) + 1)
+    # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
+    num_kv_blocks = num_seqs * (-(-(prompt_len + max_tokens) // EngineConfig.block_size) + 1)
     config = EngineConfig(
         model=model,
         dtype="float32",

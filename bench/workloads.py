@@ -23,7 +23,7 @@ class Spec:
     max_model_len: int
     max_num_seqs: int = 16
     chunk_budget: int = 128  # chunked's per-step token budget
-    batch_timeout_s: float = 2.0  # static; at the longtail rate a full batch arrives in ~0.5 s
+    batch_timeout_s: float = 2.0  # static; at the longtail rate a full batch arrives in ~0.3 s
     batch_wait_s: float = 0.25  # dynamic
     request_rate: float = 32.0  # longtail arrivals per second (Poisson)
     output_median: int = 32  # longtail output lengths: lognormal(ln median, sigma), capped
