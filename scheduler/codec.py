@@ -23,7 +23,7 @@ from iterserve.scheduler.messages import (
 )
 from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
 
-VERSION = 1
+VERSION = 2  # 2: StepPlan.lookahead
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = 1 << 12
@@ -114,6 +114,7 @@ _SCHEMAS[StepPlan] = (
     _list(_record(ScheduledSeq)),
     _list(_int),
     _list(_int),
+    _bool,
 )
 _SCHEMAS[SampledToken] = (_str, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_str, _str, _list(_int))
@@ -169,6 +170,7 @@ def _encode_plan(m: StepPlan) -> list:
          for s in m.scheduled],
         m.released_slots,
         m.padding_slots,
+        m.lookahead,
     ]
 
 

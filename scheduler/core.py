@@ -5,14 +5,30 @@ iteration and how many tokens each computes; :meth:`Scheduler.update` takes the
 workers' :class:`StepResult` back. The batching *policy* (static, dynamic,
 continuous, chunked) only chooses; this module owns the slot table, the KV
 block manager, the waiting queue, preemption and the messages.
+
+Scheduling ahead: while step N runs, ``schedule`` may build step N+1 (a
+*lookahead* plan), so the workers start N+1 as soon as N ends instead of
+waiting for the scheduler to take N's result and decide. What N will produce
+is not known yet, so the lookahead plan is built on what is certain:
+
+- every sequence N samples for is counted as one token longer (its token is
+  *pending*); the workers hold that token and feed it to N+1 themselves;
+- a sequence whose last token (``max_tokens``) N samples *retires*: its slot
+  and blocks go to waiting requests in N+1, and it finishes when N's result
+  brings that token;
+- a sequence N ends by EOS or a stop token still gets a row in N+1, which the
+  workers compute as padding (the cost of not knowing: one row, once);
+- a plan that would have to preempt is not built ahead: ``schedule`` returns
+  None and the caller schedules again once N's result is in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.blocks import BlockManager
+from iterserve.scheduler.blocks import BlockManager, blocks_for
 from iterserve.scheduler.config import SchedulerConfig
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
 from iterserve.scheduler.policies import make_policy
@@ -56,6 +72,14 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A step handed to the workers whose result has not come back."""
+
+    plan: StepPlan
+    requests: dict[int, Request]  # slot -> the request each entry computes
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
@@ -70,8 +94,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self._released_slots: list[int] = []
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[_InFlight] = deque()
         self._in_flight_requests: dict[int, Request] = {}
+        # Requests whose last token a running step samples: slot and blocks already
+        # handed on; request_id -> (request, the blocks it held, for the workers' check).
+        self.retiring: dict[str, tuple[Request, list[int]]] = {}
+        self.lookahead = False  # while a lookahead plan is being built
         # Filled while a step is being built:
         self._new_seqs: list[NewSequence] = []
         self._scheduled: list[ScheduledSeq] = []
@@ -126,24 +154,45 @@ class Scheduler:
         self._finish(request, FinishReason.ERROR)
 
     def requeue_running(self) -> None:
-        """The step in flight was lost with the workers: forget it and preempt every
-        running sequence, to be recomputed on fresh workers. No token is lost."""
-        self._in_flight = None
+        """The steps in flight were lost with the workers: forget them and preempt
+        every running sequence, to be recomputed on fresh workers. No token is lost."""
+        self._in_flight.clear()
         self.policy.reset(self)
-        for request in sorted(self.running.values(), key=Request.sort_key):
+        retiring = [request for request, _ in self.retiring.values()]
+        self.retiring.clear()
+        for request in sorted([*self.running.values(), *retiring], key=Request.sort_key):
             self.preempt(request)
 
     # -- the step --------------------------------------------------------------
 
+    @property
+    def num_in_flight(self) -> int:
+        """Steps handed to the workers whose results have not come back (0, 1 or 2)."""
+        return len(self._in_flight)
+
     def schedule(self, now: float) -> StepPlan | None:
-        """Builds the next step's plan, or returns None when there is nothing to run."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight.step} is still in flight")
+        """Builds the next step's plan, or returns None when there is nothing to run.
+
+        With one step in flight, builds the step after it (a lookahead plan, see
+        the module docstring), or returns None when that step must wait for the
+        result of the one in flight."""
+        if len(self._in_flight) > 1:
+            raise RuntimeError(f"steps {self._in_flight[0].plan.step} and "
+                               f"{self._in_flight[1].plan.step} are still in flight")
+        lookahead = bool(self._in_flight)
+        if lookahead and not self._lookahead_fits():
+            return None
         self._new_seqs, self._scheduled, self._padding_slots = [], [], []
         self._scheduled_ids = set()
         self._in_flight_requests = {}
         self.budget_left = self.config.max_num_batched_tokens
-        self.policy.schedule(self, now)
+        self.lookahead = lookahead
+        try:
+            if lookahead and not self.policy.holds_finished_slots:
+                self._retire_finishing()
+            self.policy.schedule(self, now)
+        finally:
+            self.lookahead = False
         if not self._scheduled:
             return None
         self.step += 1
@@ -153,32 +202,72 @@ class Scheduler:
             scheduled=self._scheduled,
             released_slots=self._released_slots,
             padding_slots=self._padding_slots,
+            lookahead=lookahead,
         )
         self._released_slots = []
-        self._in_flight = plan
+        self._in_flight.append(_InFlight(plan, self._in_flight_requests))
         return plan
 
+    def _lookahead_fits(self) -> bool:
+        """Whether every running sequence's next step, at its largest, fits in the
+        free blocks: then no choice in a plan built ahead can need a preemption."""
+        budget = self.config.max_num_batched_tokens
+        block_size = self.config.block_size
+        tables = self.blocks.tables
+        slab = self.blocks.slab_tokens
+        needed = 0
+        for request in self.running.values():
+            if request.finishes_in_flight:
+                continue  # retires (or pads, in static batching): no new blocks
+            target = request.num_computed_tokens + min(request.num_remaining_tokens, budget)
+            held = len(tables.get(request.request_id, ()))
+            needed += max(0, blocks_for(max(target, slab), block_size) - held)
+        return needed <= self.blocks.num_free
+
+    def _retire_finishing(self) -> None:
+        """Hands on the slot and blocks of every sequence whose last token the step
+        in flight samples. The workers drop it when they sample that token, before
+        they start the step being built, so the step may reuse both."""
+        for request in [r for r in self.running.values() if r.finishes_in_flight]:
+            self.retiring[request.request_id] = (request, self.blocks.free(request.request_id))
+            self.slots.release(request.slot_idx)
+            request.slot_idx = -1
+            del self.running[request.request_id]
+
+    def _blocks_granted_later(self, request: Request) -> int:
+        """Blocks given to ``request`` by the steps still in flight."""
+        return sum(
+            len(entry.new_block_ids)
+            for flight in self._in_flight
+            for entry in flight.plan.scheduled
+            if flight.requests[entry.slot_idx] is request
+        )
+
     def update(self, result: StepResult) -> list[RequestOutput]:
-        """Applies the workers' result: advance, append tokens, finish, free."""
-        plan = self._in_flight
-        if plan is None or result.step != plan.step:
+        """Applies the workers' result for the oldest step in flight: append tokens,
+        finish, free."""
+        if not self._in_flight or result.step != self._in_flight[0].plan.step:
+            oldest = self._in_flight[0].plan.step if self._in_flight else None
             raise ProtocolError(
-                f"result for step {result.step} but step in flight is {plan.step if plan else None}"
+                f"result for step {result.step} but the oldest step in flight is {oldest}"
             )
-        self._in_flight = None
+        flight = self._in_flight.popleft()
+        plan = flight.plan
         expected: list[Request] = []
         for entry in plan.scheduled:
-            request = self._in_flight_requests[entry.slot_idx]
-            if request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += entry.num_tokens
-                if entry.sample:
+            if entry.sample:
+                request = flight.requests[entry.slot_idx]
+                if request.status == RequestStatus.RUNNING:  # not aborted meanwhile
+                    request.num_pending -= 1
                     expected.append(request)
         outputs: dict[str, RequestOutput] = {}
-        running = self.running
+        running, retiring = self.running, self.retiring
         for sampled in result.sampled:
             request = running.get(sampled.request_id)
-            if request is None:  # aborted while the step was in flight
-                continue
+            if request is None:
+                if sampled.request_id not in retiring:
+                    continue  # aborted while the step was in flight
+                request = retiring[sampled.request_id][0]
             request.output_token_ids.append(sampled.token_id)
             out = outputs[request.request_id] = RequestOutput(
                 request.request_id, [sampled.token_id]
@@ -189,9 +278,14 @@ class Scheduler:
                 out.new_logprobs.append(entry)
         for finished in result.finished:
             request = running.get(finished.request_id)
-            if request is None:
+            if request is not None:
+                # A lookahead plan still in flight may have granted it more blocks.
+                held = self.blocks.table(request.request_id)
+                held = held[: len(held) - self._blocks_granted_later(request)]
+            elif finished.request_id in retiring:
+                request, held = retiring[finished.request_id]
+            else:
                 continue
-            held = self.blocks.table(request.request_id)
             if list(finished.block_ids) != held:
                 raise ProtocolError(
                     f"{request.request_id}: worker released blocks "
@@ -222,22 +316,26 @@ class Scheduler:
         admitting it to a slot if it has none. ``reserve_tokens`` allocates blocks
         for that many tokens up front. Returns False, changing nothing, when the
         KV blocks cannot be allocated."""
-        target = request.num_computed_tokens + num_tokens
+        start = request.num_computed_tokens
+        target = start + num_tokens
         new_blocks = self.blocks.allocate(request.request_id, max(target, reserve_tokens))
         if new_blocks is None:
             return False
         if request.slot_idx < 0:
             self._admit(request)
+        sample = target == request.num_tokens + request.num_pending
         self._scheduled.append(
             ScheduledSeq(
                 slot_idx=request.slot_idx,
-                start_pos=request.num_computed_tokens,
+                start_pos=start,
                 num_tokens=num_tokens,
                 new_block_ids=new_blocks,
-                sample=target == request.num_tokens,
+                sample=sample,
                 num_pad_tokens=num_pad_tokens,
             )
         )
+        request.num_computed_tokens = target
+        request.num_pending += sample
         self._scheduled_ids.add(request.request_id)
         self._in_flight_requests[request.slot_idx] = request
         self.budget_left -= num_tokens + num_pad_tokens
@@ -258,6 +356,8 @@ class Scheduler:
                 if new_blocks is None:
                     raise RuntimeError("schedule_decodes called without room for new blocks")
             scheduled.append(ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
+            request.num_computed_tokens = pos + 1
+            request.num_pending += 1
             ids.add(request.request_id)
             in_flight[request.slot_idx] = request
         self.budget_left -= len(requests)
@@ -272,12 +372,17 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
-        every token it produced, to be recomputed later."""
+        every token it produced, to be recomputed later. Never while a step is in
+        flight, except to forget the lost steps of failed workers."""
+        if self.lookahead:
+            raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
         self.blocks.free(request.request_id)
-        self._release_slot(request)
-        del self.running[request.request_id]
+        if request.slot_idx >= 0:  # a retiring request has handed its slot on
+            self._release_slot(request)
+            del self.running[request.request_id]
         self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
+        request.num_pending = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -312,8 +417,10 @@ class Scheduler:
         was_running = request.status == RequestStatus.RUNNING
         request.status = reason.status
         request.finish_reason = reason
-        self.blocks.free(request.request_id)
         del self.requests[request.request_id]
+        if self.retiring.pop(request.request_id, None) is not None:
+            return  # slot and blocks were handed on when it retired
+        self.blocks.free(request.request_id)
         if not was_running:
             return
         del self.running[request.request_id]
@@ -329,7 +436,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or bool(self.retiring) or len(self.waiting) > 0
 
     def next_deadline(self) -> float | None:
         """When a waiting-but-unlaunched batch must launch (static/dynamic), if any."""
@@ -342,7 +449,7 @@ class Scheduler:
         return {
             "policy": self.config.policy,
             "step": self.step,
-            "num_running": len(self.running),
+            "num_running": len(self.running) + len(self.retiring),
             "num_waiting": len(self.waiting),
             "num_preempted": num_preempted,
             "slots_used": self.slots.num_used,
@@ -363,4 +470,7 @@ class Scheduler:
         for request in self.running.values():
             assert self.slots.owner(request.slot_idx) == request.request_id, "slot owner mismatch"
             assert request.status == RequestStatus.RUNNING
-        assert len(self.waiting) + len(self.running) == len(self.requests), "requests lost"
+        for request, _ in self.retiring.values():
+            assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
+        counted = len(self.waiting) + len(self.running) + len(self.retiring)
+        assert counted == len(self.requests), "requests lost"

@@ -72,7 +72,7 @@ class FakeExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
-        self.table.apply(plan)
+        plan = self.table.apply(plan)
         result = StepResult(
             step=plan.step, num_tokens=plan.num_tokens, num_padding_tokens=plan.num_padding_tokens
         )

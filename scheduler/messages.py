@@ -14,6 +14,13 @@ A worker applies a :class:`StepPlan` in this order:
 4. compute one padding token for each slot in ``padding_slots`` (static
    batching's finished-but-still-batched members);
 5. sample one token for each scheduled sequence with ``sample`` set.
+
+A ``lookahead`` plan was built while the step before it was still running, so
+the scheduler did not yet know which sequences that step would end. A worker
+turns each of its entries whose sequence ended in the previous step (by EOS or
+a stop token: the scheduler foresees length limits) into one padding row: the
+row is computed, as it would be on any machine, and its token discarded. Only
+a lookahead plan may name such a slot; in any other plan it is an error.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     released_slots: list[int] = field(default_factory=list)
     padding_slots: list[int] = field(default_factory=list)
+    lookahead: bool = False
 
     @property
     def num_tokens(self) -> int:

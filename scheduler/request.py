@@ -65,6 +65,11 @@ class Request:
         [p p p p p p p p][o o o]
         |<- computed ---------->|   num_computed_tokens == num_tokens - 1: decoding
         |<- computed ->|            partial prefill (or recompute after preemption)
+
+    ``num_computed_tokens`` advances when a step is *scheduled*. While a step
+    that samples for the request is still running, its token is counted in
+    ``num_pending`` (known to the workers, not yet to the scheduler), so a
+    decode can be scheduled again before the last one's token has come back.
     """
 
     request_id: str
@@ -76,6 +81,7 @@ class Request:
     output_logprobs: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending: int = 0
     slot_idx: int = -1
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -101,7 +107,14 @@ class Request:
     @property
     def num_remaining_tokens(self) -> int:
         """Tokens still to compute before the next sample."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    @property
+    def finishes_in_flight(self) -> bool:
+        """Whether a step already running samples this request's last token (max_tokens)."""
+        return self.num_pending > 0 and (
+            self.num_output_tokens + self.num_pending >= self.params.max_tokens
+        )
 
     @property
     def is_decoding(self) -> bool:

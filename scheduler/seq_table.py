@@ -9,6 +9,7 @@ the real runner share exactly the same stop rules.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from iterserve.scheduler.messages import FinishedSeq, NewSequence, ScheduledSeq, StepPlan
@@ -64,16 +65,22 @@ class SequenceTable:
     def __init__(self, eos_token_ids: frozenset[int] | set[int] = frozenset()):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.by_slot: dict[int, SeqState] = {}
+        self.ended: set[int] = set()  # slots whose sequence ended in the current step
 
     def __len__(self) -> int:
         return len(self.by_slot)
 
-    def apply(self, plan: StepPlan) -> None:
-        """Steps 1-3 of a plan's bookkeeping (see :mod:`messages`)."""
+    def apply(self, plan: StepPlan) -> StepPlan:
+        """Steps 1-3 of a plan's bookkeeping (see :mod:`messages`). Returns the plan
+        to compute: ``plan`` itself, or for a lookahead plan naming sequences the
+        previous step ended, a copy in which their entries are padding slots."""
+        ended, self.ended = self.ended, set()
         for slot_idx in plan.released_slots:
             self.by_slot.pop(slot_idx, None)
         for new in plan.new_seqs:
             self._add(new)
+        if plan.lookahead and ended:
+            plan = self._pad_ended(plan, ended)
         for entry in plan.scheduled:
             seq = self.get(entry.slot_idx)
             if entry.start_pos != seq.num_computed_tokens:
@@ -87,6 +94,18 @@ class SequenceTable:
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
                 )
             seq.block_ids.extend(entry.new_block_ids)
+        return plan
+
+    def _pad_ended(self, plan: StepPlan, ended: set[int]) -> StepPlan:
+        live, padded = [], []
+        for entry in plan.scheduled:
+            stale = entry.slot_idx in ended and entry.slot_idx not in self.by_slot
+            (padded if stale else live).append(entry)
+        if not padded:
+            return plan
+        return dataclasses.replace(
+            plan, scheduled=live, padding_slots=plan.padding_slots + [e.slot_idx for e in padded]
+        )
 
     def _add(self, new: NewSequence) -> None:
         if new.slot_idx in self.by_slot:
@@ -126,4 +145,5 @@ class SequenceTable:
         if reason is None:
             return None
         del self.by_slot[slot_idx]
+        self.ended.add(slot_idx)
         return FinishedSeq(request_id=seq.request_id, reason=reason.value, block_ids=seq.block_ids)

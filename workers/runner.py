@@ -100,7 +100,7 @@ class ModelRunner:
                     f"{new.request_id}: token id {bad[0]} outside the vocabulary "
                     f"of {self.vocab_size}"
                 )
-        self.table.apply(plan)
+        plan = self.table.apply(plan)
         result = StepResult(
             step=plan.step,
             num_tokens=plan.num_tokens,

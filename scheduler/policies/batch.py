@@ -42,7 +42,8 @@ class StaticPolicy(Policy):
             self._launch(sched, now)
             return
         for member in self.batch:
-            if member.status == RequestStatus.RUNNING:
+            # A member whose last token the step in flight samples is padding from now.
+            if member.status == RequestStatus.RUNNING and not member.finishes_in_flight:
                 if not sched.try_schedule(member, 1):  # cannot happen: worst case reserved
                     raise RuntimeError(f"{member.request_id}: reserved blocks ran out")
             elif member.slot_idx >= 0:  # finished, still batched

@@ -54,7 +54,9 @@ class ContinuousPolicy(Policy):
                     sched.preempt(request)
                     break
                 sched.preempt(victim)
-        self._admit_waiting(sched, now)
+        # Prompts part-way through prefill when the step began (and not preempted since).
+        num_partial = sum(1 for r in prefills if r.slot_idx >= 0)
+        self._admit_waiting(sched, now, num_partial)
 
     @staticmethod
     def _decodes_fit(sched: Scheduler, decodes: list[Request]) -> bool:
@@ -70,8 +72,7 @@ class ContinuousPolicy(Policy):
         live = [r for r in candidates if r.slot_idx >= 0 and not sched.is_scheduled(r)]
         return max(live, key=lambda r: r.sort_key()) if live else None
 
-    def _admit_waiting(self, sched: Scheduler, now: float) -> None:
-        num_partial = sum(1 for r in sched.running.values() if r.num_remaining_tokens > 1)
+    def _admit_waiting(self, sched: Scheduler, now: float, num_partial: int) -> None:
         while sched.budget_left > 0 and sched.slots.num_free > 0:
             request = sched.waiting.peek()
             if request is None:

@@ -1,9 +1,14 @@
 """Drives a Scheduler with the FakeExecutor over a virtual clock, checking
-invariants after every step. Shared by the property tests and benchmarks."""
+invariants after every step. Shared by the property tests and benchmarks.
+
+With ``ahead``, steps are driven as the engine drives them when it schedules
+ahead: each iteration builds the next plan while the previous step is still in
+flight, then takes that step's result."""
 
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 from iterserve.scheduler import FakeExecutor, Request, RequestStatus, SamplingParams, Scheduler
@@ -61,6 +66,8 @@ class Checker:
             scheduled = {sched.slots.owner(s.slot_idx) for s in plan.scheduled}
             for request_id, decoding in was_decoding.items():
                 request = sched.requests.get(request_id)
+                if request_id in sched.retiring:
+                    continue  # its last token is being sampled by the step in flight
                 if decoding and request is not None and request.status == RequestStatus.RUNNING:
                     assert request_id in scheduled, f"running decode {request_id} left out"
         else:
@@ -77,8 +84,12 @@ def run(
     arrivals: list[Arrival],
     max_steps: int = 20_000,
     through_codec: bool = False,
+    ahead: bool = False,
 ) -> RunLog:
     log = RunLog()
+    # Results of steps the executor has run and the scheduler has not yet taken:
+    # the executor runs each plan when it is handed over, in order, like a rank.
+    in_flight: deque[StepResult] = deque()
     pending = sorted(arrivals, key=lambda a: a.step)
     checker = Checker(sched)
     clock = 0
@@ -86,7 +97,19 @@ def run(
     for a in arrivals:
         if a.abort_step is not None:
             by_step.setdefault(a.abort_step, []).append(a)
-    while pending or sched.has_work:
+    def hand_over(plan: StepPlan, was_decoding: dict[str, bool]) -> None:
+        checker.after_schedule(plan, was_decoding)
+        for a in by_step.get(clock - 1, []):
+            if a.abort_in_flight and sched.abort(a.request_id):
+                log.reasons[a.request_id] = "abort"
+        if through_codec:
+            plan = decode(encode(plan), StepPlan)
+        result = executor.execute(plan)
+        if through_codec:
+            result = decode(encode(result), StepResult)
+        in_flight.append(result)
+
+    while pending or sched.has_work or in_flight:
         assert clock < max_steps, "scheduler made no progress"
         while pending and pending[0].step <= clock:
             a = pending.pop(0)
@@ -104,21 +127,20 @@ def run(
         for a in by_step.get(clock, []):
             if not a.abort_in_flight and sched.abort(a.request_id):
                 log.reasons[a.request_id] = "abort"
-        was_decoding = checker.before()
-        plan = sched.schedule(float(clock))
         clock += 1
-        if plan is None:
-            continue
-        checker.after_schedule(plan, was_decoding)
-        for a in by_step.get(clock - 1, []):
-            if a.abort_in_flight and sched.abort(a.request_id):
-                log.reasons[a.request_id] = "abort"
-        if through_codec:
-            plan = decode(encode(plan), StepPlan)
-        result = executor.execute(plan)
-        if through_codec:
-            result = decode(encode(result), StepResult)
-        for out in sched.update(result):
+        if not in_flight:
+            was_decoding = checker.before()
+            plan = sched.schedule(float(clock - 1))
+            if plan is None:
+                continue
+            hand_over(plan, was_decoding)
+        if ahead and sched.has_work:
+            was_decoding = checker.before()
+            plan = sched.schedule(float(clock - 1))
+            if plan is not None:
+                assert plan.lookahead
+                hand_over(plan, was_decoding)
+        for out in sched.update(in_flight.popleft()):
             log.outputs[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 log.reasons[out.request_id] = out.finish_reason.value

@@ -59,6 +59,7 @@ plans = st.builds(
     ),
     released_slots=st.lists(ints, max_size=8),
     padding_slots=st.lists(ints, max_size=8),
+    lookahead=st.booleans(),
 )
 floats = st.floats(allow_nan=False)
 results = st.builds(
@@ -168,13 +169,15 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
     "payload",
     [
         msgpack.packb(msgpack.ExtType(1, b"x")),  # extension type
-        msgpack.packb([1, 1, 1.5]),  # wrong field type
-        msgpack.packb([9, 1]),  # unknown tag
-        msgpack.packb([1, 2, 1, [], [], [], []]),  # unknown version
-        msgpack.packb([1, 1, True, [], [], [], []]),  # bool where int belongs
+        msgpack.packb([1, 2, 1.5]),  # wrong field type
+        msgpack.packb([9, 2]),  # unknown tag
+        msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``lookahead``
+        msgpack.packb([1, 3, 1, [], [], [], [], False]),  # unknown version
+        msgpack.packb([1, 2, True, [], [], [], [], False]),  # bool where int belongs
+        msgpack.packb([1, 2, 1, [], [], [], [], 0]),  # int where bool belongs
         msgpack.packb({"a": 1}),  # a map
-        msgpack.packb([1, 1, 1, [], [], [], [], "extra"]),  # extra field
-        msgpack.packb([1, 1, 1, [], [[0, 0, 1, [], True]], [], []]),  # short nested record
+        msgpack.packb([1, 2, 1, [], [], [], [], False, "extra"]),  # extra field
+        msgpack.packb([1, 2, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
         b"\xc1",  # reserved byte
         b"\x91" * 5000,  # deep nesting
     ],

@@ -53,13 +53,15 @@ def workloads(draw, policy: str):
     return config, arrivals
 
 
-def check_workload(config: SchedulerConfig, arrivals: list[Arrival], through_codec=False) -> None:
+def check_workload(
+    config: SchedulerConfig, arrivals: list[Arrival], through_codec=False, ahead=False
+) -> None:
     targets = {a.request_id: a.output_len for a in arrivals}
     executor = FakeExecutor(
         vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size
     )
     sched = Scheduler(config)
-    log = run(sched, executor, arrivals, through_codec=through_codec)
+    log = run(sched, executor, arrivals, through_codec=through_codec, ahead=ahead)
     for a in arrivals:
         max_tokens = min(a.max_tokens, config.max_model_len - a.prompt_len)
         expected, reason = executor.expected_output(
@@ -110,3 +112,18 @@ def test_chunked_invariants(workload):
 def test_every_policy_through_the_codec(workload):
     """The same runs give the same outputs when every message crosses msgpack."""
     check_workload(*workload, through_codec=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(POLICIES).flatmap(workloads))
+def test_scheduling_ahead_keeps_every_invariant_and_output(workload):
+    """Each plan built while the step before it runs: the same tokens and finish
+    reasons as one step at a time, despite EOS the scheduler learns a step late,
+    preemptions, aborts in flight; nothing leaks."""
+    check_workload(*workload, ahead=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(POLICIES).flatmap(workloads))
+def test_scheduling_ahead_through_the_codec(workload):
+    check_workload(*workload, through_codec=True, ahead=True)
