@@ -36,6 +36,10 @@ class EngineConfig:
         ``compiled_graph``: one write into a Ray compiled graph (shared memory,
         ~0.5 ms, but the scheduler and every rank busy-wait on a core each, even
         idle; one node only); ``actor_calls``: one actor call per rank per step.
+    async_scheduling: build each step's plan while the step before it runs, so the
+        ranks go from one step to the next without waiting for the scheduler (with
+        the ``socket`` and ``compiled_graph`` transports); ``False`` schedules each
+        step only once the previous result is in.
     ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory
@@ -66,6 +70,7 @@ class EngineConfig:
     max_restarts: int = 3
     placement_strategy: str = "PACK"
     step_transport: str = "auto"
+    async_scheduling: bool = True
     num_cpus_per_worker: float = 1.0
     torch_threads: int | None = None
     ray_metrics: bool = True

@@ -7,6 +7,17 @@ Its loop is one tick after another::
     outputs = scheduler.update(result)    # append tokens, finish, free slots and KV
     publish(outputs)                      # to each consumer's buffer
 
+With ``async_scheduling`` the next plan is built and sent while a step runs,
+and the result is taken after::
+
+    submit(step N)                        # from the previous tick (or now, from idle)
+    submit(scheduler.schedule(now))       # step N+1, built ahead (None when it can't be)
+    outputs = scheduler.update(await collect(step N))
+    publish(outputs)
+
+so the ranks start N+1 the moment N ends, and the scheduler's own work for a
+step (update, publish, schedule, encode) overlaps the next step's forward.
+
 It sleeps while there is no work and wakes on arrival. Consumers (engine
 clients in other processes) fetch their requests' outputs with one long-poll
 call per batch of steps, never one call per token.
@@ -27,7 +38,7 @@ from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.metrics import EngineMetrics
 from iterserve.cluster.recorder import MetricsRecorder
-from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
+from iterserve.cluster.worker_group import Submitted, WorkerFailure, WorkerGroup
 from iterserve.scheduler import (
     FinishReason,
     PromptTooLongError,
@@ -37,6 +48,7 @@ from iterserve.scheduler import (
     SamplingParams,
     SamplingParamsError,
     Scheduler,
+    StepPlan,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,12 +91,17 @@ class EngineCore:
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
+        # The step handed to the workers and not yet collected, between ticks:
+        # (its plan, its replies, when its scheduling began).
+        self.in_flight: tuple[StepPlan, Submitted, float] | None = None
+        self.last_result_at = 0.0
         self.dead_reason: str | None = None
         self.num_restarts = 0
         self.counters: dict[str, int] = defaultdict(int)
         # Wall time of whole steps vs the workers' own forward time: the difference
-        # is the control plane's cost (schedule, broadcast, collect, update).
-        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0}
+        # is the control plane's cost (schedule, broadcast, collect, update) that the
+        # steps do not hide; ``steps_ahead`` counts plans built while a step ran.
+        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0, "steps_ahead": 0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -124,9 +141,13 @@ class EngineCore:
 
     # -- the loop ---------------------------------------------------------------------
 
+    @property
+    def schedules_ahead(self) -> bool:
+        return self.config.async_scheduling and self.workers.pipelines
+
     async def _loop(self) -> None:
         while True:
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and self.in_flight is None:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
@@ -139,22 +160,50 @@ class EngineCore:
                 await self._sleep_until(self.scheduler.next_deadline())
 
     async def tick(self) -> bool:
+        """Takes back one step's result; hands the workers the step after it first,
+        when it can be built ahead. False when there was nothing to run."""
         async with self.step_lock:
-            start = time.perf_counter()
-            plan = self.scheduler.schedule(time.monotonic())
-            if plan is None:
-                return False
-            result = await self.workers.execute(plan)
-            outputs = self.scheduler.update(result)
-            self._record_step(plan, time.perf_counter() - start, result.forward_s)
+            current, self.in_flight = self.in_flight, None
+            if current is None:
+                current = await self._submit_next()
+                if current is None:
+                    return False
+            if self.schedules_ahead and self.scheduler.has_work:
+                self.in_flight = await self._submit_next()
+                self.timing["steps_ahead"] += self.in_flight is not None
+            outputs = await self._collect(current)
         self.publish(outputs)
         return True
 
-    def _record_step(self, plan, step_s: float, forward_s: float) -> None:
+    async def _submit_next(self) -> tuple[StepPlan, Submitted, float] | None:
+        started = time.perf_counter()
+        plan = self.scheduler.schedule(time.monotonic())
+        if plan is None:
+            return None
+        return plan, await self.workers.submit(plan), started
+
+    async def _collect(self, flight: tuple[StepPlan, Submitted, float]) -> list[RequestOutput]:
+        plan, submitted, started = flight
+        result = await self.workers.collect(submitted)
+        outputs = self.scheduler.update(result)
+        now = time.perf_counter()
+        # The step's time on the critical path: from the previous result when it was
+        # built ahead, else from the start of its scheduling.
+        step_s = now - max(started, self.last_result_at)
+        self.last_result_at = now
         self.timing["steps"] += 1
         self.timing["step_s"] += step_s
-        self.timing["forward_s"] += forward_s
-        self.recorder.step(plan, step_s, self.scheduler)
+        self.timing["forward_s"] += result.forward_s
+        self.counters["padding_tokens"] += result.num_padding_tokens
+        self.recorder.step(plan, result, step_s, self.scheduler)
+        return outputs
+
+    async def _drain(self) -> None:
+        """Collects the step in flight (under ``step_lock``), so that nothing runs
+        behind a health check or an integrity check."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self.publish(await self._collect(flight))
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self.wake.clear()
@@ -171,6 +220,7 @@ class EngineCore:
         async with self.step_lock:
             if exc.generation != self.workers.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
+            self.in_flight = None  # lost with the workers, as is any step before it
             self.scheduler.requeue_running()
             if self.num_restarts >= self.config.max_restarts:
                 self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
@@ -305,6 +355,7 @@ class EngineCore:
 
     async def check_integrity(self) -> None:
         async with self.step_lock:
+            await self._drain()
             self.scheduler.check_integrity()
 
     async def health(self) -> tuple[bool, str]:
@@ -313,6 +364,7 @@ class EngineCore:
             return False, self.dead_reason
         try:
             async with self.step_lock:
+                await self._drain()
                 await self.workers.ping()
         except WorkerFailure as exc:
             # An idle engine learns of a dead worker here: restart it now.

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from iterserve.cluster.metrics import EngineMetrics
-from iterserve.scheduler import RequestOutput, Scheduler, StepPlan
+from iterserve.scheduler import RequestOutput, Scheduler, StepPlan, StepResult
 
 
 @dataclass(slots=True)
@@ -40,18 +40,21 @@ class MetricsRecorder:
     def worker_restart(self) -> None:
         self.metrics.on_worker_restart()
 
-    def step(self, plan: StepPlan, step_s: float, sched: Scheduler) -> None:
+    def step(self, plan: StepPlan, result: StepResult, step_s: float, sched: Scheduler) -> None:
         started = time.monotonic() - step_s
         for new in plan.new_seqs:
             times = self.times.get(new.request_id)
             if times is not None and not times.scheduled:
                 times.scheduled = started
-        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and s.sample)
+        # The workers' counts: a plan built ahead may name sequences the step before
+        # it ended, whose decodes the workers computed as padding.
+        ended = plan.num_tokens - result.num_tokens
+        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and s.sample) - ended
         self.metrics.observe_step(
             duration_s=step_s,
-            num_prefill_tokens=plan.num_tokens - decode,
+            num_prefill_tokens=result.num_tokens - decode,
             num_decode_tokens=decode,
-            num_padding_tokens=plan.num_padding_tokens,
+            num_padding_tokens=result.num_padding_tokens,
             num_running=len(sched.running),
             max_num_seqs=sched.config.max_num_seqs,
         )

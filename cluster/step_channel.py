@@ -9,6 +9,10 @@ reached over a Unix socket in a private directory; ranks on other nodes over
 TCP, where the first bytes on a connection must be a one-off token the
 scheduler handed the rank through Ray, and any other connection is dropped.
 
+A rank answers its frames in order, so the scheduler may write the next plan
+before the previous reply has come (scheduling ahead): the rank finds it
+waiting in its socket the moment it finishes a step.
+
 Frames: a 4-byte big-endian length, then the payload. A rank's reply payload
 starts with one status byte: ``OK`` then the encoded ``StepResult`` (or nothing),
 or ``FAILED`` then the error's text.
@@ -134,6 +138,9 @@ class SchedulerChannel:
 
     def __init__(self, streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]):
         self.streams = streams
+        # Per rank, the task reading the reply to the last plan sent: the next
+        # reply is read only after it, since replies arrive in order.
+        self.last_replies: list[asyncio.Task | None] = [None] * len(streams)
 
     @classmethod
     async def connect(cls, addresses: list[tuple], token: bytes) -> SchedulerChannel:
@@ -155,7 +162,8 @@ class SchedulerChannel:
         return cls(streams)
 
     async def send(self, payload: bytes) -> list[asyncio.Task]:
-        """Writes ``payload`` to every rank; one task per rank for its reply."""
+        """Writes ``payload`` to every rank; one task per rank for its reply. A plan
+        may be sent before the replies to the previous one have been read."""
         frame = _frame(payload)
         for _, writer in self.streams:
             writer.write(frame)
@@ -163,13 +171,22 @@ class SchedulerChannel:
             await asyncio.gather(*(writer.drain() for _, writer in self.streams))
         except (ConnectionError, OSError) as exc:
             raise ChannelClosed(f"a rank's step channel is closed: {exc}") from None
-        return [
-            asyncio.ensure_future(self._reply(rank, reader))
+        replies = [
+            asyncio.ensure_future(self._reply(rank, reader, self.last_replies[rank]))
             for rank, (reader, _) in enumerate(self.streams)
         ]
+        self.last_replies = list(replies)
+        return replies
 
     @staticmethod
-    async def _reply(rank: int, reader: asyncio.StreamReader) -> bytes:
+    async def _reply(
+        rank: int, reader: asyncio.StreamReader, before: asyncio.Task | None
+    ) -> bytes:
+        if before is not None:
+            await asyncio.wait([before])
+            # A rank's error reply was read whole; a cancelled or broken read was not.
+            if before.cancelled() or isinstance(before.exception(), ChannelClosed):
+                raise ChannelClosed(f"rank {rank}'s reply to an earlier plan was lost")
         try:
             (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
             if not 0 < length <= MAX_FRAME_BYTES:

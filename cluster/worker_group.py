@@ -12,6 +12,11 @@ come back together, through the ``step_transport``:
   step's input and leave every rank waiting.
 - ``actor_calls``: one plain actor call per rank per step (~1-6 ms here); for
   comparison.
+
+A step is ``submit``-ted, then ``collect``-ed. The socket and the compiled graph
+keep steps in order, so a second plan may be submitted before the first is
+collected (``pipelines``): the scheduler builds the next step while this one
+runs. Actor calls may overtake each other, so they run one step at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import dataclass
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -48,6 +54,14 @@ async def _first_failure(futures):
     # One task or reference per rank: the first error ends the wait (a dead rank
     # must not wait behind a live one blocked in an all-reduce with it).
     return await asyncio.gather(*futures)
+
+
+@dataclass
+class Submitted:
+    """A step handed to the ranks: what ``WorkerGroup.collect`` waits on."""
+
+    step: int
+    replies: asyncio.Future  # every rank's encoded reply, in rank order
 
 
 class WorkerFailure(RuntimeError):
@@ -100,6 +114,7 @@ class WorkerGroup:
         self.generation = 0  # bumped by every start: a failure of an older group is stale
         self.transport = ""  # socket | compiled_graph | actor_calls, set by start()
         self.channel: SchedulerChannel | None = None  # the socket transport
+        self.submitted: set[asyncio.Future] = set()  # replies not yet collected
 
     async def _reserve(self) -> None:
         tp = self.config.tensor_parallel_size
@@ -163,7 +178,7 @@ class WorkerGroup:
         ))  # fmt: skip
         self.channel = await SchedulerChannel.connect(list(addresses), token)
 
-    async def _send(self, data: bytes):
+    async def _hand_over(self, data: bytes):
         """Hands the encoded plan to every rank; returns what awaits every reply."""
         if self.channel is not None:
             return _first_failure(await self.channel.send(data))
@@ -171,30 +186,52 @@ class WorkerGroup:
             return _resolve(await self.dag.execute_async(data))
         return _first_failure([w.execute.remote(data) for w in self.workers])
 
+    @property
+    def pipelines(self) -> bool:
+        """Whether a step may be submitted before the previous one is collected."""
+        return self.transport in ("socket", "compiled_graph")
+
     async def execute(self, plan: StepPlan, timeout_s: float | None = None) -> StepResult:
         """One broadcast, one reply. Raises WorkerFailure on death, error or timeout."""
-        data = codec.encode(plan)
-        timeout_s = timeout_s or self.config.step_timeout_s
+        return await self.collect(await self.submit(plan), timeout_s)
+
+    async def submit(self, plan: StepPlan) -> Submitted:
+        """Encodes ``plan`` once and hands it to every rank."""
         try:
-            replies = await self._replies(await self._send(data), timeout_s)
+            waiting = await self._hand_over(codec.encode(plan))
+        except Exception as exc:  # a closed channel, a dead actor
+            message = f"step {plan.step} failed: {type(exc).__name__}: {exc}"
+            raise WorkerFailure(message, self.generation) from exc
+        replies = asyncio.ensure_future(waiting)
+        self.submitted.add(replies)
+        return Submitted(plan.step, replies)
+
+    async def collect(self, submitted: Submitted, timeout_s: float | None = None) -> StepResult:
+        """The result of a submitted step, waiting up to the step timeout from now.
+        Raises WorkerFailure on death, error or timeout."""
+        timeout_s = timeout_s or self.config.step_timeout_s
+        step = submitted.step
+        try:
+            replies = await self._replies(submitted.replies, timeout_s)
         except asyncio.TimeoutError:
             raise WorkerFailure(
-                f"step {plan.step} took longer than the step timeout of {timeout_s} s",
+                f"step {step} took longer than the step timeout of {timeout_s} s",
                 self.generation,
             ) from None
         except WorkerFailure as exc:
-            raise WorkerFailure(f"step {plan.step} failed: {exc}", self.generation) from None
+            raise WorkerFailure(f"step {step} failed: {exc}", self.generation) from None
         except Exception as exc:  # actor death, channel errors, a worker's exception
-            message = f"step {plan.step} failed: {type(exc).__name__}: {exc}"
+            message = f"step {step} failed: {type(exc).__name__}: {exc}"
             raise WorkerFailure(message, self.generation) from exc
+        finally:
+            self.submitted.discard(submitted.replies)
         return codec.decode(replies[0], StepResult)
 
-    async def _replies(self, waiting, timeout_s: float) -> list:
+    async def _replies(self, replies: asyncio.Future, timeout_s: float) -> list:
         """Every rank's reply; raises TimeoutError past ``timeout_s``, and WorkerFailure
         within about ``LIVENESS_CHECK_S`` of a rank's death."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        replies = asyncio.ensure_future(waiting)
         try:
             while True:
                 remaining = deadline - loop.time()
@@ -236,6 +273,9 @@ class WorkerGroup:
     async def stop(self) -> None:
         """Kills the ranks (a hung or dead one included); the placement stays reserved."""
         dag, self.dag = self.dag, None
+        for replies in self.submitted:  # steps lost with this group
+            replies.cancel()
+        self.submitted.clear()
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -118,6 +118,32 @@ async def test_health_exercises_the_workers():
         await engine.shutdown()
 
 
+async def test_health_and_integrity_checks_while_steps_are_planned_ahead():
+    """A check waits for the step in flight, never behind a whole busy period, and
+    the streams it interrupts go on with exactly their tokens."""
+    engine = await start_engine(
+        fake_config(
+            executor_options={"output_len": None, "max_model_len": 128, "step_sleep_s": 0.005}
+        )
+    )
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0)
+        ids = [f"busy-{i}" for i in range(4)]
+        streams = asyncio.gather(*(collect(engine, [3, 4, 5], params, request_id=r) for r in ids))
+        for _ in range(5):
+            await asyncio.sleep(0.03)
+            assert await engine.health() == (True, "ok")
+            await engine.actor.check_integrity.remote()
+        reference = FakeExecutor(vocab_size=1000)
+        for rid, result in zip(ids, await streams):
+            assert result == reference.expected_output(rid, params)
+        stats = await wait_idle(engine)
+        assert stats["timing"]["steps_ahead"] > 0
+        assert stats["kv_blocks_used"] == 0 and stats["slots_used"] == 0
+    finally:
+        await engine.shutdown()
+
+
 async def test_engine_error_type_is_exported():
     assert issubclass(EngineError, RuntimeError)
 

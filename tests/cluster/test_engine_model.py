@@ -12,6 +12,7 @@ from tests.cluster.conftest import (
     PROMPTS,
     collect_all,
     model_config,
+    single_process,
     start_engine,
     wait_idle,
 )
@@ -59,6 +60,36 @@ async def test_abort_mid_stream_frees_slot_and_blocks(tiny_llama):
         stats = await wait_idle(engine)
         await other
         assert stats["kv_blocks_used"] == 0 and stats["counters"]["finished_abort"] == 1
+        await engine.actor.check_integrity.remote()
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_a_sequence_ending_on_a_stop_token_while_the_next_step_is_planned(
+    tiny_llama, reference, async_scheduling
+):
+    """The step after a stop token was planned before the scheduler knew of it: the
+    rank computes that sequence's row as padding, and every output is still the
+    single-process runner's."""
+    stop = reference[1][2]  # the third token of the second prompt's output
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)
+    )
+    expected = single_process(tiny_llama, PROMPTS, params, policy="continuous")
+    assert any(len(tokens) < 10 for tokens in expected)
+    config = model_config(tiny_llama, policy="continuous", async_scheduling=async_scheduling)
+    engine = await start_engine(config)
+    try:
+        results = await collect_all(engine, PROMPTS, params)
+        assert [tokens for tokens, _ in results] == expected
+        for tokens, reason in results:
+            assert reason == ("stop_token" if tokens[-1] == stop else "length")
+        stats = await wait_idle(engine)
+        assert stats["kv_blocks_used"] == 0 and stats["slots_used"] == 0
+        assert (stats["timing"]["steps_ahead"] > 0) == async_scheduling
+        # Continuous batching pads nothing, except those rows of planned-ahead steps.
+        assert (stats["counters"]["padding_tokens"] > 0) == async_scheduling
         await engine.actor.check_integrity.remote()
     finally:
         await engine.shutdown()
