@@ -63,9 +63,13 @@ def control_ms_per_step(
     step_sleep_s: float = 0.005,
     max_tokens: int = 100,
     step_transport: str = "auto",
+    async_scheduling: bool = True,
 ) -> float:
+    """Wall ms per step beyond the workers' own time. With ``async_scheduling``,
+    the part of the control plane that does not overlap the step before."""
     config = EngineConfig(
         step_transport=step_transport,
+        async_scheduling=async_scheduling,
         executor="fake",
         executor_options={"output_len": None, "max_model_len": 512, "step_sleep_s": step_sleep_s},
         num_kv_blocks=num_seqs * 16,
@@ -80,14 +84,22 @@ def control_ms_per_step(
 
 
 def overhead() -> dict:
-    """Control-plane ms per step at 8 and 64 sequences: ``control_*`` through the
-    default transport (the step channel), then the other two for comparison."""
+    """Control-plane ms per step at 8 and 64 sequences: ``control_*`` with the
+    default configuration (the step channel, each plan built while the step before
+    runs), ``one_at_a_time_*`` the same with ``async_scheduling`` off, then the
+    other two transports for comparison."""
     ensure_ray()
-    transports = (("control", "auto"), ("compiled_graph", "compiled_graph"),
-                  ("actor_calls", "actor_calls"))  # fmt: skip
+    variants = (
+        ("control", "auto", True),
+        ("one_at_a_time", "auto", False),
+        ("compiled_graph", "compiled_graph", True),
+        ("actor_calls", "actor_calls", True),  # one step at a time whatever the setting
+    )
     return {
-        f"{key}_ms_per_step_{n}": round(control_ms_per_step(n, step_transport=transport), 3)
-        for key, transport in transports
+        f"{key}_ms_per_step_{n}": round(
+            control_ms_per_step(n, step_transport=transport, async_scheduling=ahead), 3
+        )
+        for key, transport, ahead in variants
         for n in (8, 64)
     }
 
@@ -112,7 +124,9 @@ def ceiling(
 
     This machine's forward speed drifts by 10-20% from one second to the next, more
     than the gap being measured, so the two are measured in ``rounds`` alternating
-    passes (engine, bare, engine, bare, ...) and the medians are compared."""
+    passes (engine, bare, engine, bare, ...) and the medians are compared. Each round
+    also runs a second engine with ``async_scheduling`` off (``engine_serial_*``):
+    what building each plan while the step before runs is worth."""
     import torch
 
     from iterserve.workers.runner import ModelRunner
@@ -161,28 +175,41 @@ def ceiling(
             sched.update(result)
         return num_tokens / bare_s, 1000 * forward_s / steps
 
+    async def engine_pass(engine: AsyncEngine) -> tuple[float, float]:
+        """Tokens/s through the engine, and the rank's forward ms per step."""
+        before = (await engine.stats())["timing"]
+        run = await _generate_all(engine, prompts, params)
+        after = (await engine.stats())["timing"]
+        steps = after["steps"] - before["steps"]
+        fwd_ms = 1000 * (after["forward_s"] - before["forward_s"]) / steps
+        return run["num_tokens"] / run["wall_s"], fwd_ms
+
     async def alternate() -> dict[str, list[float]]:
         engine = await AsyncEngine(config).start()
-        runs: dict[str, list[float]] = {"engine": [], "bare": [], "engine_fwd": [], "bare_fwd": []}
+        serial = await AsyncEngine(config.replace(async_scheduling=False)).start()
+        runs: dict[str, list[float]] = {
+            key: [] for key in ("engine", "serial", "bare", "engine_fwd", "bare_fwd")
+        }
         try:
-            await _generate_all(engine, prompts[:1], params)  # one-off start-up costs
+            for warm in (engine, serial):
+                await _generate_all(warm, prompts[:1], params)  # one-off start-up costs
             bare_pass()
             for _ in range(rounds):
-                before = (await engine.stats())["timing"]
-                run = await _generate_all(engine, prompts, params)
-                after = (await engine.stats())["timing"]
-                runs["engine"].append(run["num_tokens"] / run["wall_s"])
-                steps = after["steps"] - before["steps"]
-                runs["engine_fwd"].append(1000 * (after["forward_s"] - before["forward_s"]) / steps)
+                tok_s, fwd_ms = await engine_pass(engine)
+                runs["engine"].append(tok_s)
+                runs["engine_fwd"].append(fwd_ms)
+                runs["serial"].append((await engine_pass(serial))[0])
                 tok_s, fwd_ms = bare_pass()
                 runs["bare"].append(tok_s)
                 runs["bare_fwd"].append(fwd_ms)
         finally:
             await engine.shutdown()
+            await serial.shutdown()
         return runs
 
     runs = asyncio.run(alternate())
     engine_tok_s = statistics.median(runs["engine"])
+    serial_tok_s = statistics.median(runs["serial"])
     ceiling_tok_s = statistics.median(runs["bare"])
     return {
         "model": model,
@@ -191,10 +218,13 @@ def ceiling(
         "engine_tok_s": round(engine_tok_s, 2),
         "ceiling_tok_s": round(ceiling_tok_s, 2),
         "ratio": round(engine_tok_s / ceiling_tok_s, 3),
+        "engine_serial_tok_s": round(serial_tok_s, 2),
+        "engine_serial_ratio": round(serial_tok_s / ceiling_tok_s, 3),
         # The model forward alone, per step, in the rank and in this process: how much
         # of the gap is the forward itself running slower next to the other processes.
         "engine_forward_ms": round(statistics.median(runs["engine_fwd"]), 3),
         "bare_forward_ms": round(statistics.median(runs["bare_fwd"]), 3),
         "engine_tok_s_runs": [round(x, 1) for x in runs["engine"]],
+        "engine_serial_tok_s_runs": [round(x, 1) for x in runs["serial"]],
         "ceiling_tok_s_runs": [round(x, 1) for x in runs["bare"]],
     }
