@@ -120,6 +120,7 @@ def test_chart_maps_engine_values_to_config(render) -> None:
                 "tensorParallelSize": 2,
                 "dtype": "float16",
                 "batchWaitS": 0.05,
+                "asyncScheduling": False,
             },
             "worker": {"gpus": 4},
             "serve": {"numEngineReplicas": 2, "maxBodyBytes": 65536},
@@ -137,6 +138,7 @@ def test_chart_maps_engine_values_to_config(render) -> None:
     # Explicit, not auto: a replica may start before its GPU pod has joined the cluster.
     assert config["device"] == "cuda"
     assert config["batch_wait_s"] == 0.05
+    assert config["async_scheduling"] is False
     assert args["num_engine_replicas"] == 2
     assert args["max_body_bytes"] == 65536
     assert "api_key_env" not in args

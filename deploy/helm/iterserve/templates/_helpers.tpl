@@ -155,6 +155,7 @@ The Serve config (serveConfigV2) as YAML.
   "long_prefill_token_threshold" (int $e.longPrefillTokenThreshold)
   "batch_timeout_s" (float64 $e.batchTimeoutS)
   "batch_wait_s" (float64 $e.batchWaitS)
+  "async_scheduling" $e.asyncScheduling
 }}
 {{- if gt (int $e.maxModelLen) 0 }}
 {{- $_ := set $config "max_model_len" (int $e.maxModelLen) }}
