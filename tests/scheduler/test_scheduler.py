@@ -16,6 +16,8 @@ from iterserve.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from iterserve.scheduler.messages import ScheduledSeq, StepPlan
+from iterserve.scheduler.seq_table import PlanMismatchError
 from tests.scheduler.driver import Arrival, run
 
 
@@ -223,3 +225,106 @@ def test_run_helper_finishes_every_request_exactly():
     executor = FakeExecutor(output_len={a.request_id: a.output_len for a in arrivals}.__getitem__)
     log = run(Scheduler(config), executor, arrivals)
     assert all(len(log.outputs[a.request_id]) == a.output_len for a in arrivals)
+
+
+# -- scheduling ahead: a plan built while the step before it is in flight -------------------
+
+
+def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahead():
+    sched = make("continuous", max_num_seqs=1)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("a", max_tokens=2))
+    sched.add_request(req("b", max_tokens=2))
+    first = sched.schedule(0.0)  # a: prefill, samples its first token
+    result = executor.execute(first)
+    ahead = sched.schedule(0.0)  # a: decode of its last token
+    assert ahead.lookahead and [s.sample for s in ahead.scheduled] == [True]
+    sched.update(result)
+    later = executor.execute(ahead)
+    # Built while a's last token is still being sampled: a retires, b takes the slot.
+    plan = sched.schedule(0.0)
+    assert "a" in sched.retiring and [n.request_id for n in plan.new_seqs] == ["b"]
+    assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
+    sched.check_integrity()
+    outputs = {o.request_id: o for o in sched.update(later)}
+    assert outputs["a"].finish_reason == FinishReason.LENGTH and not sched.retiring
+    sched.update(executor.execute(plan))
+    sched.check_integrity()
+
+
+def test_the_step_after_an_unforeseen_eos_computes_that_sequence_as_padding():
+    sched = make("continuous", max_num_seqs=2)
+    executor = FakeExecutor(output_len={"a": 1, "b": None}.__getitem__, block_size=4)
+    sched.add_request(req("a", max_tokens=8))
+    sched.add_request(req("b", max_tokens=8))
+    first = sched.schedule(0.0)
+    result = executor.execute(first)  # a samples EOS
+    ahead = sched.schedule(0.0)  # the scheduler does not know yet: both decode
+    assert len(ahead.scheduled) == 2
+    outputs = {o.request_id: o for o in sched.update(result)}
+    assert outputs["a"].finish_reason == FinishReason.EOS
+    after = executor.execute(ahead)
+    assert after.num_tokens == 1 and after.num_padding_tokens == 1
+    assert [t.request_id for t in after.sampled] == ["b"]
+    sched.update(after)  # a's row is not a missing token
+    sched.check_integrity()
+    assert sched.blocks.num_used == len(sched.blocks.table("b"))
+
+
+def test_only_a_plan_built_ahead_may_name_a_sequence_that_has_ended():
+    executor = FakeExecutor(output_len=1, block_size=4)
+    sched = make("continuous", max_num_seqs=1)
+    sched.add_request(req("a", max_tokens=8))
+    plan = sched.schedule(0.0)
+    executor.execute(plan)  # a ends by EOS
+    stale = StepPlan(step=2, scheduled=[ScheduledSeq(plan.scheduled[0].slot_idx, 5, 1, [], True)])
+    with pytest.raises(PlanMismatchError, match="holds no sequence"):
+        executor.execute(stale)
+
+
+def test_a_plan_that_would_preempt_is_not_built_ahead():
+    # Two 8-token prompts in 4-token blocks, 3 blocks to spare: both get their third
+    # block at position 8, and at position 12 only one of them can have a fourth.
+    sched = make("continuous", max_num_seqs=2, block_size=4, num_kv_blocks=7, max_model_len=16)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("a", n=8, max_tokens=8))
+    sched.add_request(req("b", n=8, max_tokens=8, t=1.0))
+    result = executor.execute(sched.schedule(0.0))
+    for _ in range(4):  # decodes at positions 8-11, each built ahead
+        ahead = sched.schedule(0.0)
+        assert ahead.lookahead
+        sched.update(result)
+        result = executor.execute(ahead)
+    assert sched.blocks.num_free == 1
+    assert sched.schedule(0.0) is None  # would need a preemption: wait for the result
+    sched.update(result)
+    plan = sched.schedule(0.0)  # one step at a time, it preempts the latest arrival
+    assert not plan.lookahead and sched.num_preemptions == 1
+    sched.check_integrity()
+
+
+def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
+    sched = make("continuous", max_num_seqs=2)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    sched.add_request(req("a", max_tokens=2))
+    sched.add_request(req("b", max_tokens=6))
+    tokens = {"a": [], "b": []}
+    for out in sched.update(executor.execute(sched.schedule(0.0))):
+        tokens[out.request_id] += out.new_token_ids
+    sched.schedule(0.0)  # in flight: a's last token, b's second
+    ahead = sched.schedule(0.0)  # built ahead: a retires, b decodes again
+    assert ahead.lookahead and "a" in sched.retiring and sched.num_in_flight == 2
+    sched.requeue_running()  # the workers died with both steps
+    assert sched.num_in_flight == 0 and not sched.retiring and not sched.running
+    for request in sched.requests.values():
+        assert request.status == RequestStatus.PREEMPTED
+        assert request.num_output_tokens == 1 and request.num_pending == 0
+    sched.check_integrity()
+    fresh = FakeExecutor(output_len=None, block_size=4)  # recompute on new workers
+    while sched.has_work:
+        for out in step(sched, fresh)[1]:
+            tokens[out.request_id] += out.new_token_ids
+    for request_id, max_tokens in (("a", 2), ("b", 6)):
+        expected, _ = fresh.expected_output(request_id, SamplingParams(max_tokens=max_tokens))
+        assert tokens[request_id] == expected
+    assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
