@@ -183,7 +183,8 @@ class SchedulerChannel:
         rank: int, reader: asyncio.StreamReader, before: asyncio.Task | None
     ) -> bytes:
         if before is not None:
-            await asyncio.wait([before])
+            if not before.done():
+                await asyncio.wait([before])
             # A rank's error reply was read whole; a cancelled or broken read was not.
             if before.cancelled() or isinstance(before.exception(), ChannelClosed):
                 raise ChannelClosed(f"rank {rank}'s reply to an earlier plan was lost")
