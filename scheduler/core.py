@@ -180,16 +180,19 @@ class Scheduler:
             raise RuntimeError(f"steps {self._in_flight[0].plan.step} and "
                                f"{self._in_flight[1].plan.step} are still in flight")
         lookahead = bool(self._in_flight)
-        if lookahead and not self._lookahead_fits():
-            return None
+        finishing: list[Request] = []
+        if lookahead:
+            finishing = self._finishing_if_ahead_fits()
+            if finishing is None:
+                return None
         self._new_seqs, self._scheduled, self._padding_slots = [], [], []
         self._scheduled_ids = set()
         self._in_flight_requests = {}
         self.budget_left = self.config.max_num_batched_tokens
         self.lookahead = lookahead
         try:
-            if lookahead and not self.policy.holds_finished_slots:
-                self._retire_finishing()
+            if finishing and not self.policy.holds_finished_slots:
+                self._retire(finishing)
             self.policy.schedule(self, now)
         finally:
             self.lookahead = False
@@ -208,27 +211,30 @@ class Scheduler:
         self._in_flight.append(_InFlight(plan, self._in_flight_requests))
         return plan
 
-    def _lookahead_fits(self) -> bool:
-        """Whether every running sequence's next step, at its largest, fits in the
-        free blocks: then no choice in a plan built ahead can need a preemption."""
+    def _finishing_if_ahead_fits(self) -> list[Request] | None:
+        """The running sequences whose last token the step in flight samples; None
+        unless every other one's next step, at its largest, fits in the free blocks
+        (otherwise a choice in a plan built ahead could need a preemption)."""
         budget = self.config.max_num_batched_tokens
         block_size = self.config.block_size
         tables = self.blocks.tables
         slab = self.blocks.slab_tokens
         needed = 0
+        finishing = []
         for request in self.running.values():
             if request.finishes_in_flight:
-                continue  # retires (or pads, in static batching): no new blocks
+                finishing.append(request)  # retires (or pads, in static batching)
+                continue
             target = request.num_computed_tokens + min(request.num_remaining_tokens, budget)
             held = len(tables.get(request.request_id, ()))
             needed += max(0, blocks_for(max(target, slab), block_size) - held)
-        return needed <= self.blocks.num_free
+        return finishing if needed <= self.blocks.num_free else None
 
-    def _retire_finishing(self) -> None:
+    def _retire(self, finishing: list[Request]) -> None:
         """Hands on the slot and blocks of every sequence whose last token the step
         in flight samples. The workers drop it when they sample that token, before
         they start the step being built, so the step may reuse both."""
-        for request in [r for r in self.running.values() if r.finishes_in_flight]:
+        for request in finishing:
             self.retiring[request.request_id] = (request, self.blocks.free(request.request_id))
             self.slots.release(request.slot_idx)
             request.slot_idx = -1
