@@ -19,6 +19,7 @@ from pathlib import Path
 
 import ray
 
+from iterserve.bench.report import forward_ms_per_step
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine import AsyncEngine
 from iterserve.scheduler import Request, SamplingParams, Scheduler
@@ -180,9 +181,7 @@ def ceiling(
         before = (await engine.stats())["timing"]
         run = await _generate_all(engine, prompts, params)
         after = (await engine.stats())["timing"]
-        steps = after["steps"] - before["steps"]
-        fwd_ms = 1000 * (after["forward_s"] - before["forward_s"]) / steps
-        return run["num_tokens"] / run["wall_s"], fwd_ms
+        return run["num_tokens"] / run["wall_s"], forward_ms_per_step(before, after)
 
     async def alternate() -> dict[str, list[float]]:
         engine = await AsyncEngine(config).start()

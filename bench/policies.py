@@ -21,6 +21,7 @@ import time
 from iterserve.bench.hf_baseline import run_hf
 from iterserve.bench.report import (
     RequestTiming,
+    forward_ms_per_step,
     median_entry,
     policy_entry,
     prometheus_values,
@@ -89,10 +90,7 @@ async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict
         await engine.shutdown()
     makespan = max(t.chunks[-1][0] for t in timings if t.chunks)
     steps = step_figures(before, after, config.max_num_seqs)
-    # The rank's own time in the model per step: the rest of ms/step is the control plane.
-    num_steps = timing_after["steps"] - timing_before["steps"]
-    forward_s = timing_after["forward_s"] - timing_before["forward_s"]
-    steps["forward_ms_mean"] = round(1000 * forward_s / num_steps, 2) if num_steps else 0.0
+    steps["forward_ms_mean"] = round(forward_ms_per_step(timing_before, timing_after), 2)
     return policy_entry([r.kind for r in requests], timings, makespan, steps)
 
 

@@ -163,6 +163,13 @@ def step_figures(before: dict, after: dict, max_num_seqs: int) -> dict:
     }
 
 
+def forward_ms_per_step(before: dict, after: dict) -> float:
+    """The rank's own ms in the model per step between two ``stats()["timing"]``
+    snapshots of an engine; the rest of a step's time is the control plane."""
+    steps = after["steps"] - before["steps"]
+    return 1000 * (after["forward_s"] - before["forward_s"]) / steps if steps else 0.0
+
+
 def format_table(rows: dict[str, dict], columns: list[tuple[str, str, str]]) -> str:
     """A plain-text table: one row per name; ``columns`` are (key, header, format)."""
     header = ["", *[h for _, h, _ in columns]]
