@@ -21,12 +21,18 @@ from tests.serve.conftest import MODEL, deploy, engine_replicas, fake_engine, un
 APP = "dp"
 NUM_STREAMS = 64
 MAX_TOKENS = 24
+# What an abandoned stream asks for: far more than its abort takes to reach the engine
+# (~25-40 tokens of 5-ms steps on average here, 100 at the tail of a loaded run).
+ABANDONED_MAX_TOKENS = 400
 
 
 @pytest.fixture(scope="module")
 def dp_url(serve_url, tokenizer_dir, vocab_size):
     config = fake_engine(
-        vocab_size, max_num_seqs=8, executor_options={"output_len": None, "step_sleep_s": 0.005}
+        vocab_size,
+        max_num_seqs=8,
+        num_kv_blocks=1024,  # every slot can hold an abandoned stream's whole length
+        executor_options={"output_len": None, "step_sleep_s": 0.005, "max_model_len": 512},
     )
     yield deploy(serve_url, APP, model=str(tokenizer_dir), config=config, num_engine_replicas=2)
     undeploy(APP)
@@ -35,7 +41,7 @@ def dp_url(serve_url, tokenizer_dir, vocab_size):
 async def one_stream(client: httpx.AsyncClient, i: int, leave_after: int | None):
     """Streams request ``dp<i>``; leaves after ``leave_after`` events (None: to the end)."""
     # Abandoned streams ask for far more tokens: they must end by abort, not by length.
-    max_tokens = MAX_TOKENS if leave_after is None else 100
+    max_tokens = MAX_TOKENS if leave_after is None else ABANDONED_MAX_TOKENS
     body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
     events = []
