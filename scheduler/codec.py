@@ -23,7 +23,7 @@ from iterserve.scheduler.messages import (
 )
 from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
 
-VERSION = 2  # 2: StepPlan.lookahead
+VERSION = 3  # 2: StepPlan.lookahead; 3: sequences named by seq_id
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = 1 << 12
@@ -106,7 +106,7 @@ _SCHEMAS[SamplingParams] = (
     _bool,
     _optional(_int),
 )
-_SCHEMAS[NewSequence] = (_str, _int, _list(_int), _int, _record(SamplingParams))
+_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams))
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
     _int,
@@ -116,8 +116,8 @@ _SCHEMAS[StepPlan] = (
     _list(_int),
     _bool,
 )
-_SCHEMAS[SampledToken] = (_str, _int, _optional(_float), _list(_pair))
-_SCHEMAS[FinishedSeq] = (_str, _str, _list(_int))
+_SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
+_SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
 _SCHEMAS[StepResult] = (
     _int,
     _list(_record(SampledToken)),
@@ -153,9 +153,20 @@ def _decode_record(cls, value):
 
 def _encode_params(p: SamplingParams) -> list:
     return [
-        p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
-        p.repetition_penalty, p.max_tokens, p.min_tokens, p.n, p.seed, list(p.stop_token_ids),
-        p.ignore_eos, p.logprobs,
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        p.max_tokens,
+        p.min_tokens,
+        p.n,
+        p.seed,
+        list(p.stop_token_ids),
+        p.ignore_eos,
+        p.logprobs,
     ]
 
 
@@ -164,10 +175,21 @@ def _encode_params(p: SamplingParams) -> list:
 def _encode_plan(m: StepPlan) -> list:
     return [
         m.step,
-        [[n.request_id, n.slot_idx, n.token_ids, n.num_prompt_tokens, _encode_params(n.params)]
-         for n in m.new_seqs],
-        [[s.slot_idx, s.start_pos, s.num_tokens, s.new_block_ids, s.sample, s.num_pad_tokens]
-         for s in m.scheduled],
+        [
+            [
+                n.seq_id,
+                n.request_id,
+                n.slot_idx,
+                n.token_ids,
+                n.num_prompt_tokens,
+                _encode_params(n.params),
+            ]
+            for n in m.new_seqs
+        ],
+        [
+            [s.slot_idx, s.start_pos, s.num_tokens, s.new_block_ids, s.sample, s.num_pad_tokens]
+            for s in m.scheduled
+        ],
         m.released_slots,
         m.padding_slots,
         m.lookahead,
@@ -177,9 +199,8 @@ def _encode_plan(m: StepPlan) -> list:
 def _encode_result(m: StepResult) -> list:
     return [
         m.step,
-        [[t.request_id, t.token_id, t.logprob, [list(p) for p in t.top_logprobs]]
-         for t in m.sampled],
-        [[f.request_id, f.reason, f.block_ids] for f in m.finished],
+        [[t.seq_id, t.token_id, t.logprob, [list(p) for p in t.top_logprobs]] for t in m.sampled],
+        [[f.seq_id, f.reason, f.block_ids] for f in m.finished],
         m.forward_s,
         m.num_tokens,
         m.num_padding_tokens,

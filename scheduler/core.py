@@ -91,14 +91,19 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.policy = make_policy(config)
         self.step = 0
+        self._next_seq_id = 0
+        # The requests the workers know, by the id results name them with: running
+        # ones and retiring ones. An aborted request leaves at once, so a result
+        # computed for it is dropped even when a new request reuses its request_id.
+        self._by_seq: dict[int, Request] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self._released_slots: list[int] = []
         self._in_flight: deque[_InFlight] = deque()
         self._in_flight_requests: dict[int, Request] = {}
         # Requests whose last token a running step samples: slot and blocks already
-        # handed on; request_id -> (request, the blocks it held, for the workers' check).
-        self.retiring: dict[str, tuple[Request, list[int]]] = {}
+        # handed on; seq_id -> (request, the blocks it held, for the workers' check).
+        self.retiring: dict[int, tuple[Request, list[int]]] = {}
         self.lookahead = False  # while a lookahead plan is being built
         # Filled while a step is being built:
         self._new_seqs: list[NewSequence] = []
@@ -131,6 +136,8 @@ class Scheduler:
                 min_tokens=min(request.params.min_tokens, room),
             )
         request.status = RequestStatus.WAITING
+        request.seq_id = self._next_seq_id
+        self._next_seq_id += 1
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
@@ -177,8 +184,10 @@ class Scheduler:
         the module docstring), or returns None when that step must wait for the
         result of the one in flight."""
         if len(self._in_flight) > 1:
-            raise RuntimeError(f"steps {self._in_flight[0].plan.step} and "
-                               f"{self._in_flight[1].plan.step} are still in flight")
+            raise RuntimeError(
+                f"steps {self._in_flight[0].plan.step} and "
+                f"{self._in_flight[1].plan.step} are still in flight"
+            )
         lookahead = bool(self._in_flight)
         finishing: list[Request] = []
         if lookahead:
@@ -235,7 +244,7 @@ class Scheduler:
         in flight samples. The workers drop it when they sample that token, before
         they start the step being built, so the step may reuse both."""
         for request in finishing:
-            self.retiring[request.request_id] = (request, self.blocks.free(request.request_id))
+            self.retiring[request.seq_id] = (request, self.blocks.free(request.request_id))
             self.slots.release(request.slot_idx)
             request.slot_idx = -1
             del self.running[request.request_id]
@@ -267,13 +276,11 @@ class Scheduler:
                     request.num_pending -= 1
                     expected.append(request)
         outputs: dict[str, RequestOutput] = {}
-        running, retiring = self.running, self.retiring
+        live, retiring = self._by_seq, self.retiring
         for sampled in result.sampled:
-            request = running.get(sampled.request_id)
+            request = live.get(sampled.seq_id)
             if request is None:
-                if sampled.request_id not in retiring:
-                    continue  # aborted while the step was in flight
-                request = retiring[sampled.request_id][0]
+                continue  # aborted while the step was in flight
             request.output_token_ids.append(sampled.token_id)
             out = outputs[request.request_id] = RequestOutput(
                 request.request_id, [sampled.token_id]
@@ -283,15 +290,15 @@ class Scheduler:
                 request.output_logprobs.append(entry)
                 out.new_logprobs.append(entry)
         for finished in result.finished:
-            request = running.get(finished.request_id)
-            if request is not None:
+            request = live.get(finished.seq_id)
+            if request is None:
+                continue  # aborted while the step was in flight
+            if finished.seq_id in retiring:
+                held = retiring[finished.seq_id][1]
+            else:
                 # A lookahead plan still in flight may have granted it more blocks.
                 held = self.blocks.table(request.request_id)
                 held = held[: len(held) - self._blocks_granted_later(request)]
-            elif finished.request_id in retiring:
-                request, held = retiring[finished.request_id]
-            else:
-                continue
             if list(finished.block_ids) != held:
                 raise ProtocolError(
                     f"{request.request_id}: worker released blocks "
@@ -383,6 +390,7 @@ class Scheduler:
         if self.lookahead:
             raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
         self.blocks.free(request.request_id)
+        del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
             self._release_slot(request)
             del self.running[request.request_id]
@@ -404,8 +412,10 @@ class Scheduler:
         request.slot_idx = self.slots.acquire(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
+        self._by_seq[request.seq_id] = request
         self._new_seqs.append(
             NewSequence(
+                seq_id=request.seq_id,
                 request_id=request.request_id,
                 slot_idx=request.slot_idx,
                 token_ids=request.all_token_ids,
@@ -424,7 +434,8 @@ class Scheduler:
         request.status = reason.status
         request.finish_reason = reason
         del self.requests[request.request_id]
-        if self.retiring.pop(request.request_id, None) is not None:
+        self._by_seq.pop(request.seq_id, None)
+        if self.retiring.pop(request.seq_id, None) is not None:
             return  # slot and blocks were handed on when it retired
         self.blocks.free(request.request_id)
         if not was_running:
@@ -478,5 +489,7 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING
         for request, _ in self.retiring.values():
             assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
+        live = [*self.running.values(), *(request for request, _ in self.retiring.values())]
+        assert {r.seq_id: r for r in live} == self._by_seq, "live sequences mismatch"
         counted = len(self.waiting) + len(self.running) + len(self.retiring)
         assert counted == len(self.requests), "requests lost"

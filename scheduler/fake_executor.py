@@ -91,7 +91,7 @@ class FakeExecutor:
             token = self._next_token(seq.request_id, seq.num_output_tokens, seq.params)
             logprob = -0.5 if seq.params.logprobs is not None else None
             top = [(token, -0.5)][: seq.params.logprobs or 0]
-            result.sampled.append(SampledToken(seq.request_id, token, logprob, top))
+            result.sampled.append(SampledToken(seq.seq_id, token, logprob, top))
             finished = self.table.append_token(entry.slot_idx, token)
             if finished is not None:
                 result.finished.append(finished)

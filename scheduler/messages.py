@@ -34,10 +34,14 @@ from iterserve.scheduler.sampling import SamplingParams
 class NewSequence:
     """A sequence the workers have not seen yet, sent in full once.
 
-    ``token_ids`` is the prompt plus any output produced before a preemption
-    (recompute resumes from there); the first ``num_prompt_tokens`` are prompt.
+    ``seq_id`` names the sequence in every result; the scheduler never gives two
+    requests the same one, even when clients reuse a ``request_id`` (kept for
+    logs). ``token_ids`` is the prompt plus any output produced before a
+    preemption (recompute resumes from there); the first ``num_prompt_tokens``
+    are prompt.
     """
 
+    seq_id: int
     request_id: str
     slot_idx: int
     token_ids: list[int]
@@ -91,7 +95,7 @@ class StepPlan:
 class SampledToken:
     """One sampled token; ``top_logprobs`` holds ``(token_id, logprob)`` pairs."""
 
-    request_id: str
+    seq_id: int
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
@@ -105,7 +109,7 @@ class FinishedSeq:
     checks ``block_ids`` against its own block table.
     """
 
-    request_id: str
+    seq_id: int
     reason: str
     block_ids: list[int] = field(default_factory=list)
 

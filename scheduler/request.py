@@ -83,6 +83,7 @@ class Request:
     num_computed_tokens: int = 0
     num_pending: int = 0
     slot_idx: int = -1
+    seq_id: int = -1  # given by the scheduler at admission: unique, unlike request_id
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # When the request was first scheduled, for queue-time accounting.

@@ -23,6 +23,7 @@ class PlanMismatchError(RuntimeError):
 
 @dataclass(slots=True)
 class SeqState:
+    seq_id: int
     request_id: str
     slot_idx: int
     token_ids: list[int]
@@ -113,6 +114,7 @@ class SequenceTable:
                 f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].request_id}"
             )
         self.by_slot[new.slot_idx] = SeqState(
+            seq_id=new.seq_id,
             request_id=new.request_id,
             slot_idx=new.slot_idx,
             token_ids=list(new.token_ids),
@@ -146,4 +148,4 @@ class SequenceTable:
             return None
         del self.by_slot[slot_idx]
         self.ended.add(slot_idx)
-        return FinishedSeq(request_id=seq.request_id, reason=reason.value, block_ids=seq.block_ids)
+        return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=seq.block_ids)

@@ -165,7 +165,7 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
     per_step = max(1, 2048 // context)
     for first in range(0, batch, per_step):
         slots = range(first, min(first + per_step, batch))
-        new = [NewSequence(f"d{s}", s, prompt(context + 1), context + 1, params) for s in slots]
+        new = [NewSequence(s, f"d{s}", s, prompt(context + 1), context + 1, params) for s in slots]
         plans.run(new, [plans.entry(s, context, sample=False) for s in slots])
 
     out: dict[str, Any] = {"model": model_name, "device": device, "dtype": str(runner.dtype)}
@@ -181,7 +181,7 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
     times = []
     for i in range(steps + 1):
         slot = batch + 1 + i
-        new = [NewSequence(f"p{i}", slot, prompt(prefill_len), prefill_len, params)]
+        new = [NewSequence(1000 + i, f"p{i}", slot, prompt(prefill_len), prefill_len, params)]
         times.append(plans.run(new, [plans.entry(slot, prefill_len, sample=True)]))
         release = StepPlan(plans.step, released_slots=[slot])
         runner.execute(release)

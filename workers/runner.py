@@ -92,7 +92,7 @@ class ModelRunner:
         for slot in plan.released_slots:
             seq = self.table.by_slot.get(slot)
             if seq is not None:
-                self.sampler.forget(seq.request_id)
+                self.sampler.forget(seq.seq_id)
         for new in plan.new_seqs:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -136,7 +136,7 @@ class ModelRunner:
             token = out.token_ids[i]
             result.sampled.append(
                 SampledToken(
-                    request_id=seq.request_id,
+                    seq_id=seq.seq_id,
                     token_id=token,
                     logprob=out.logprobs[i],
                     top_logprobs=out.top_logprobs[i],
@@ -145,5 +145,5 @@ class ModelRunner:
             finished = self.table.append_token(seq.slot_idx, token)
             if finished is not None:
                 result.finished.append(finished)
-                self.sampler.forget(finished.request_id)
+                self.sampler.forget(finished.seq_id)
         return result

@@ -37,7 +37,7 @@ from iterserve.scheduler.sampling import SamplingParams
 class SampleRow(Protocol):
     """What the sampler reads of a sequence (``SeqState`` satisfies it)."""
 
-    request_id: str
+    seq_id: int
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
@@ -57,17 +57,17 @@ class Sampler:
         # Every tensor-parallel rank seeds this identically, so all ranks draw
         # the same tokens and their sequence tables stay in step.
         self._shared = torch.Generator(device=self.device).manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        self._seeded: dict[int, torch.Generator] = {}
 
-    def forget(self, request_id: str) -> None:
-        """Drops a finished or released request's generator."""
-        self._seeded.pop(request_id, None)
+    def forget(self, seq_id: int) -> None:
+        """Drops a finished or released sequence's generator."""
+        self._seeded.pop(seq_id, None)
 
     def _generator(self, row: SampleRow) -> torch.Generator:
-        gen = self._seeded.get(row.request_id)
+        gen = self._seeded.get(row.seq_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
-            self._seeded[row.request_id] = gen
+            self._seeded[row.seq_id] = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:

@@ -27,7 +27,7 @@ def _plan_bytes() -> bytes:
     params = SamplingParams(temperature=0.7, seed=1, logprobs=2, stop_token_ids=(5, 6))
     plan = StepPlan(
         step=7,
-        new_seqs=[NewSequence("r0", 0, [1, 2, 3], 3, params)],
+        new_seqs=[NewSequence(0, "r0", 0, [1, 2, 3], 3, params)],
         scheduled=[ScheduledSeq(0, 0, 3, [0], True, 0)],
         released_slots=[1],
         padding_slots=[],

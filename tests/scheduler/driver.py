@@ -26,6 +26,12 @@ class Arrival:
     priority: int = 0
     abort_step: int | None = None
     abort_in_flight: bool = False
+    # Names this arrival in the log; differs from request_id when a client reuses
+    # the id of an earlier request (added once that one has left the scheduler).
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.request_id
 
 
 @dataclass
@@ -34,6 +40,11 @@ class RunLog:
     reasons: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     preemptions: int = 0
+
+
+def retiring_ids(sched: Scheduler) -> set[str]:
+    """Request ids whose last token the step in flight samples."""
+    return {request.request_id for request, _ in sched.retiring.values()}
 
 
 def prompt_for(request_id: str, n: int) -> list[int]:
@@ -47,10 +58,27 @@ class Checker:
     def __init__(self, sched: Scheduler):
         self.sched = sched
         self.cfg = sched.config
-        self.static_batch: set[str] = set()
+        self.static_batch: set[int] = set()
+        self.preemptions: dict[int, int] = {}
 
     def before(self) -> dict[str, bool]:
+        self.preemptions = {r.seq_id: r.num_preemptions for r in self.sched.requests.values()}
         return {r.request_id: r.is_decoding for r in self.sched.running.values()}
+
+    def check_preemption_order(self) -> None:
+        """Whoever a step preempted is worse (priority, then arrival) than every
+        sequence still running."""
+        sched = self.sched
+        victims = [
+            r for r in sched.requests.values()
+            if r.num_preemptions > self.preemptions.get(r.seq_id, r.num_preemptions)
+        ]  # fmt: skip
+        for victim in victims:
+            for request in sched.running.values():
+                assert request.sort_key() < victim.sort_key(), (
+                    f"{victim.request_id} {victim.sort_key()} was preempted while "
+                    f"{request.request_id} {request.sort_key()} keeps running"
+                )
 
     def after_schedule(self, plan: StepPlan, was_decoding: dict[str, bool]) -> None:
         cfg, sched = self.cfg, self.sched
@@ -66,15 +94,16 @@ class Checker:
             scheduled = {sched.slots.owner(s.slot_idx) for s in plan.scheduled}
             for request_id, decoding in was_decoding.items():
                 request = sched.requests.get(request_id)
-                if request_id in sched.retiring:
+                if request_id in retiring_ids(sched):
                     continue  # its last token is being sampled by the step in flight
                 if decoding and request is not None and request.status == RequestStatus.RUNNING:
                     assert request_id in scheduled, f"running decode {request_id} left out"
         else:
-            new_ids = {n.request_id for n in plan.new_seqs}
+            new_ids = {n.seq_id for n in plan.new_seqs}
             if new_ids:
                 # A batch launches only when the previous one has wholly ended.
-                assert not (self.static_batch & set(sched.running)), "joined a running batch"
+                running = {r.seq_id for r in sched.running.values()}
+                assert not (self.static_batch & running), "joined a running batch"
                 self.static_batch = new_ids
 
 
@@ -97,11 +126,17 @@ def run(
     for a in arrivals:
         if a.abort_step is not None:
             by_step.setdefault(a.abort_step, []).append(a)
+    live: dict[str, str] = {}  # request_id -> key of the arrival now using it
+
+    def abort(a: Arrival) -> None:
+        if live.get(a.request_id) == a.key and sched.abort(a.request_id):
+            log.reasons[a.key] = "abort"
+
     def hand_over(plan: StepPlan, was_decoding: dict[str, bool]) -> None:
         checker.after_schedule(plan, was_decoding)
         for a in by_step.get(clock - 1, []):
-            if a.abort_in_flight and sched.abort(a.request_id):
-                log.reasons[a.request_id] = "abort"
+            if a.abort_in_flight:
+                abort(a)
         if through_codec:
             plan = decode(encode(plan), StepPlan)
         result = executor.execute(plan)
@@ -113,20 +148,27 @@ def run(
         assert clock < max_steps, "scheduler made no progress"
         while pending and pending[0].step <= clock:
             a = pending.pop(0)
+            if a.request_id in sched.requests:  # its earlier user is still there
+                a.step = clock + 1
+                pending.insert(
+                    next((i for i, p in enumerate(pending) if p.step > a.step), len(pending)), a
+                )
+                continue
             params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
             sched.add_request(
                 Request(
                     a.request_id,
-                    prompt_for(a.request_id, a.prompt_len),
+                    prompt_for(a.key, a.prompt_len),
                     params,
                     arrival_time=float(a.step),
                     priority=a.priority,
                 )
             )
-            log.outputs[a.request_id] = []
+            live[a.request_id] = a.key
+            log.outputs[a.key] = []
         for a in by_step.get(clock, []):
-            if not a.abort_in_flight and sched.abort(a.request_id):
-                log.reasons[a.request_id] = "abort"
+            if not a.abort_in_flight:
+                abort(a)
         clock += 1
         if not in_flight:
             was_decoding = checker.before()
@@ -141,9 +183,10 @@ def run(
                 assert plan.lookahead
                 hand_over(plan, was_decoding)
         for out in sched.update(in_flight.popleft()):
-            log.outputs[out.request_id].extend(out.new_token_ids)
+            key = live[out.request_id]
+            log.outputs[key].extend(out.new_token_ids)
             if out.finished:
-                log.reasons[out.request_id] = out.finish_reason.value
+                log.reasons[key] = out.finish_reason.value
         sched.check_integrity()
         log.steps += 1
     log.preemptions = sched.num_preemptions

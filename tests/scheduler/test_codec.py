@@ -37,6 +37,7 @@ plans = st.builds(
     new_seqs=st.lists(
         st.builds(
             NewSequence,
+            seq_id=ints,
             request_id=st.text(max_size=40),
             slot_idx=ints,
             token_ids=st.lists(ints, max_size=50),
@@ -68,7 +69,7 @@ results = st.builds(
     sampled=st.lists(
         st.builds(
             SampledToken,
-            request_id=st.text(max_size=40),
+            seq_id=ints,
             token_id=ints,
             logprob=st.one_of(st.none(), floats),
             top_logprobs=st.lists(st.tuples(ints, floats), max_size=5),
@@ -78,7 +79,7 @@ results = st.builds(
     finished=st.lists(
         st.builds(
             FinishedSeq,
-            request_id=st.text(max_size=40),
+            seq_id=ints,
             reason=st.sampled_from(["eos", "stop_token", "length"]),
             block_ids=st.lists(ints, max_size=8),
         ),
@@ -137,15 +138,15 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
         encode(
             StepPlan(
                 1,
-                [NewSequence("r", 0, [1, 2], 2, SamplingParams())],
+                [NewSequence(7, "r", 0, [1, 2], 2, SamplingParams())],
                 [ScheduledSeq(0, 0, 2, [0], True, 0)],
             )
         ),
         encode(
             StepResult(
                 1,
-                [SampledToken("r", 5, -0.1, [(5, -0.1)])],
-                [FinishedSeq("r", "eos", [0])],
+                [SampledToken(7, 5, -0.1, [(5, -0.1)])],
+                [FinishedSeq(7, "eos", [0])],
                 0.1,
                 2,
                 0,
@@ -169,15 +170,17 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
     "payload",
     [
         msgpack.packb(msgpack.ExtType(1, b"x")),  # extension type
-        msgpack.packb([1, 2, 1.5]),  # wrong field type
-        msgpack.packb([9, 2]),  # unknown tag
+        msgpack.packb([1, 3, 1.5]),  # wrong field type
+        msgpack.packb([9, 3]),  # unknown tag
         msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``lookahead``
-        msgpack.packb([1, 3, 1, [], [], [], [], False]),  # unknown version
-        msgpack.packb([1, 2, True, [], [], [], [], False]),  # bool where int belongs
-        msgpack.packb([1, 2, 1, [], [], [], [], 0]),  # int where bool belongs
+        msgpack.packb([1, 2, 1, [["r", 0, [1], 1, []]], [], [], [], False]),  # version 2
+        msgpack.packb([1, 4, 1, [], [], [], [], False]),  # unknown version
+        msgpack.packb([1, 3, True, [], [], [], [], False]),  # bool where int belongs
+        msgpack.packb([1, 3, 1, [], [], [], [], 0]),  # int where bool belongs
         msgpack.packb({"a": 1}),  # a map
-        msgpack.packb([1, 2, 1, [], [], [], [], False, "extra"]),  # extra field
-        msgpack.packb([1, 2, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
+        msgpack.packb([1, 3, 1, [], [], [], [], False, "extra"]),  # extra field
+        msgpack.packb([1, 3, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
+        msgpack.packb([2, 3, 1, [["r", 5, None, []]], [], 0.0, 0, 0]),  # a str seq_id
         b"\xc1",  # reserved byte
         b"\x91" * 5000,  # deep nesting
     ],
@@ -188,9 +191,9 @@ def test_malformed_messages_are_refused(payload):
 
 
 def test_invalid_sampling_params_inside_a_plan_are_refused():
-    plan = encode(StepPlan(1, [NewSequence("r", 0, [1], 1, SamplingParams())]))
+    plan = encode(StepPlan(1, [NewSequence(7, "r", 0, [1], 1, SamplingParams())]))
     raw = msgpack.unpackb(plan)
-    raw[3][0][4][0] = 9.0  # temperature out of range
+    raw[3][0][5][0] = 9.0  # temperature out of range
     with pytest.raises(CodecError, match="temperature"):
         decode(msgpack.packb(raw))
 

@@ -38,25 +38,32 @@ def workloads(draw, policy: str):
     for i in range(n):
         prompt_len = draw(st.integers(1, max_model_len - 1))
         abort = draw(st.booleans()) and draw(st.booleans())
-        arrivals.append(
-            Arrival(
-                request_id=f"r{i}",
-                step=draw(st.integers(0, 30)),
-                prompt_len=prompt_len,
-                max_tokens=draw(st.integers(1, 24)),
-                output_len=draw(st.one_of(st.none(), st.integers(1, 24))),
-                priority=draw(st.integers(0, 2)),
-                abort_step=draw(st.integers(0, 60)) if abort else None,
-                abort_in_flight=draw(st.booleans()),
-            )
+        arrival = Arrival(
+            request_id=f"r{i}",
+            step=draw(st.integers(0, 30)),
+            prompt_len=prompt_len,
+            max_tokens=draw(st.integers(1, 24)),
+            output_len=draw(st.one_of(st.none(), st.integers(1, 24))),
+            priority=draw(st.integers(0, 2)),
+            abort_step=draw(st.integers(0, 60)) if abort else None,
+            abort_in_flight=draw(st.booleans()),
         )
+        if arrivals and draw(st.integers(0, 4)) == 0:
+            # A client reuses an earlier request's id, often right after aborting it
+            # while a step for it is still in flight.
+            earlier = draw(st.sampled_from(arrivals))
+            arrival.key, arrival.request_id = arrival.request_id, earlier.request_id
+            arrival.output_len = earlier.output_len  # the fake's output is per request_id
+            if earlier.abort_step is not None and draw(st.booleans()):
+                arrival.step = earlier.abort_step
+        arrivals.append(arrival)
     return config, arrivals
 
 
 def check_workload(
     config: SchedulerConfig, arrivals: list[Arrival], through_codec=False, ahead=False
 ) -> None:
-    targets = {a.request_id: a.output_len for a in arrivals}
+    targets = {a.request_id: a.output_len for a in arrivals}  # equal for a reused id
     executor = FakeExecutor(
         vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size
     )
@@ -67,13 +74,13 @@ def check_workload(
         expected, reason = executor.expected_output(
             a.request_id, SamplingParams(max_tokens=max_tokens, temperature=0.0)
         )
-        got = log.outputs[a.request_id]
-        if log.reasons.get(a.request_id) == "abort":
-            assert got == expected[: len(got)], f"{a.request_id}: aborted output is not a prefix"
+        got = log.outputs[a.key]
+        if log.reasons.get(a.key) == "abort":
+            assert got == expected[: len(got)], f"{a.key}: aborted output is not a prefix"
         else:
             # Exactly its expected tokens, despite preemptions and recompute.
-            assert got == expected, f"{a.request_id}: {got} != {expected}"
-            assert log.reasons[a.request_id] == reason
+            assert got == expected, f"{a.key}: {got} != {expected}"
+            assert log.reasons[a.key] == reason
     # Everything is free at the end: aborts and finishes leak nothing.
     assert sched.blocks.num_used == 0
     assert sched.slots.num_used == 0

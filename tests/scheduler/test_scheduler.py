@@ -18,7 +18,7 @@ from iterserve.scheduler import (
 )
 from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError
-from tests.scheduler.driver import Arrival, run
+from tests.scheduler.driver import Arrival, retiring_ids, run
 
 
 def make(policy="continuous", **kw) -> Scheduler:
@@ -243,7 +243,7 @@ def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahea
     later = executor.execute(ahead)
     # Built while a's last token is still being sampled: a retires, b takes the slot.
     plan = sched.schedule(0.0)
-    assert "a" in sched.retiring and [n.request_id for n in plan.new_seqs] == ["b"]
+    assert "a" in retiring_ids(sched) and [n.request_id for n in plan.new_seqs] == ["b"]
     assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
     sched.check_integrity()
     outputs = {o.request_id: o for o in sched.update(later)}
@@ -265,7 +265,7 @@ def test_the_step_after_an_unforeseen_eos_computes_that_sequence_as_padding():
     assert outputs["a"].finish_reason == FinishReason.EOS
     after = executor.execute(ahead)
     assert after.num_tokens == 1 and after.num_padding_tokens == 1
-    assert [t.request_id for t in after.sampled] == ["b"]
+    assert [t.seq_id for t in after.sampled] == [sched.requests["b"].seq_id]
     sched.update(after)  # a's row is not a missing token
     sched.check_integrity()
     assert sched.blocks.num_used == len(sched.blocks.table("b"))
@@ -313,7 +313,7 @@ def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
         tokens[out.request_id] += out.new_token_ids
     sched.schedule(0.0)  # in flight: a's last token, b's second
     ahead = sched.schedule(0.0)  # built ahead: a retires, b decodes again
-    assert ahead.lookahead and "a" in sched.retiring and sched.num_in_flight == 2
+    assert ahead.lookahead and "a" in retiring_ids(sched) and sched.num_in_flight == 2
     sched.requeue_running()  # the workers died with both steps
     assert sched.num_in_flight == 0 and not sched.retiring and not sched.running
     for request in sched.requests.values():

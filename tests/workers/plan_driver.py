@@ -48,7 +48,7 @@ class PlanDriver:
         seq = Seq(request_id, self.next_slot, list(prompt), len(prompt), params)
         self.next_slot += 1
         self.active[seq.slot] = seq
-        self._new.append(NewSequence(request_id, seq.slot, list(prompt), len(prompt), params))
+        self._new.append(NewSequence(seq.slot, request_id, seq.slot, list(prompt), len(prompt), params))
         return seq
 
     def plan(
@@ -94,13 +94,13 @@ class PlanDriver:
     def step(self, **kwargs) -> StepResult:
         plan = self.plan(**kwargs)
         result = self.runner.execute(plan)
-        by_id = {s.request_id: s for s in self.active.values()}
+        by_seq = dict(self.active)  # a sequence's seq_id is its slot here
         for entry in plan.scheduled:
             self.active[entry.slot_idx].computed += entry.num_tokens
         for tok in result.sampled:
-            by_id[tok.request_id].tokens.append(tok.token_id)
+            by_seq[tok.seq_id].tokens.append(tok.token_id)
         for fin in result.finished:
-            seq = by_id[fin.request_id]
+            seq = by_seq[fin.seq_id]
             assert fin.block_ids == seq.blocks
             seq.finish_reason = fin.reason
             del self.active[seq.slot]

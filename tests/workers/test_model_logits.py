@@ -18,7 +18,7 @@ def forward_all_rows(runner: ModelRunner, pieces: list[list[tuple[int, int]]], p
     bs = runner.block_size
     next_block = 0
     rows = [[] for _ in prompts]
-    new = [NewSequence(f"r{i}", i, p, len(p), GREEDY) for i, p in enumerate(prompts)]
+    new = [NewSequence(i, f"r{i}", i, p, len(p), GREEDY) for i, p in enumerate(prompts)]
     given = [0] * len(prompts)
     for step in range(max(len(p) for p in pieces)):
         scheduled = []

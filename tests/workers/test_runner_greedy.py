@@ -87,6 +87,6 @@ def test_step_result_accounting(checkpoint_dir):
     result = driver.step(chunk=4, pad_tokens=lambda seq: 1, padding_slots=[7])
     assert result.num_tokens == 4 + 3
     assert result.num_padding_tokens == 2 + 1
-    assert [t.request_id for t in result.sampled] == ["b"]
+    assert [t.seq_id for t in result.sampled] == [1]  # "b", in slot 1
     assert result.forward_s > 0
     assert result.step == 0
