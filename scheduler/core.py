@@ -389,6 +389,8 @@ class Scheduler:
         flight, except to forget the lost steps of failed workers."""
         if self.lookahead:
             raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
+        if request.request_id in self._scheduled_ids:
+            self._unschedule(request)
         self.blocks.free(request.request_id)
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
@@ -401,6 +403,14 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request)
+
+    def _unschedule(self, request: Request) -> None:
+        """Takes a request scheduled earlier in the step being built back out of it."""
+        entry = next(e for e in self._scheduled if e.slot_idx == request.slot_idx)
+        self._scheduled.remove(entry)
+        self._scheduled_ids.discard(request.request_id)
+        del self._in_flight_requests[request.slot_idx]
+        self.budget_left += entry.num_tokens + entry.num_pad_tokens
 
     def release_slot(self, slot_idx: int) -> None:
         """Frees a slot held by a finished sequence (static's batch end)."""

@@ -40,7 +40,8 @@ class ContinuousPolicy(Policy):
             running = sorted(prefills, key=Request.sort_key)
         else:
             running = sorted(decodes, key=Request.sort_key) + sorted(prefills, key=Request.sort_key)
-        for i, request in enumerate(running):
+        preempted = False
+        for request in running:
             if request.slot_idx < 0:  # preempted as a victim earlier in this loop
                 continue
             num_tokens = (
@@ -49,11 +50,15 @@ class ContinuousPolicy(Policy):
             if num_tokens == 0:
                 continue
             while not sched.try_schedule(request, num_tokens):
-                victim = self._victim(sched, running[i + 1 :])
-                if victim is None:  # nothing left to take blocks from but itself
-                    sched.preempt(request)
-                    break
+                # The worst running sequence gives its blocks, wherever it is in this
+                # step's order (a decode scheduled earlier is taken out again).
+                victim = max(sched.running.values(), key=Request.sort_key)
                 sched.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+        if preempted:
+            return  # memory is short: a new prompt now would be the next victim
         # Prompts part-way through prefill when the step began (and not preempted since).
         num_partial = sum(1 for r in prefills if r.slot_idx >= 0)
         self._admit_waiting(sched, now, num_partial)
@@ -65,12 +70,6 @@ class ContinuousPolicy(Policy):
         for request in decodes:
             needed += request.needs_new_block(block_size)
         return needed <= sched.blocks.num_free
-
-    @staticmethod
-    def _victim(sched: Scheduler, candidates: list[Request]) -> Request | None:
-        """Lowest priority, then latest arrival, among those not yet scheduled."""
-        live = [r for r in candidates if r.slot_idx >= 0 and not sched.is_scheduled(r)]
-        return max(live, key=lambda r: r.sort_key()) if live else None
 
     def _admit_waiting(self, sched: Scheduler, now: float, num_partial: int) -> None:
         while sched.budget_left > 0 and sched.slots.num_free > 0:

@@ -86,6 +86,7 @@ class Checker:
         slots = [s.slot_idx for s in plan.scheduled] + plan.padding_slots
         assert len(slots) == len(set(slots)) <= cfg.max_num_seqs
         sched.check_integrity()
+        self.check_preemption_order()
         if cfg.policy in ("continuous", "chunked"):
             # A finished sequence never keeps a slot.
             owners = {sched.slots.owner(i) for i in range(cfg.max_num_seqs)} - {None}
