@@ -105,16 +105,20 @@ class StaticPolicy(Policy):
             members.append(request)
             longest = new_longest
             reserved += worst
+        batch = []
         for request in members:
             # Reserve the worst case now so decoding never runs out of blocks.
-            sched.try_schedule(
+            if sched.try_schedule(
                 request,
                 request.num_tokens,
                 num_pad_tokens=longest - request.num_tokens,
                 reserve_tokens=request.num_prompt_tokens + request.params.max_tokens,
-            )
-            request.first_scheduled_time = now
-        self.batch = members
+            ):
+                request.first_scheduled_time = now
+                batch.append(request)
+            else:  # its blocks are not there after all: it waits for the next batch
+                sched.waiting.push(request)
+        self.batch = batch
 
 
 class DynamicPolicy(StaticPolicy):
