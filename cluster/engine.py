@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,7 +71,9 @@ class AsyncEngine:
         self.config = config
         self.actor = actor
         self.consumer_id = uuid.uuid4().hex
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.next_key = itertools.count()
+        self.queues: dict[str, asyncio.Queue] = {}  # engine request id -> its outputs
+        self.keys: dict[str, set[str]] = {}  # caller's request id -> its engine request ids
         self.poller: asyncio.Task | None = None
         self.info: dict = {}
         self.error: str | None = None
@@ -94,16 +97,14 @@ class AsyncEngine:
                 raise
             except Exception as exc:  # the actor is gone: end every stream with an error
                 self.error = f"the engine is unavailable: {type(exc).__name__}: {exc}"
-                for request_id, queue in list(self.queues.items()):
-                    queue.put_nowait(GenerationOutput(request_id, [], [], "error", self.error))
+                for queue in list(self.queues.values()):
+                    queue.put_nowait(([], [], "error", self.error))
                 await asyncio.sleep(0.5)
                 continue
-            for request_id, token_ids, logprobs, reason, error in records:
-                queue = self.queues.get(request_id)
+            for key, token_ids, logprobs, reason, error in records:
+                queue = self.queues.get(key)
                 if queue is not None:
-                    queue.put_nowait(
-                        GenerationOutput(request_id, token_ids, logprobs, reason, error)
-                    )
+                    queue.put_nowait((token_ids, logprobs, reason, error))
 
     async def generate(
         self,
@@ -114,17 +115,26 @@ class AsyncEngine:
     ) -> AsyncIterator[GenerationOutput]:
         """Streams a request's new tokens. Leaving the loop early aborts the request.
 
+        ``request_id`` names the request in the outputs and in ``abort``; it need
+        not be unique (the engine gets a key of this client's own).
         Raises InvalidRequestError, PromptTooLongError, QueueFullError or
         EngineDeadError before the first output when the request is refused.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
+        key = f"{self.consumer_id}:{next(self.next_key)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
+        self.queues[key] = queue
+        self.keys.setdefault(request_id, set()).add(key)
         finished = False
         try:
             refusal = await self.actor.add_request.remote(
-                self.consumer_id, request_id, list(prompt_token_ids), asdict(params), priority
+                self.consumer_id,
+                key,
+                list(prompt_token_ids),
+                asdict(params),
+                priority,
+                request_id,
             )
             if refusal is not None:
                 finished = True
@@ -133,7 +143,7 @@ class AsyncEngine:
                     raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
                 raise _REFUSALS[kind](message)
             while True:
-                out = await queue.get()
+                out = GenerationOutput(request_id, *await queue.get())
                 if out.finished:
                     finished = True
                     if out.finish_reason == "error":
@@ -142,13 +152,20 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self.queues.pop(request_id, None)
+            self.queues.pop(key, None)
+            keys = self.keys.get(request_id, set())
+            keys.discard(key)
+            if not keys:
+                self.keys.pop(request_id, None)
             if not finished:
                 with contextlib.suppress(Exception):
-                    await self.actor.abort.remote(request_id)
+                    await self.actor.abort.remote(key)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.actor.abort.remote(request_id)
+        """Aborts every running request of this client named ``request_id``."""
+        keys = list(self.keys.get(request_id, ()))
+        results = [await self.actor.abort.remote(key) for key in keys]
+        return any(results)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()

@@ -21,6 +21,7 @@ engines can hold; beyond that and a queue as long again, Serve's proxy answers
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import uuid
@@ -80,7 +81,8 @@ class EngineServer:
             config, model_name=model_name, engine_index=_replica_rank(), metrics_hub=metrics_hub
         )
         self.replica = _replica_name()
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, asyncio.Queue] = {}  # engine request id -> its records
+        self.next_key = itertools.count()
         self.poller: asyncio.Task | None = None
         # Start-up (worker placement, model load) runs in the background so the
         # replica answers health checks while loading; every call awaits it.
@@ -114,21 +116,23 @@ class EngineServer:
         """Streams one request. The first item is ``ACCEPTED`` or the refusal
         ``(kind, message)``; then lists of ``(token_ids, logprobs, finish_reason,
         error)`` holding everything that arrived since the previous item. Closing
-        or cancelling the stream early aborts the request."""
+        or cancelling the stream early aborts the request.
+
+        ``request_id`` is the client's name for the request and may repeat (two
+        clients may send the same X-Request-Id); the engine knows the request by
+        a key of this replica's own."""
         try:
             await self._ready()
         except Exception as exc:
             yield ("engine_dead", f"the engine failed to start: {exc}")
             return
-        if request_id in self.queues:  # never let one request take over another's stream
-            yield ("invalid", f"request id {request_id!r} is already in use")
-            return
+        key = f"{request_id}@{next(self.next_key)}"
         queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
+        self.queues[key] = queue
         finished = False
         try:
             refusal = await self.core.add_request(
-                CONSUMER_ID, request_id, prompt_token_ids, params, priority
+                CONSUMER_ID, key, prompt_token_ids, params, priority, label=request_id
             )
             if refusal is not None:
                 finished = True
@@ -142,13 +146,9 @@ class EngineServer:
                 finished = batch[-1][2] is not None
                 yield batch
         finally:
-            self.queues.pop(request_id, None)
+            self.queues.pop(key, None)
             if not finished:
-                await self.core.abort(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        await self._ready()
-        return await self.core.abort(request_id)
+                await self.core.abort(key)
 
     async def info(self) -> dict:
         return {**await self._ready(), "replica": self.replica}

@@ -426,7 +426,7 @@ class Scheduler:
         self._new_seqs.append(
             NewSequence(
                 seq_id=request.seq_id,
-                request_id=request.request_id,
+                request_id=request.label,
                 slot_idx=request.slot_idx,
                 token_ids=request.all_token_ids,
                 num_prompt_tokens=request.num_prompt_tokens,

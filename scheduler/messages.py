@@ -35,8 +35,8 @@ class NewSequence:
     """A sequence the workers have not seen yet, sent in full once.
 
     ``seq_id`` names the sequence in every result; the scheduler never gives two
-    requests the same one, even when clients reuse a ``request_id`` (kept for
-    logs). ``token_ids`` is the prompt plus any output produced before a
+    requests the same one. ``request_id`` is the caller's name for it (a client's
+    request id), for logs; it need not be unique. ``token_ids`` is the prompt plus any output produced before a
     preemption (recompute resumes from there); the first ``num_prompt_tokens``
     are prompt.
     """

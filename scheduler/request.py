@@ -77,6 +77,9 @@ class Request:
     params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0
+    # The caller's own name for the request (a client's request id), for logs and
+    # the workers; unlike ``request_id`` it need not be unique. Empty: request_id.
+    label: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -88,6 +91,9 @@ class Request:
     num_preemptions: int = 0
     # When the request was first scheduled, for queue-time accounting.
     first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
