@@ -26,6 +26,7 @@ call per batch of steps, never one call per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -146,18 +147,33 @@ class EngineCore:
         return self.config.async_scheduling and self.workers.pipelines
 
     async def _loop(self) -> None:
-        while True:
-            if not self.scheduler.has_work and self.in_flight is None:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            try:
-                ran = await self.tick()
-            except WorkerFailure as exc:
-                await self._recover(exc)
-                continue
-            if not ran:  # waiting for a batch to fill (static, dynamic)
-                await self._sleep_until(self.scheduler.next_deadline())
+        try:
+            while True:
+                if not self.scheduler.has_work and self.in_flight is None:
+                    self.wake.clear()
+                    await self.wake.wait()
+                    continue
+                try:
+                    ran = await self.tick()
+                except WorkerFailure as exc:
+                    await self._recover(exc)
+                    continue
+                if not ran:  # waiting for a batch to fill (static, dynamic)
+                    await self._sleep_until(self.scheduler.next_deadline())
+        except Exception as exc:  # a bug: the scheduler's state can no longer be trusted
+            logger.exception("the engine loop failed")
+            await self._stop_serving(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    async def _stop_serving(self, message: str) -> None:
+        """Fails every request at once and reports unhealthy from now on, so that
+        nobody waits on an engine that no longer steps; under Serve the health
+        check then replaces this replica."""
+        self.in_flight = None
+        self._fail_all(message)
+        try:
+            await self.workers.stop()
+        except Exception:  # the ranks may be the broken part; they are gone either way
+            logger.exception("stopping the workers failed")
 
     async def tick(self) -> bool:
         """Takes back one step's result; hands the workers the step after it first,
@@ -234,13 +250,19 @@ class EngineCore:
                 self._fail_all(f"restarting the engine's workers failed: {restart_exc}")
 
     def _fail_all(self, message: str) -> None:
+        """Ends every request with an error; works from the consumers' side too, so
+        that a scheduler whose state is broken cannot keep a request from ending."""
         self.dead_reason = message
-        for request_id in list(self.scheduler.requests):
-            self.scheduler.finish_with_error(request_id)
+        for request_id in {*self.scheduler.requests, *self.owner}:
+            try:
+                self.scheduler.finish_with_error(request_id)
+            except Exception:
+                logger.exception("%s: ending it in the scheduler failed", request_id)
             self._push(request_id, (request_id, [], [], FinishReason.ERROR.value, message))
             self.recorder.finished(request_id, FinishReason.ERROR.value)
             self.counters["finished_error"] += 1
-        self.recorder.state(self.scheduler)
+        with contextlib.suppress(Exception):
+            self.recorder.state(self.scheduler)
 
     # -- publishing -------------------------------------------------------------------
 
@@ -287,9 +309,14 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: dict[str, Any],
         priority: int = 0,
+        label: str = "",
     ) -> tuple[str, str] | None:
         """Queues a request. Returns None, or ``(kind, message)`` when refused:
-        kind is ``invalid``, ``prompt_too_long``, ``queue_full`` or ``engine_dead``."""
+        kind is ``invalid``, ``prompt_too_long``, ``queue_full`` or ``engine_dead``.
+
+        ``request_id`` must be unique among the engine's requests: consumers make
+        it so themselves (never from what a client sends). ``label`` is the
+        client's own name for the request, for logs; it may repeat."""
         if self.dead_reason is not None:
             return ("engine_dead", self.dead_reason)
         try:
@@ -310,6 +337,7 @@ class EngineCore:
                 sampling,
                 arrival_time=time.monotonic(),
                 priority=priority,
+                label=label,
             )
             self.scheduler.add_request(request)
         except QueueFullError as exc:
@@ -327,6 +355,8 @@ class EngineCore:
         return None
 
     async def abort(self, request_id: str) -> bool:
+        if self.dead_reason is not None:
+            return False  # every request has ended already
         out = self.scheduler.abort(request_id)
         if out is None:
             return False

@@ -213,6 +213,8 @@ class WorkerGroup:
         step = submitted.step
         try:
             replies = await self._replies(submitted.replies, timeout_s)
+            # A reply that is not a valid result is the rank's fault: restart it.
+            return codec.decode(replies[0], StepResult)
         except asyncio.TimeoutError:
             raise WorkerFailure(
                 f"step {step} took longer than the step timeout of {timeout_s} s",
@@ -225,7 +227,6 @@ class WorkerGroup:
             raise WorkerFailure(message, self.generation) from exc
         finally:
             self.submitted.discard(submitted.replies)
-        return codec.decode(replies[0], StepResult)
 
     async def _replies(self, replies: asyncio.Future, timeout_s: float) -> list:
         """Every rank's reply; raises TimeoutError past ``timeout_s``, and WorkerFailure

@@ -21,6 +21,7 @@ from tests.cluster.conftest import (
 )
 
 pytestmark = pytest.mark.usefixtures("ray_session")
+FAULTY = "tests.faults:faulty"
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
@@ -50,7 +51,7 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
 
 
 async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
-    config = fake_config(executor_options={
+    config = fake_config(executor=FAULTY, executor_options={
         "output_len": 12, "max_model_len": 128, "fault_crash_at_step": 5})
     engine = await start_engine(config)
     try:
@@ -67,7 +68,7 @@ async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
 
 
 async def test_hung_worker_is_caught_by_the_step_timeout():
-    config = fake_config(step_timeout_s=3.0, executor_options={
+    config = fake_config(step_timeout_s=3.0, executor=FAULTY, executor_options={
         "output_len": 8, "max_model_len": 128, "fault_hang_at_step": 3})
     engine = await start_engine(config)
     try:
@@ -81,8 +82,31 @@ async def test_hung_worker_is_caught_by_the_step_timeout():
         await engine.shutdown()
 
 
+async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_it():
+    """A step result that contradicts the scheduler is a bug, not a worker failure:
+    nothing can be recomputed on trust. Every request ends at once with an error,
+    health says why, and new requests are refused rather than left to hang."""
+    config = fake_config(executor=FAULTY, executor_options={
+        "output_len": None, "max_model_len": 128, "step_sleep_s": 0.01,
+        "fault_bad_result_at_step": 4})
+    engine = await start_engine(config)
+    try:
+        params = SamplingParams(max_tokens=100)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(collect(engine, [3], params) for _ in range(5)), return_exceptions=True),
+            HANG_GUARD_S)
+        assert all(isinstance(r, EngineError) for r in results), results
+        assert all("ProtocolError" in str(r) for r in results)
+        healthy, message = await engine.health()
+        assert not healthy and "ProtocolError" in message
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [3], params)
+    finally:
+        await engine.shutdown()
+
+
 async def test_without_restarts_every_in_flight_request_ends_with_a_clear_error():
-    config = fake_config(max_restarts=0, executor_options={
+    config = fake_config(max_restarts=0, executor=FAULTY, executor_options={
         "output_len": None, "max_model_len": 128, "step_sleep_s": 0.01,
         "fault_crash_at_step": 4})
     engine = await start_engine(config)

@@ -158,9 +158,73 @@ async def test_a_killed_scheduler_fails_its_requests_and_serve_brings_it_back(fa
     )
 
 
+def _bug_once(tmp_dir: str) -> dict:
+    """A replica whose step 5 result is malformed, once: a ProtocolError in the loop."""
+    return {
+        "executor": "tests.faults:faulty",
+        "executor_options": {
+            "output_len": None,
+            "step_sleep_s": 0.02,
+            "fault_bad_result_at_step": 5,
+            "fault_once_file": os.path.join(tmp_dir, "bug-fired"),
+        },
+    }
+
+
+@pytest.fixture
+def bug_url(serve_url, tokenizer_dir, vocab_size, tmp_path):
+    config = fake_engine(vocab_size, **_bug_once(str(tmp_path)))
+    app = "engine-bug"
+    yield (
+        app,
+        deploy(serve_url, app, model=str(tokenizer_dir), config=config, health_check_period_s=1),
+    )
+    undeploy(app)
+
+
+async def test_an_engine_bug_fails_every_request_at_once_and_serve_replaces_the_replica(bug_url):
+    """Not a worker failure but a bug in the loop (here: a result that contradicts
+    the scheduler). Every request in flight ends at once with a 503-class error,
+    /health says 503 within a health period, and Serve replaces the replica."""
+    app, url = bug_url
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 100}
+    async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as client:
+        (old_pid,) = replica_pids(app, "EngineServer")
+
+        async def stream():
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                return r.status_code, sse_events([line async for line in r.aiter_lines()])
+
+        started = time.monotonic()
+        streams = [asyncio.ensure_future(stream()) for _ in range(3)]
+        posts = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
+        # 100 tokens at 20 ms a step take 2 s: a request that has not ended well
+        # before the request timeout (600 s) is hanging behind the bug.
+        for status, events in await asyncio.wait_for(asyncio.gather(*streams), 60):
+            assert status == 200 and events[-1]["error"]["code"] == "engine_unavailable"
+            assert "ProtocolError" in events[-1]["error"]["message"]
+        for r in await asyncio.wait_for(asyncio.gather(*posts), 60):
+            assert r.status_code == 503, r.text
+            assert "ProtocolError" in r.json()["error"]["message"]
+        failed_s = time.monotonic() - started
+
+        async def health(status: int):
+            r = await client.get("/health")
+            return r if r.status_code == status else None
+
+        down = await wait_for(lambda: health(503), 2)  # one health period
+        assert down is not None and "ProtocolError" in down.json()["error"]["message"]
+        assert await wait_for(lambda: health(200), 120, 0.25), "Serve did not replace it"
+        r = await client.post("/v1/completions", json={**body, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert replica_pids(app, "EngineServer") != [old_pid]
+    print(f"\nengine bug: requests failed within {failed_s:.1f} s of starting")
+
+
 HANG = {
     "step_timeout_s": 2.0,
     "max_restarts": 1,
+    "executor": "tests.faults:faulty",
     "executor_options": {"output_len": None, "step_sleep_s": 0.01, "fault_hang_at_step": 3},
 }
 
