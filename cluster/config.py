@@ -14,6 +14,11 @@ from typing import Any
 from iterserve.scheduler.config import POLICIES, SchedulerConfig
 
 EXECUTORS = ("model", "fake")
+# What the fake executor takes (FakeExecutor's keywords, and the checkpoint facts it
+# stands in for). Anything else is refused: a deployment config cannot reach test code.
+FAKE_EXECUTOR_OPTIONS = (
+    "vocab_size", "eos_token_id", "output_len", "step_sleep_s", "check_blocks", "max_model_len",
+)  # fmt: skip
 STEP_TRANSPORTS = ("auto", "socket", "compiled_graph", "actor_calls")
 
 
@@ -103,6 +108,14 @@ class EngineConfig:
             )
         if self.executor not in EXECUTORS and ":" not in self.executor:
             raise ValueError(f"executor must be model, fake or module:attr, got {self.executor!r}")
+        allowed = {"model": (), "fake": FAKE_EXECUTOR_OPTIONS}.get(self.executor)
+        if allowed is not None:
+            unknown = sorted(set(self.executor_options) - set(allowed))
+            if unknown:
+                raise ValueError(
+                    f"executor_options of the {self.executor} executor: unknown keys "
+                    f"{', '.join(unknown)} (allowed: {', '.join(allowed) or 'none'})"
+                )
 
     def scheduler_config(self, *, num_kv_blocks: int, max_model_len: int) -> SchedulerConfig:
         """The scheduler's share of this config, with the two values only known once

@@ -170,31 +170,14 @@ class EngineWorker:
         elif kind == "fake":
             from iterserve.scheduler.fake_executor import FakeExecutor
 
-            opts = {
-                k: v
-                for k, v in self.config.executor_options.items()
-                if k != "max_model_len" and not k.startswith("fault_")
-            }
+            opts = dict(self.config.executor_options)
+            opts.pop("max_model_len", None)
             self.executor = FakeExecutor(block_size=self.config.block_size, **opts)
         else:
             module, _, attr = kind.partition(":")
             factory = getattr(importlib.import_module(module), attr)
             self.executor = factory(self.config, self.rank, self.world_size, self.all_reduce)
         freeze_startup_objects()
-
-    def _inject_fault(self, step: int) -> None:
-        """Fault injection for reliability tests: ``fault_rank`` crashes its process
-        at step ``fault_crash_at_step`` or hangs at ``fault_hang_at_step``. Step
-        numbers never repeat, so a restarted group does not fault again."""
-        opts = self.config.executor_options
-        if self.rank != opts.get("fault_rank", 0):
-            return
-        if step == opts.get("fault_crash_at_step"):
-            os._exit(1)
-        if step == opts.get("fault_hang_at_step"):
-            import time
-
-            time.sleep(3600)
 
     def open_step_channel(self, token: bytes, local: bool) -> tuple:
         """Listens for the scheduler's step channel (see :mod:`step_channel`); returns
@@ -212,6 +195,5 @@ class EngineWorker:
         plan = codec.decode(plan_bytes, StepPlan)
         if plan.step == PING_STEP:
             return codec.encode(StepResult(step=PING_STEP))
-        self._inject_fault(plan.step)
         result = self.executor.execute(plan)
         return codec.encode(result) if self.rank == 0 else b""

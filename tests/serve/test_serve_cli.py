@@ -88,3 +88,12 @@ def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, t
         )
     finally:
         serve.delete("iterserve")
+
+
+def test_fault_injection_is_not_a_setting_a_deployment_can_reach():
+    for key in ("fault_crash_at_step", "fault_hang_at_step"):
+        config = {"executor": "fake", "executor_options": {key: 3}}
+        with pytest.raises(ValueError, match=f"unknown keys {key}"):
+            build_app({"config": config})
+    with pytest.raises(ValueError, match="model executor: unknown keys output_len"):
+        build_app({"config": {"executor_options": {"output_len": 3}}})
