@@ -18,12 +18,12 @@ class Row:
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
-    request_id: str = "r"
+    seq_id: int = 0
 
 
 def rows_of(params: SamplingParams, n: int, prompt=(1, 2), output=()) -> list[Row]:
     ids = [*prompt, *output]
-    return [Row(params, list(ids), len(prompt), f"r{i}") for i in range(n)]
+    return [Row(params, list(ids), len(prompt), i) for i in range(n)]
 
 
 def random_logits(n: int, seed: int = 0) -> torch.Tensor:
@@ -122,7 +122,7 @@ def test_logprobs_are_raw_log_softmax():
         SamplingParams(temperature=0.0, logprobs=None),
         SamplingParams(temperature=1.0, logprobs=0, repetition_penalty=1.5),
     ]
-    rows = [Row(p, [1, 2], 1, f"r{i}") for i, p in enumerate(params)]
+    rows = [Row(p, [1, 2], 1, i) for i, p in enumerate(params)]
     out = sampler()(logits, rows)
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs[0] == pytest.approx(ref[0].max().item(), abs=1e-6)
@@ -141,9 +141,9 @@ def test_seeded_rows_ignore_their_batch_neighbours():
     alone = []
     batched = []
     for _ in range(20):
-        alone.append(s_alone(logits[:1], [Row(seeded, [1], 1, "x")]).token_ids[0])
-        others = [Row(SamplingParams(temperature=1.0), [1], 1, f"o{i}") for i in range(3)]
-        mixed = [others[0], Row(seeded, [1], 1, "x"), *others[1:], Row(seeded, [1], 1, "y")]
+        alone.append(s_alone(logits[:1], [Row(seeded, [1], 1, 201)]).token_ids[0])
+        others = [Row(SamplingParams(temperature=1.0), [1], 1, 100 + i) for i in range(3)]
+        mixed = [others[0], Row(seeded, [1], 1, 201), *others[1:], Row(seeded, [1], 1, 202)]
         batched.append(s_batched(logits, mixed).token_ids[1])
     assert alone == batched
     assert len(set(alone)) > 1
