@@ -95,8 +95,10 @@ class Choice:
                     return delta
             if reason is not None:
                 if not self._emit(delta, self.detokenizer.flush()):
-                    self._add_text(delta, self.matcher.flush())
-                    self.finish_reason = FINISH_REASONS.get(reason, "stop")
+                    text, matched = self.matcher.flush()
+                    self._add_text(delta, text)
+                    self.stopped_by_string = matched
+                    self.finish_reason = "stop" if matched else FINISH_REASONS.get(reason, "stop")
                     delta.finish_reason = self.finish_reason
                 return delta
         return delta

@@ -36,12 +36,14 @@ class StopMatcher:
             return delta, False
         self.pending += delta
         found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if found:
+        keep = len(self.pending) - self._held_len()
+        if found and min(found) <= keep:
+            # No stop still being completed starts before this one: it is the first.
             cut = min(found)
             text, self.pending = self.pending[:cut], ""
             return text, True
-        hold = self._held_len()
-        keep = len(self.pending) - hold
+        # A stop that may yet complete starts at ``keep`` (before any complete one,
+        # as in "ba" with stops "a" and "bab"): hold from there.
         text, self.pending = self.pending[:keep], self.pending[keep:]
         return text, False
 
@@ -56,10 +58,14 @@ class StopMatcher:
                     break
         return best
 
-    def flush(self) -> str:
-        """At the end of the sequence: the held-back text is not a stop after all."""
-        text, self.pending = self.pending, ""
-        return text
+    def flush(self) -> tuple[str, bool]:
+        """At the end of the sequence no stop can complete any more: the held-back
+        text up to the first stop in it (which a longer candidate had kept
+        unconfirmed), or all of it. Returns ``(text, matched)`` as ``feed`` does."""
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        cut = min(found) if found else len(self.pending)
+        text, self.pending = self.pending[:cut], ""
+        return text, bool(found)
 
 
 # Characters that JSON leaves raw inside strings but many line readers (Python's

@@ -20,8 +20,9 @@ def run(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
         emitted.append(text)
         if matched:
             return emitted, True
-    emitted.append(matcher.flush())
-    return emitted, False
+    text, matched = matcher.flush()
+    emitted.append(text)
+    return emitted, matched
 
 
 @given(
