@@ -31,7 +31,7 @@ def ensure_ray() -> None:
         # Ray starts its workers at nice 15; on a shared machine that starves the engine
         # next to whatever the benchmark runs in this process at the default priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="ERROR",
+        ray.init(address="local", include_dashboard=False, logging_level="ERROR",
                  log_to_driver=False, _node_ip_address="127.0.0.1")  # fmt: skip
 
 

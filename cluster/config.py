@@ -45,6 +45,10 @@ class EngineConfig:
         ranks go from one step to the next without waiting for the scheduler (with
         the ``socket`` and ``compiled_graph`` transports); ``False`` schedules each
         step only once the previous result is in.
+    num_cpus_per_worker: CPUs each rank reserves; ``None`` derives it from the node
+        (see :mod:`~iterserve.cluster.resources`: 1 with a GPU; on a CPU node all
+        but one core, shared by the node's ranks).
+    torch_threads: the ranks' torch threads; ``None``: as many as reserved CPUs.
     ray_metrics: also export the engine's metrics through Ray's own metrics agent.
     executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
         (tests, benchmarks of the control plane); ``module:attr`` any factory
@@ -76,7 +80,7 @@ class EngineConfig:
     placement_strategy: str = "PACK"
     step_transport: str = "auto"
     async_scheduling: bool = True
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float | None = None
     torch_threads: int | None = None
     ray_metrics: bool = True
     executor: str = "model"
@@ -97,6 +101,8 @@ class EngineConfig:
             raise ValueError("step_timeout_s must be > 0")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
+        if self.num_cpus_per_worker is not None and not self.num_cpus_per_worker > 0:
+            raise ValueError(f"num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(
                 f"placement_strategy must be PACK or SPREAD, got {self.placement_strategy!r}"

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve import Application
 
+from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine_core import EngineCore
 from iterserve.cluster.gc_pauses import freeze_startup_objects
@@ -40,13 +41,15 @@ from iterserve.cluster.metrics_hub import HUB_NAME, get_or_create_hub, render
 from iterserve.cluster.openai.app import APISettings, build_api
 from iterserve.cluster.openai.errors import EngineRefusal
 from iterserve.cluster.openai.serving import OpenAIServing
-from iterserve.cluster.worker_group import SCHEDULER_BUNDLE, engine_bundles
 
 logger = logging.getLogger(__name__)
 
 ACCEPTED = ("accepted", "")  # first item of an accepted generate() stream
 CONSUMER_ID = "replica"  # the one consumer of an in-process EngineCore
 ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
+# How often a stopping replica checks whether its last request has ended (Serve's
+# default of 2 s made every shutdown take seconds longer than its requests).
+SHUTDOWN_POLL_S = 0.25
 
 
 def _replica_name() -> str:
@@ -71,7 +74,7 @@ def metrics_hub_name(model_name: str) -> str:
 
 
 @serve.deployment(
-    ray_actor_options={"num_cpus": SCHEDULER_BUNDLE["CPU"]}, health_check_period_s=10
+    ray_actor_options={"num_cpus": resources.SCHEDULER_CPUS}, health_check_period_s=10
 )
 class EngineServer:
     """One data-parallel engine copy: an ``EngineCore`` running in this replica."""
@@ -323,6 +326,11 @@ class ServeArgs(BaseModel):
     health_check_period_s: float = Field(
         10.0, gt=0, description="How often Serve checks each engine replica's workers."
     )
+    ingress_cpus: float = Field(
+        resources.INGRESS_CPUS,
+        gt=0,
+        description="CPUs the HTTP ingress replica reserves (Ray only uses it to place it).",
+    )
 
     def engine_config(self) -> EngineConfig:
         config = dict(self.config)
@@ -339,24 +347,27 @@ class ServeArgs(BaseModel):
 def build_app(args: dict[str, Any] | ServeArgs) -> Application:
     """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
-    config = args.engine_config()
+    config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     # Above the engine's own bound, so the engine refuses (429) before Serve queues.
     per_engine = config.max_queue_len + config.max_num_seqs + ENGINE_HEADROOM
     engine = EngineServer.options(
         num_replicas=args.num_engine_replicas,
         max_ongoing_requests=per_engine,
         health_check_period_s=args.health_check_period_s,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         # A health check pings through the step lock: it may wait out one slow step.
         health_check_timeout_s=config.step_timeout_s + 30,
         # The scheduler and its ranks reserved together: with PACK they share a node,
         # and steps reach the ranks over Unix sockets.
-        placement_group_bundles=engine_bundles(config),
+        placement_group_bundles=resources.engine_bundles(config),
         placement_group_strategy=config.placement_strategy,
     ).bind(config, args.served_model_name(config), metrics_hub_name(args.served_model_name(config)))
     # The ingress holds no more than its engines can take; the proxy queues a bounded
     # number more and answers 503 beyond that. Unbounded, a burst faster than the
     # HTTP path itself can turn around piled up in the ingress (memory, then 504s).
     ingress = OpenAIIngress.options(
+        ray_actor_options={"num_cpus": args.ingress_cpus},
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         max_ongoing_requests=args.num_engine_replicas * per_engine,
         max_queued_requests=args.num_engine_replicas * per_engine,
     )

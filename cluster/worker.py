@@ -8,6 +8,7 @@ answers encoded :class:`StepResult` bytes (rank 0 only; other ranks answer
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
 from typing import Any
@@ -17,8 +18,9 @@ from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
 
-PING_STEP = -1
-CPU_KV_CACHE_MAX_BYTES = 1 << 30  # a plan with this step number only checks that the workers answer
+logger = logging.getLogger(__name__)
+PING_STEP = -1  # a plan with this step number only checks that the workers answer
+CPU_KV_CACHE_MAX_BYTES = 1 << 30
 
 
 def _free_port() -> int:
@@ -55,6 +57,12 @@ class EngineWorker:
         self.executor: Any = None
         self.all_reduce = None
         self.endpoint = None  # the step channel's rank end, once opened
+        niceness = os.nice(0)
+        if niceness > 0:
+            logger.warning(
+                "rank %d runs at nice %d: any process at nice 0 on this node takes the CPU "
+                "from it first; start Ray with RAY_worker_niceness=0", rank, niceness
+            )
         if config.torch_threads:
             import torch
 

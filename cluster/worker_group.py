@@ -32,6 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.resources import rank_bundle
 from iterserve.cluster.step_channel import TOKEN_BYTES, SchedulerChannel
 from iterserve.cluster.worker import PING_STEP, EngineWorker
 from iterserve.scheduler import codec
@@ -73,33 +74,10 @@ class WorkerFailure(RuntimeError):
         self.generation = generation
 
 
-# The scheduler's own share of a Serve replica's placement group (bundle 0): a
-# token amount, for the replica to sit on the same node as the ranks it drives.
-SCHEDULER_BUNDLE = {"CPU": 0.01}
-
-
-def rank_bundle(config: EngineConfig) -> dict:
-    """What one rank reserves: its CPUs, and a GPU unless the device is the CPU."""
-    bundle = {"CPU": config.num_cpus_per_worker or 0.001}
-    if config.device.startswith("cuda") or (
-        config.device == "auto"
-        and ray.is_initialized()
-        and ray.cluster_resources().get("GPU", 0) >= 1
-    ):
-        bundle["GPU"] = 1
-    return bundle
-
-
-def engine_bundles(config: EngineConfig) -> list[dict]:
-    """The placement group of one Serve engine replica: the scheduler, then every rank.
-    Reserved together (``placement_strategy``), so with ``PACK`` the scheduler lands
-    on its ranks' node."""
-    return [dict(SCHEDULER_BUNDLE)] + [rank_bundle(config)] * config.tensor_parallel_size
-
-
 class WorkerGroup:
     """The ranks of one engine. Inside a placement group laid out by
-    :func:`engine_bundles` (a Serve replica's), the ranks take bundles 1..tp;
+    :func:`~iterserve.cluster.resources.engine_bundles` (a Serve replica's), the
+    ranks take bundles 1..tp;
     otherwise the group reserves a placement group of its own."""
 
     def __init__(self, config: EngineConfig):
