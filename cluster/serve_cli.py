@@ -1,10 +1,16 @@
 """``iterserve serve``: the OpenAI-compatible server on a local Ray instance.
 
-``run_server`` starts Ray on this machine (no dashboard; Ray itself listens on the machine's address, see docs/reliability.md), starts
-Serve's HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
+``run_server`` starts Ray on this machine, sized by the machine itself (no
+dashboard; Ray listens on loopback, see docs/reliability.md), starts Serve's
+HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
 at ``/``, waits until every engine replica has loaded its model, prints the URL
-and serves until Ctrl-C or SIGTERM, then shuts Serve and Ray down.
-For a Ray cluster you run yourself, use ``serve run deploy/serve-config.example.yaml``.
+and serves until Ctrl-C or SIGTERM, then stops Serve and Ray within seconds.
+
+Ray starts its workers at nice 15 by default; the Ray started here runs them at
+nice 0 (``worker_niceness``), like any server process, so a client or a batch
+job at nice 0 on the same machine does not take the CPU from the model ranks.
+For a Ray cluster you run yourself, use ``serve run deploy/serve-config.example.yaml``
+(and ``RAY_worker_niceness=0 ray start ...`` for the same priority).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 APP_NAME = "iterserve"
+WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
+SERVE_SHUTDOWN_S = 5.0  # what Serve gets to stop its deployments before Ray goes
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -66,6 +74,7 @@ def run_server(
     block: serve until Ctrl-C / SIGTERM, then shut down (``False``: return at once,
         leaving Serve running; the caller shuts it down).
     """
+    from iterserve.cluster import resources
     from iterserve.cluster.serve_app import ServeArgs, build_app
 
     engine = load_config_file(config_file) if config_file else {}
@@ -79,42 +88,74 @@ def run_server(
         model_name=model_name,
         request_timeout_s=request_timeout_s,
     )
-    args.engine_config()  # refuse a bad config before starting anything
+    # Refuse a bad config, or one this machine cannot place, before starting anything.
+    checked = resources.resolve(args.engine_config(), num_engine_replicas=num_engine_replicas)
+    resources.check_fits(
+        checked, num_engine_replicas=num_engine_replicas, ingress_cpus=args.ingress_cpus
+    )
 
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        # A fresh single-node Ray, bound to loopback: nothing of it is reachable
-        # from other machines; only Serve's proxy listens on host:port.
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            logging_level="WARNING",
-            _node_ip_address="127.0.0.1",
-        )
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    engines = serve.get_deployment_handle("EngineServer", APP_NAME)
-    engines.broadcast("info").results(timeout_s=ready_timeout_s)
+    # With ``block``, from here on a SIGTERM unwinds like Ctrl-C, start-up included,
+    # so Ray's processes never outlive this one.
+    previous = signal.signal(signal.SIGTERM, _interrupt) if block else None
+    started_ray = False
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-    print(
-        f"iterserve: serving {args.served_model_name(args.engine_config())} at {url}/v1", flush=True
-    )
-    if not block:
-        return url
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop.wait(1.0):
-            pass
+        if not ray.is_initialized():
+            # A fresh single-node Ray, bound to loopback: nothing of it is reachable
+            # from other machines; only Serve's proxy listens on host:port.
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                logging_level="WARNING",
+                _node_ip_address="127.0.0.1",
+                _system_config={"worker_niceness": WORKER_NICENESS},
+            )
+            started_ray = True
+            if block:
+                # Ray's core replaces the handler with one that logs, then aborts
+                # the process three seconds later, whatever shutdown is doing.
+                signal.signal(signal.SIGTERM, _interrupt)
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        engines = serve.get_deployment_handle("EngineServer", APP_NAME)
+        engines.broadcast("info").results(timeout_s=ready_timeout_s)
+        print(f"iterserve: serving {args.served_model_name(checked)} at {url}/v1", flush=True)
+        if block:
+            threading.Event().wait()
     except KeyboardInterrupt:
         pass
     finally:
-        print("iterserve: shutting down", flush=True)
-        serve.shutdown()
-        ray.shutdown()
+        if block:
+            print("iterserve: shutting down", flush=True)
+            _shutdown(stop_ray=started_ray)
+            signal.signal(signal.SIGTERM, previous)
     return url
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _shutdown(stop_ray: bool) -> None:
+    """Stops Serve (bounded: its controller may wait out drains and timeouts), then
+    the Ray this process started, which takes every Ray process with it. Signals
+    wait meanwhile: a second SIGTERM or Ctrl-C must not cut this short."""
+    import ray
+    from ray import serve
+
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(SERVE_SHUTDOWN_S)
+        if stop_ray:
+            ray.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -32,11 +32,16 @@ def test_run_server_starts_ray_without_dashboard_and_serve_on_the_given_host(mon
         raise _Stop  # nothing is started for real
 
     monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.setdefault("serve_shutdown", True))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.setdefault("ray_shutdown", True))
     with pytest.raises(_Stop):
         run_server(host=host, port=8123, config={"executor": "fake"})
     assert calls["ray"]["address"] == "local"  # a fresh single-node Ray, never a cluster's
     assert calls["ray"]["include_dashboard"] is False
+    assert calls["ray"]["_system_config"] == {"worker_niceness": 0}
     assert calls["serve"]["http_options"] == {"host": host, "port": 8123}
+    # A start-up that fails stops what it started.
+    assert calls["serve_shutdown"] and calls["ray_shutdown"]
 
 
 def _listeners(pids: set[int]) -> list[tuple[str, int, int]]:
