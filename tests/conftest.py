@@ -8,7 +8,11 @@ machine without CUDA every Triton kernel runs in the interpreter.
 import os
 import shutil
 
-import torch
+# The environment a user's shell would give a command, before this session adds
+# anything: what tests of the README's commands run them with.
+USER_ENV = dict(os.environ)
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,13 +23,17 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for the whole test session (start-up costs seconds)."""
+    """One local Ray instance for the whole test session (start-up costs seconds),
+    with the CPUs this machine has. The engines that tests deploy reserve a
+    fraction of a CPU per rank (their fixtures say so), so several fit at once."""
     import ray
 
     if not ray.is_initialized():
         ray.init(
             address="local",
-            num_cpus=8,
+            # As `iterserve serve` runs them: at nice 0, not Ray's 15, so this
+            # process (the tests' clients) does not take the CPU from the server.
+            _system_config={"worker_niceness": 0},
             include_dashboard=False,
             logging_level="ERROR",
             log_to_driver=False,

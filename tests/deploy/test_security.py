@@ -255,3 +255,14 @@ def test_probe_and_scrape_paths_follow_the_route_prefix(render) -> None:
     assert worker["readinessProbe"]["httpGet"]["path"] == "/llm/health"
     (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["path"] == "/llm/metrics"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_ray_container_starts_its_workers_at_nice_0(renders, variant) -> None:
+    """Ray's default, nice 15, lets anything else in the pod take the CPU from the
+    serving processes (proxy, ingress, scheduler, ranks)."""
+    rendered = _rendered(renders, variant)
+    for template in rendered.pod_templates.values():
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["RAY_worker_niceness"] == "0", container["name"]

@@ -281,6 +281,11 @@ volume; arguments are a list, never a shell line.
 Environment of the Ray containers: the API key from its Secret, then extra env.
 */}}
 {{- define "iterserve.rayEnv" -}}
+{{- /* Ray starts its workers at nice 15; the serving processes (proxy, ingress,
+scheduler, ranks) run at nice 0 like any server, so nothing else in the pod at
+nice 0 takes the CPU from them. */}}
+- name: RAY_worker_niceness
+  value: "0"
 {{- if .Values.apiKey.enabled }}
 - name: {{ .Values.apiKey.envName }}
   valueFrom:
