@@ -42,7 +42,7 @@ def engine_config(policy: str, spec: Spec, model: str, torch_threads: int) -> En
     """The same slots, KV cache and threads for every policy; only the batching differs.
     Whole-prompt policies get twice max_model_len as their budget, so a step can always
     take the longest prompt; chunked gets a small budget so every step stays short."""
-    return EngineConfig(
+    return EngineConfig.from_dict(dict(
         model=model,
         dtype="float32",
         device="cpu",
@@ -58,7 +58,7 @@ def engine_config(policy: str, spec: Spec, model: str, torch_threads: int) -> En
         batch_wait_s=spec.batch_wait_s,
         torch_threads=torch_threads,
         num_cpus_per_worker=1.0,
-    )
+    ))
 
 
 async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict:
@@ -89,7 +89,7 @@ async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict
     finally:
         await engine.shutdown()
     makespan = max(t.chunks[-1][0] for t in timings if t.chunks)
-    steps = step_figures(before, after, config.max_num_seqs)
+    steps = step_figures(before, after, config.scheduler.max_num_seqs)
     steps["forward_ms_mean"] = round(forward_ms_per_step(timing_before, timing_after), 2)
     return policy_entry([r.kind for r in requests], timings, makespan, steps)
 
@@ -138,7 +138,7 @@ def compare(
             else:
                 config = engine_config(name, spec, model, torch_threads)
                 entry = asyncio.run(run_policy(config, requests))
-                entry["max_num_batched_tokens"] = config.max_num_batched_tokens
+                entry["max_num_batched_tokens"] = config.scheduler.max_num_batched_tokens
             entry["load_avg_1m"] = round(os.getloadavg()[0], 2)
             if entry["num_output_tokens"] != expected or entry["num_errors"]:
                 # The same work everywhere, or the comparison means nothing.

@@ -1,8 +1,12 @@
-"""The engine's one frozen configuration.
+"""The engine's one frozen configuration, with the scheduler's nested inside.
 
-Plain frozen dataclasses, no I/O. ``EngineConfig.from_dict`` is the edge where
-untrusted dicts (Serve YAML, Helm values, CLI files) come in: unknown keys and
-wrong types are refused with a message naming the key.
+Plain frozen dataclasses, no I/O. Every knob is declared once, with
+:func:`~iterserve.scheduler.config.knob` (default, documentation, bounds);
+the README's table and the Helm chart are generated from the declarations
+(:mod:`iterserve.cluster.config_docs`). ``EngineConfig.from_dict`` is the edge
+where untrusted dicts (Serve YAML, Helm values, CLI files) come in: one flat
+mapping of keys, the scheduler's among them; unknown keys and wrong types are
+refused with a message naming the key.
 """
 
 from __future__ import annotations
@@ -11,107 +15,90 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.config import POLICIES, SchedulerConfig
+from iterserve.scheduler.config import SchedulerConfig, check_knobs, knob
 
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 EXECUTORS = ("model", "fake")
 # What the fake executor takes (FakeExecutor's keywords, and the checkpoint facts it
 # stands in for). Anything else is refused: a deployment config cannot reach test code.
 FAKE_EXECUTOR_OPTIONS = (
     "vocab_size", "eos_token_id", "output_len", "step_sleep_s", "check_blocks", "max_model_len",
 )  # fmt: skip
-STEP_TRANSPORTS = ("auto", "socket", "compiled_graph", "actor_calls")
+SCHEDULER_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine (a scheduler actor and its workers) needs.
+    """Everything one engine (a scheduler actor and its workers) needs; the
+    scheduler's own knobs are in ``scheduler``."""
 
-    model: checkpoint directory; ``None`` serves the bundled demo model.
-    dtype: ``auto`` | ``float32`` | ``float16`` | ``bfloat16``.
-    tensor_parallel_size: worker ranks; heads and MLP columns are split across them.
-    num_kv_blocks: KV blocks per rank; ``None`` sizes the cache from free memory
-        times ``kv_memory_fraction`` (on CPU, at most 1 GiB).
-    max_model_len: context length; ``None`` takes the checkpoint's, capped at 4096.
-    step_timeout_s: a step that takes longer is a hung worker: the group restarts.
-    max_restarts: worker-group restarts before in-flight requests fail with an error.
-    placement_strategy: ``PACK`` (one node) or ``SPREAD`` (across nodes).
-    step_transport: how a step's plan reaches the ranks. ``socket`` (what ``auto``
-        picks): the plan encoded once and written to one stream socket per rank
-        (Unix on the scheduler's node, TCP beyond), no core held while waiting;
-        ``compiled_graph``: one write into a Ray compiled graph (shared memory,
-        ~0.5 ms, but the scheduler and every rank busy-wait on a core each, even
-        idle; one node only); ``actor_calls``: one actor call per rank per step.
-    async_scheduling: build each step's plan while the step before it runs, so the
-        ranks go from one step to the next without waiting for the scheduler (with
-        the ``socket`` and ``compiled_graph`` transports); ``False`` schedules each
-        step only once the previous result is in.
-    num_cpus_per_worker: CPUs each rank reserves; ``None`` derives it from the node
-        (see :mod:`~iterserve.cluster.resources`: 1 with a GPU; on a CPU node all
-        but one core, shared by the node's ranks).
-    torch_threads: the ranks' torch threads; ``None``: as many as reserved CPUs.
-    ray_metrics: also export the engine's metrics through Ray's own metrics agent.
-    executor: ``model`` runs the checkpoint; ``fake`` a deterministic stand-in
-        (tests, benchmarks of the control plane); ``module:attr`` any factory
-        ``(config, rank, world_size, all_reduce) -> executor``.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    kernel_backend: str = "auto"
-    policy: str = "chunked"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.3
-    kv_layout: str = "paged"
-    max_queue_len: int = 1024
-    max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    batch_timeout_s: float = 1.0
-    batch_wait_s: float = 0.02
-    max_n: int = 16
-    max_logprobs: int = 20
-    step_timeout_s: float = 60.0
-    max_restarts: int = 3
-    placement_strategy: str = "PACK"
-    step_transport: str = "auto"
-    async_scheduling: bool = True
-    num_cpus_per_worker: float | None = None
-    torch_threads: int | None = None
-    ray_metrics: bool = True
-    executor: str = "model"
-    executor_options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = knob(
+        None,
+        "Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2)",
+        helm=False,
+        shown_default="demo model",
+    )
+    dtype: str = knob(
+        "auto",
+        "`float32`, `float16`, `bfloat16`; `auto`: fp32 on CPU, the checkpoint's on GPU",
+        choices=DTYPES,
+    )
+    tensor_parallel_size: int = knob(
+        1, "worker ranks; attention heads and MLP columns are split across them", minimum=1
+    )
+    device: str = knob("auto", "`auto` (CUDA when present), `cpu` or `cuda`", helm=False)
+    kernel_backend: str = knob(
+        "auto", "`auto` (Triton on CUDA, torch on CPU), `triton` or `torch`", helm=False
+    )
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_memory_fraction: float = knob(
+        0.3,
+        "share of free memory the KV cache fills when `num_kv_blocks` is unset "
+        "(on CPU at most 1 GiB)",
+        exclusive_minimum=0,
+        maximum=1,
+        helm_default=0.8,
+    )
+    step_timeout_s: float = knob(
+        60.0, "a step slower than this is a hung worker: restart and recompute", exclusive_minimum=0
+    )
+    max_restarts: int = knob(3, "worker-group restarts before in-flight requests fail", minimum=0)
+    placement_strategy: str = knob(
+        "PACK",
+        "Ray placement of one engine copy's ranks (`PACK`, `SPREAD` across nodes, `STRICT_*`)",
+        choices=PLACEMENTS,
+        helm_default="STRICT_PACK",
+    )
+    async_scheduling: bool = knob(
+        True, "build each step's plan while the step before it runs; `false`: one at a time"
+    )
+    num_cpus_per_worker: float | None = knob(
+        None,
+        "CPUs each rank reserves; unset: derived from the node (README, What each process "
+        "reserves)",
+        exclusive_minimum=0,
+        helm=False,
+        shown_default="derived",
+    )
+    torch_threads: int | None = knob(
+        None, "the ranks' torch threads; unset: as many as reserved CPUs", minimum=1, helm=False
+    )
+    ray_metrics: bool = knob(
+        True, "also export the engine's metrics through Ray's metrics agent", helm=False
+    )
+    executor: str = knob(
+        "model",
+        "`model` runs the checkpoint; `fake` a deterministic stand-in (benchmarks of the "
+        "control plane); `module:attr` a factory `(config, rank, world_size, all_reduce)`",
+        helm=False,
+    )
+    executor_options: dict[str, Any] = field(
+        default_factory=dict, metadata={"doc": "options of a `fake` or `module:attr` executor"}
+    )
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(
-                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
-            )
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError("kv_memory_fraction must be in (0, 1]")
-        if self.step_timeout_s <= 0:
-            raise ValueError("step_timeout_s must be > 0")
-        if self.max_restarts < 0:
-            raise ValueError("max_restarts must be >= 0")
-        if self.num_cpus_per_worker is not None and not self.num_cpus_per_worker > 0:
-            raise ValueError(f"num_cpus_per_worker must be > 0, got {self.num_cpus_per_worker}")
-        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(
-                f"placement_strategy must be PACK or SPREAD, got {self.placement_strategy!r}"
-            )
-        if self.step_transport not in STEP_TRANSPORTS:
-            raise ValueError(
-                f"step_transport must be one of {', '.join(STEP_TRANSPORTS)}, "
-                f"got {self.step_transport!r}"
-            )
+        check_knobs(self)
         if self.executor not in EXECUTORS and ":" not in self.executor:
             raise ValueError(f"executor must be model, fake or module:attr, got {self.executor!r}")
         allowed = {"model": (), "fake": FAKE_EXECUTOR_OPTIONS}.get(self.executor)
@@ -123,16 +110,6 @@ class EngineConfig:
                     f"{', '.join(unknown)} (allowed: {', '.join(allowed) or 'none'})"
                 )
 
-    def scheduler_config(self, *, num_kv_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """The scheduler's share of this config, with the two values only known once
-        the workers have loaded the checkpoint."""
-        shared = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(SchedulerConfig)
-            if f.name not in ("num_kv_blocks", "max_model_len")
-        }
-        return SchedulerConfig(**shared, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
-
     @property
     def model_path(self) -> str:
         if self.model is not None:
@@ -142,42 +119,31 @@ class EngineConfig:
         return str(DEMO_MODEL_PATH)
 
     def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (the scheduler's keys among them) applied."""
+        ours = {k: v for k, v in changes.items() if k not in SCHEDULER_KEYS}
+        theirs = {k: v for k, v in changes.items() if k in SCHEDULER_KEYS}
+        if theirs:
+            ours["scheduler"] = dataclasses.replace(self.scheduler, **theirs)
+        return dataclasses.replace(self, **ours)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """The config from one flat mapping of keys (the scheduler's among them)."""
         if not isinstance(data, dict):
             raise ValueError(f"engine config must be a mapping, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
+        known = {f.name for f in dataclasses.fields(cls)} - {"scheduler"}
+        unknown = sorted(set(data) - known - SCHEDULER_KEYS)
         if unknown:
             raise ValueError(f"unknown engine config keys: {', '.join(unknown)}")
         for key, value in data.items():
-            _check_type(key, value, fields[key].type)
-        return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+            if value is None and key not in _NULLABLE:
+                raise ValueError(f"{key} must not be null")
+        return cls().replace(**data)
 
 
-_TYPES = {
-    "str": (str,),
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "dict[str, Any]": (dict,),
+_NULLABLE = {
+    f.name
+    for config in (EngineConfig, SchedulerConfig)
+    for f in dataclasses.fields(config)
+    if str(f.type).endswith("| None")
 }
-
-
-def _check_type(key: str, value: Any, annotation: str) -> None:
-    optional = annotation.endswith("| None")
-    base = annotation.removesuffix(" | None")
-    if value is None:
-        if optional:
-            return
-        raise ValueError(f"{key} must not be null")
-    allowed = _TYPES.get(base, (object,))
-    if isinstance(value, bool) and bool not in allowed:
-        raise ValueError(f"{key} must be {base}, got a boolean")
-    if not isinstance(value, allowed):
-        raise ValueError(f"{key} must be {base}, got {type(value).__name__}")

@@ -199,7 +199,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config):
         if not ray.is_initialized():
             ray.init(include_dashboard=False, logging_level="ERROR")
-        self.config = EngineConfig(model=model, **config)
+        self.config = EngineConfig.from_dict({"model": model, **config})
         self.loop = asyncio.new_event_loop()
         self.engine = self.loop.run_until_complete(AsyncEngine(self.config).start())
         self._tokenizer = None

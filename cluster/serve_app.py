@@ -286,8 +286,8 @@ class OpenAIIngress:
             HandleEngineClient(engine),
             Tokenizer(config.model_path),
             model_name=args.served_model_name(config),
-            max_n=config.max_n,
-            max_logprobs=config.max_logprobs,
+            max_n=config.scheduler.max_n,
+            max_logprobs=config.scheduler.max_logprobs,
             request_timeout_s=args.request_timeout_s,
         )
         freeze_startup_objects()  # a full collection would stall every stream it serves
@@ -349,7 +349,7 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     # Above the engine's own bound, so the engine refuses (429) before Serve queues.
-    per_engine = config.max_queue_len + config.max_num_seqs + ENGINE_HEADROOM
+    per_engine = config.scheduler.max_queue_len + config.scheduler.max_num_seqs + ENGINE_HEADROOM
     engine = EngineServer.options(
         num_replicas=args.num_engine_replicas,
         max_ongoing_requests=per_engine,

@@ -138,8 +138,8 @@ class EngineWorker:
 
     def kv_capacity(self) -> int:
         """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        if self.config.scheduler.num_kv_blocks is not None:
+            return self.config.scheduler.num_kv_blocks
         if self.config.executor != "model":
             return 4096
         from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
@@ -155,7 +155,7 @@ class EngineWorker:
             budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
         kv_heads = max(1, c.num_kv_heads // self.world_size)
         return blocks_for_budget(
-            budget, c.num_layers, self.config.block_size, kv_heads, c.head_dim, dtype
+            budget, c.num_layers, self.config.scheduler.block_size, kv_heads, c.head_dim, dtype
         )
 
     def load(self, num_kv_blocks: int) -> None:
@@ -168,7 +168,7 @@ class EngineWorker:
                 self.config.model_path,
                 dtype=self.config.dtype,
                 num_kv_blocks=num_kv_blocks,
-                block_size=self.config.block_size,
+                block_size=self.config.scheduler.block_size,
                 device=self.device,
                 tp_rank=self.rank,
                 tp_size=self.world_size,
@@ -180,7 +180,7 @@ class EngineWorker:
 
             opts = dict(self.config.executor_options)
             opts.pop("max_model_len", None)
-            self.executor = FakeExecutor(block_size=self.config.block_size, **opts)
+            self.executor = FakeExecutor(block_size=self.config.scheduler.block_size, **opts)
         else:
             module, _, attr = kind.partition(":")
             factory = getattr(importlib.import_module(module), attr)

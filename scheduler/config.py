@@ -1,86 +1,120 @@
-"""The scheduler's frozen configuration. No I/O; derived values are properties."""
+"""The scheduler's frozen configuration. No I/O; derived values are properties.
+
+Every knob is declared once, here or in the engine's config
+(``cluster/config.py``), with :func:`knob`: its default, one line of
+documentation and its bounds. The README's configuration table and the Helm
+chart's values, schema and template are generated from these declarations
+(``python -m iterserve.cluster.config_docs --write``; a test fails when they drift).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 POLICIES = ("static", "dynamic", "continuous", "chunked")
+KV_LAYOUTS = ("paged", "slab")
+
+
+def knob(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    exclusive_minimum: float | None = None,
+    maximum: float | None = None,
+    helm: bool = True,
+    helm_default: Any = MISSING,
+    shown_default: str | None = None,
+) -> Any:
+    """A configuration field and what documents it.
+
+    ``helm``: whether the chart exposes it (as ``engine.<camelCase>``);
+    ``helm_default``: the chart's default when it differs (a GPU cluster's);
+    ``shown_default``: how the README shows a default that is derived at start.
+    An optional integer whose unset value means "derived" is 0 in the chart.
+    """
+    metadata = {
+        "doc": doc,
+        "choices": choices,
+        "minimum": minimum,
+        "exclusive_minimum": exclusive_minimum,
+        "maximum": maximum,
+        "helm": helm,
+        "helm_default": helm_default,
+        "shown_default": shown_default,
+    }
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """How the scheduler batches.
+    """How the scheduler batches. ``max_model_len`` and ``num_kv_blocks`` may be
+    left unset in a configuration: the engine fills them in once the checkpoint
+    and the KV cache are known (:meth:`resolved`); a :class:`Scheduler` needs
+    them set."""
 
-    policy: ``static`` | ``dynamic`` | ``continuous`` | ``chunked``.
-    max_num_seqs: slots, i.e. sequences that may run at once (static's batch size).
-    max_num_batched_tokens: the per-step token budget (padding included).
-    max_model_len: prompt + output tokens of one sequence, at most.
-    block_size / num_kv_blocks: the paged KV cache.
-    kv_layout: ``paged`` allocates blocks as tokens are scheduled; ``slab``
-        reserves ``max_model_len`` worth of blocks per sequence at admission
-        (the naive one-slab-per-slot layout, for comparison).
-    max_queue_len: waiting requests beyond this are refused (queue full).
-    max_num_partial_prefills: prompts that may be part-way through prefill at once (chunked).
-    long_prefill_token_threshold: a prompt with more tokens left than this is
-        "long"; each of its pieces is capped at this many tokens so it takes only
-        its share of the budget (chunked; 0 = no cap).
-    batch_timeout_s: static waits this long for a full batch before launching a partial one.
-    batch_wait_s: dynamic launches a pending batch when it is full or its oldest
-        request has waited this long.
-    """
-
-    policy: str = "chunked"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int = 4096
-    kv_layout: str = "paged"
-    max_queue_len: int = 4096
-    max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    batch_timeout_s: float = 1.0
-    batch_wait_s: float = 0.02
-    max_n: int = 16
-    max_logprobs: int = 20
+    policy: str = knob(
+        "chunked", "`static`, `dynamic`, `continuous` or `chunked`", choices=POLICIES
+    )
+    max_num_seqs: int = knob(64, "slots: sequences running at once", minimum=1)
+    max_num_batched_tokens: int = knob(
+        2048, "per-step token budget, padding included (≥ max_num_seqs)", minimum=1
+    )
+    max_model_len: int | None = knob(
+        None,
+        "prompt + output tokens of one sequence; unset: the checkpoint's, at most 4096",
+        minimum=1,
+        shown_default="checkpoint's, ≤ 4096",
+    )
+    block_size: int = knob(16, "tokens per KV block", minimum=1)
+    num_kv_blocks: int | None = knob(
+        None,
+        "KV blocks per rank; unset: sized by `kv_memory_fraction`",
+        minimum=1,
+        shown_default="from memory",
+    )
+    kv_layout: str = knob(
+        "paged",
+        "`paged`, or `slab`: reserve `max_model_len` per sequence, for comparison",
+        choices=KV_LAYOUTS,
+        helm=False,
+    )
+    max_queue_len: int = knob(
+        1024, "waiting requests beyond this are refused with 429 and Retry-After", minimum=0
+    )
+    max_num_partial_prefills: int = knob(
+        1, "prompts part-way through prefill at once (chunked)", minimum=1
+    )
+    long_prefill_token_threshold: int = knob(
+        0, "cap on one long prompt's prefill piece per step (chunked; 0: none)", minimum=0
+    )
+    batch_timeout_s: float = knob(1.0, "seconds static batching waits for a full batch", minimum=0)
+    batch_wait_s: float = knob(
+        0.02, "seconds dynamic batching lets its oldest request wait before launching", minimum=0
+    )
+    max_n: int = knob(16, "largest `n` (choices per prompt) a request may ask for", minimum=1)
+    max_logprobs: int = knob(20, "largest `logprobs` a request may ask for", minimum=0)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.kv_layout not in ("paged", "slab"):
-            raise ValueError(f"kv_layout must be 'paged' or 'slab', got {self.kv_layout!r}")
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "block_size",
-            "num_kv_blocks",
-            "max_num_partial_prefills",
-            "max_n",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_queue_len", "long_prefill_token_threshold", "max_logprobs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if self.batch_timeout_s < 0 or self.batch_wait_s < 0:
-            raise ValueError("batch_timeout_s and batch_wait_s must be >= 0")
-        if self.num_kv_blocks < self.blocks_per_seq_max:
-            raise ValueError(
-                f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
-                f"{self.max_model_len} ({self.blocks_per_seq_max} blocks of {self.block_size})"
-            )
+        check_knobs(self)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so that every running sequence can decode each step"
             )
+        if self.max_model_len is None:
+            return
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"policy {self.policy!r} prefills whole prompts: max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < self.blocks_per_seq_max:
+            raise ValueError(
+                f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
+                f"{self.max_model_len} ({self.blocks_per_seq_max} blocks of {self.block_size})"
             )
 
     @property
@@ -89,4 +123,50 @@ class SchedulerConfig:
 
     @property
     def blocks_per_seq_max(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        from iterserve.scheduler.blocks import blocks_for
+
+        assert self.max_model_len is not None
+        return blocks_for(self.max_model_len, self.block_size)
+
+    def resolved(self, *, num_kv_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """This config with what the loaded engine decided: the cache's size, and the
+        context length where the config left it to the checkpoint."""
+        from dataclasses import replace
+
+        return replace(
+            self,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=self.max_model_len or max_model_len,
+        )
+
+    def check_complete(self) -> None:
+        if self.max_model_len is None or self.num_kv_blocks is None:
+            raise ValueError("a Scheduler needs max_model_len and num_kv_blocks set (resolved())")
+
+
+def check_knobs(config: Any) -> None:
+    """Types, choices and bounds of every :func:`knob` field of a config dataclass;
+    the message names the field."""
+    for f in fields(config):
+        meta = f.metadata
+        if "doc" not in meta:
+            continue
+        value = getattr(config, f.name)
+        if value is None and "None" in str(f.type):
+            continue
+        expected = {
+            "int": int, "float": (int, float), "str": str, "bool": bool, "dict[str, Any]": dict,
+        }  # fmt: skip
+        kind = str(f.type).removesuffix(" | None")
+        wanted = expected.get(kind)
+        if wanted is not None:
+            if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted):
+                raise ValueError(f"{f.name} must be {kind}, got {value!r}")
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            raise ValueError(f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+        if meta.get("minimum") is not None and value < meta["minimum"]:
+            raise ValueError(f"{f.name} must be >= {meta['minimum']}, got {value!r}")
+        if meta.get("exclusive_minimum") is not None and not value > meta["exclusive_minimum"]:
+            raise ValueError(f"{f.name} must be > {meta['exclusive_minimum']}, got {value!r}")
+        if meta.get("maximum") is not None and value > meta["maximum"]:
+            raise ValueError(f"{f.name} must be <= {meta['maximum']}, got {value!r}")

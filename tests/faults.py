@@ -63,5 +63,5 @@ def faulty(config, rank: int, world_size: int, all_reduce) -> FaultyExecutor:
     options = dict(config.executor_options)
     faults = {k: options.pop(k) for k in FAULT_OPTIONS if k in options}
     options.pop("max_model_len", None)
-    inner = FakeExecutor(block_size=config.block_size, **options)
+    inner = FakeExecutor(block_size=config.scheduler.block_size, **options)
     return FaultyExecutor(inner, rank, faults)

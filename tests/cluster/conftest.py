@@ -30,7 +30,7 @@ def fake_config(**overrides) -> EngineConfig:
     )
     options = {**base["executor_options"], **overrides.pop("executor_options", {})}
     base.update(overrides, executor_options=options)
-    return EngineConfig(**base)
+    return EngineConfig.from_dict(base)
 
 
 def model_config(path: str, **overrides) -> EngineConfig:
@@ -48,7 +48,7 @@ def model_config(path: str, **overrides) -> EngineConfig:
         torch_threads=1,
     )
     base.update(overrides)
-    return EngineConfig(**base)
+    return EngineConfig.from_dict(base)
 
 
 async def start_engine(config: EngineConfig) -> AsyncEngine:
@@ -87,15 +87,15 @@ def single_process(path: str, prompts, params, policy="chunked") -> list[list[in
     from iterserve.workers.runner import ModelRunner
 
     config = model_config(path, policy=policy)
-    sched = Scheduler(config.scheduler_config(num_kv_blocks=96, max_model_len=64))
+    sched = Scheduler(config.scheduler.resolved(num_kv_blocks=96, max_model_len=64))
     runner = ModelRunner(path, dtype="float32", num_kv_blocks=96, block_size=4,
                          kernel_backend="torch")
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"r{i}", list(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_work:
-        plan = sched.schedule(1e9)  # far future: static/dynamic launch at once
-        for out in sched.update(runner.execute(plan)):
+        step = sched.schedule(1e9)  # far future: static/dynamic launch at once
+        for out in sched.update(step, runner.execute(step.plan)):
             outputs[out.request_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 

@@ -25,21 +25,21 @@ async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 
 
 async def main(prompts: list[list[int]], max_tokens: int) -> dict:
-    config = EngineConfig(
+    config = EngineConfig.from_dict(dict(
         dtype="float32", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD",
         num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
         max_model_len=64, num_cpus_per_worker=1.0, torch_threads=1, step_timeout_s=30,
         max_restarts=0,
-    )
+    ))
     engine = await AsyncEngine(config).start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         outputs = await asyncio.gather(*(collect(engine, p, params) for p in prompts))
         nodes = [w["NodeID"] for w in await engine.actor.worker_nodes.remote()]
-        transport = (await engine.stats())["step_transport"]
+        links = (await engine.stats())["rank_links"]
     finally:
         await engine.shutdown()
-    return {"outputs": outputs, "worker_nodes": nodes, "step_transport": transport}
+    return {"outputs": outputs, "worker_nodes": nodes, "rank_links": links}
 
 
 if __name__ == "__main__":

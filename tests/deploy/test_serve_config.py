@@ -65,10 +65,7 @@ def _check_engine_config(config: dict[str, Any]) -> None:
     engine = EngineConfig.from_dict(config)
     # What the scheduler will be built with once the checkpoint is known: the
     # cross-field rules (token budget vs slots and context) must hold.
-    engine.scheduler_config(
-        num_kv_blocks=engine.num_kv_blocks or 1 << 20,
-        max_model_len=engine.max_model_len or 2048,
-    )
+    engine.scheduler.resolved(num_kv_blocks=1 << 20, max_model_len=2048)
 
 
 def _the_app(serve_config: dict[str, Any]) -> dict[str, Any]:

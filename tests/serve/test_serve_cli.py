@@ -22,7 +22,7 @@ def test_the_example_config_names_the_builder_and_valid_args():
     assert app["import_path"] == "iterserve.cluster.serve_app:build_app"
     args = ServeArgs.model_validate(app["args"])
     config = args.engine_config()
-    assert config.policy == "chunked" and args.num_engine_replicas == 1
+    assert config.scheduler.policy == "chunked" and args.num_engine_replicas == 1
     build_app(app["args"])  # binds the deployments without starting anything
 
 
@@ -45,8 +45,8 @@ def test_bad_engine_config_is_refused_before_anything_starts():
         build_app({"config": {"nope": 1}})
     with pytest.raises(ValueError, match="policy"):
         run_server(config={"policy": "fastest"})
-    with pytest.raises(ValueError, match="step_transport must be one of auto"):
-        build_app({"config": {"step_transport": "pigeon"}})
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        build_app({"config": {"max_num_seqs": 0}})
     with pytest.raises(ValueError, match="given twice"):
         ServeArgs(model="/a", config={"model": "/b"}).engine_config()
 
