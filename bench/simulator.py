@@ -147,8 +147,8 @@ def simulate_policy(
             prompt = [3] * load["prompt_len"][i]
             sched.add_request(Request(ids[i], prompt, params, arrival_time=arrival[ids[i]]))
             nxt += 1
-        plan = sched.schedule(now)
-        if plan is None:
+        step = sched.schedule(now)
+        if step is None:
             events = [load["arrival_s"][order[nxt]]] if nxt < num_requests else []
             deadline = sched.next_deadline()
             if deadline is not None:
@@ -158,6 +158,7 @@ def simulate_policy(
                 raise RuntimeError(f"{policy}: work is waiting but nothing can run")
             now = min(events)
             continue
+        plan = step.plan
         tokens = context = causal = rows = 0
         for e in plan.scheduled:
             s, n = e.start_pos, e.num_tokens + e.num_pad_tokens
@@ -178,7 +179,7 @@ def simulate_policy(
         pad_tokens += padding
         real_tokens += tokens - padding
         now += cost.totals(tokens, context, causal, rows).time_s
-        for out in sched.update(executor.execute(plan)):
+        for out in sched.update(step, executor.execute(plan)):
             rid = out.request_id
             if out.new_token_ids:
                 if rid in first:

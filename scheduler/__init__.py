@@ -4,7 +4,7 @@ Public surface:
 - :class:`Request`, :class:`RequestStatus` — a request and its lifecycle.
 - :class:`SamplingParams`, :class:`SamplingParamsError` — validated sampling knobs.
 - :class:`SchedulerConfig` — frozen configuration of the scheduler.
-- :class:`Scheduler` — ``schedule(now) -> StepPlan``, ``update(StepResult) -> outputs``.
+- :class:`Scheduler` — ``schedule(now) -> ScheduledStep``, ``update(step, StepResult) -> outputs``.
 - :mod:`~iterserve.scheduler.messages` — the two messages that cross to the workers.
 - :mod:`~iterserve.scheduler.codec` — their strict msgpack codec.
 - :class:`FakeExecutor` — a deterministic stand-in for the model workers.
@@ -22,6 +22,7 @@ from iterserve.scheduler.fake_executor import FakeExecutor
 from iterserve.scheduler.messages import StepPlan, StepResult
 from iterserve.scheduler.request import FinishReason, Request, RequestStatus
 from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
+from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
 __all__ = [
     "POLICIES",
@@ -35,8 +36,10 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "SamplingParamsError",
+    "ScheduledStep",
     "Scheduler",
     "SchedulerConfig",
+    "StepBuilder",
     "StepPlan",
     "StepResult",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: the one formula, used everywhere."""
     return -(-num_tokens // block_size)
 
 
@@ -37,20 +38,18 @@ class BlockManager:
 
     def num_needed(self, request_id: str, num_tokens: int) -> int:
         """New blocks a sequence needs so that ``num_tokens`` of its tokens fit."""
-        target = max(num_tokens, self.slab_tokens)
         held = len(self.tables.get(request_id, ()))
+        if held * self.block_size >= num_tokens:
+            return 0  # the common decode step: the last block still has room
+        target = max(num_tokens, self.slab_tokens)
         return max(0, blocks_for(target, self.block_size) - held)
-
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_needed(request_id, num_tokens) <= len(self._free)
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grows the table to hold ``num_tokens`` tokens; returns the new block ids,
         or ``None`` (allocating nothing) when too few blocks are free."""
-        table = self.tables.get(request_id)
-        if table is not None and len(table) * self.block_size >= num_tokens:
-            return []  # the common decode step: the last block still has room
         needed = self.num_needed(request_id, num_tokens)
+        if needed == 0:
+            return []
         if needed > len(self._free):
             return None
         new = [self._free.pop() for _ in range(needed)]

@@ -1,10 +1,11 @@
 """The iteration-level scheduler.
 
-One call to :meth:`Scheduler.schedule` decides which sequences run in the next
-iteration and how many tokens each computes; :meth:`Scheduler.update` takes the
-workers' :class:`StepResult` back. The batching *policy* (static, dynamic,
-continuous, chunked) only chooses; this module owns the slot table, the KV
-block manager, the waiting queue, preemption and the messages.
+:meth:`Scheduler.schedule` decides which sequences run in the next iteration
+and how many tokens each computes, and returns the :class:`ScheduledStep`;
+:meth:`Scheduler.update` takes it back with the workers' :class:`StepResult`.
+The batching *policy* (static, dynamic, continuous, chunked) only chooses, into
+a :class:`StepBuilder` made for that one call; this module owns the slot table,
+the KV block manager, the waiting queue, preemption and finishing.
 
 Scheduling ahead: while step N runs, ``schedule`` may build step N+1 (a
 *lookahead* plan), so the workers start N+1 as soon as N ends instead of
@@ -25,16 +26,16 @@ is not known yet, so the lookahead plan is built on what is certain:
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.blocks import BlockManager, blocks_for
+from iterserve.scheduler.blocks import BlockManager
 from iterserve.scheduler.config import SchedulerConfig
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
+from iterserve.scheduler.messages import NewSequence, StepResult
 from iterserve.scheduler.policies import make_policy
 from iterserve.scheduler.queue import WaitingQueue
 from iterserve.scheduler.request import FinishReason, Request, RequestStatus
 from iterserve.scheduler.slots import SlotTable
+from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
 
 class QueueFullError(RuntimeError):
@@ -72,16 +73,9 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclass(slots=True)
-class _InFlight:
-    """A step handed to the workers whose result has not come back."""
-
-    plan: StepPlan
-    requests: dict[int, Request]  # slot -> the request each entry computes
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
+        config.check_complete()
         self.config = config
         self.slots = SlotTable(config.max_num_seqs)
         slab = config.max_model_len if config.kv_layout == "slab" else 0
@@ -91,26 +85,19 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.policy = make_policy(config)
         self.step = 0
+        self.num_in_flight = 0  # steps scheduled whose results have not come back (0-2)
         self._next_seq_id = 0
         # The requests the workers know, by the id results name them with: running
         # ones and retiring ones. An aborted request leaves at once, so a result
         # computed for it is dropped even when a new request reuses its request_id.
         self._by_seq: dict[int, Request] = {}
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0
-        self._released_slots: list[int] = []
-        self._in_flight: deque[_InFlight] = deque()
-        self._in_flight_requests: dict[int, Request] = {}
         # Requests whose last token a running step samples: slot and blocks already
         # handed on; seq_id -> (request, the blocks it held, for the workers' check).
         self.retiring: dict[int, tuple[Request, list[int]]] = {}
-        self.lookahead = False  # while a lookahead plan is being built
-        # Filled while a step is being built:
-        self._new_seqs: list[NewSequence] = []
-        self._scheduled: list[ScheduledSeq] = []
-        self._scheduled_ids: set[str] = set()
-        self._padding_slots: list[int] = []
-        self.budget_left = 0
+        self._released_slots: list[int] = []  # since the last plan: the next one says so
+        self.num_preempted = 0  # waiting requests whose KV was dropped
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
 
     # -- admission and abort -------------------------------------------------
 
@@ -143,27 +130,25 @@ class Scheduler:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request in any state; its slot and blocks are free for the next step."""
+        return self._end(request_id, FinishReason.ABORT)
+
+    def finish_with_error(self, request_id: str) -> RequestOutput | None:
+        """Ends a request because the engine cannot serve it (workers lost)."""
+        return self._end(request_id, FinishReason.ERROR)
+
+    def _end(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
         request = self.requests.get(request_id)
         if request is None:
             return None
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
-        self._finish(request, FinishReason.ABORT)
-        return RequestOutput(request_id, finish_reason=FinishReason.ABORT)
-
-    def finish_with_error(self, request_id: str) -> None:
-        """Ends a request because the engine cannot serve it (workers lost)."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return
-        if request.request_id in self.waiting:
-            self.waiting.remove(request.request_id)
-        self._finish(request, FinishReason.ERROR)
+        self._finish(request, reason)
+        return RequestOutput(request_id, finish_reason=reason)
 
     def requeue_running(self) -> None:
         """The steps in flight were lost with the workers: forget them and preempt
         every running sequence, to be recomputed on fresh workers. No token is lost."""
-        self._in_flight.clear()
+        self.num_in_flight = 0
         self.policy.reset(self)
         retiring = [request for request, _ in self.retiring.values()]
         self.retiring.clear()
@@ -172,62 +157,38 @@ class Scheduler:
 
     # -- the step --------------------------------------------------------------
 
-    @property
-    def num_in_flight(self) -> int:
-        """Steps handed to the workers whose results have not come back (0, 1 or 2)."""
-        return len(self._in_flight)
+    def schedule(self, now: float) -> ScheduledStep | None:
+        """Builds the next step, or returns None when there is nothing to run.
 
-    def schedule(self, now: float) -> StepPlan | None:
-        """Builds the next step's plan, or returns None when there is nothing to run.
-
-        With one step in flight, builds the step after it (a lookahead plan, see
+        With a step in flight, builds the step after it (a lookahead plan, see
         the module docstring), or returns None when that step must wait for the
-        result of the one in flight."""
-        if len(self._in_flight) > 1:
-            raise RuntimeError(
-                f"steps {self._in_flight[0].plan.step} and "
-                f"{self._in_flight[1].plan.step} are still in flight"
-            )
-        lookahead = bool(self._in_flight)
+        result of the one in flight. The caller keeps the step and hands it back
+        to :meth:`update` with its result."""
+        if self.num_in_flight > 1:
+            raise RuntimeError("two steps are in flight already: update one first")
+        lookahead = self.num_in_flight == 1
         finishing: list[Request] = []
         if lookahead:
             finishing = self._finishing_if_ahead_fits()
             if finishing is None:
                 return None
-        self._new_seqs, self._scheduled, self._padding_slots = [], [], []
-        self._scheduled_ids = set()
-        self._in_flight_requests = {}
-        self.budget_left = self.config.max_num_batched_tokens
-        self.lookahead = lookahead
-        try:
-            if finishing and not self.policy.holds_finished_slots:
-                self._retire(finishing)
-            self.policy.schedule(self, now)
-        finally:
-            self.lookahead = False
-        if not self._scheduled:
+        step = StepBuilder(self, lookahead=lookahead)
+        if finishing and not self.policy.holds_finished_slots:
+            self._retire(finishing)
+        self.policy.schedule(step, now)
+        if not step.scheduled:
             return None
         self.step += 1
-        plan = StepPlan(
-            step=self.step,
-            new_seqs=self._new_seqs,
-            scheduled=self._scheduled,
-            released_slots=self._released_slots,
-            padding_slots=self._padding_slots,
-            lookahead=lookahead,
-        )
+        self.num_in_flight += 1
+        scheduled = step.build(self.step, self._released_slots)
         self._released_slots = []
-        self._in_flight.append(_InFlight(plan, self._in_flight_requests))
-        return plan
+        return scheduled
 
     def _finishing_if_ahead_fits(self) -> list[Request] | None:
         """The running sequences whose last token the step in flight samples; None
         unless every other one's next step, at its largest, fits in the free blocks
         (otherwise a choice in a plan built ahead could need a preemption)."""
         budget = self.config.max_num_batched_tokens
-        block_size = self.config.block_size
-        tables = self.blocks.tables
-        slab = self.blocks.slab_tokens
         needed = 0
         finishing = []
         for request in self.running.values():
@@ -235,8 +196,7 @@ class Scheduler:
                 finishing.append(request)  # retires (or pads, in static batching)
                 continue
             target = request.num_computed_tokens + min(request.num_remaining_tokens, budget)
-            held = len(tables.get(request.request_id, ()))
-            needed += max(0, blocks_for(max(target, slab), block_size) - held)
+            needed += self.blocks.num_needed(request.request_id, target)
         return finishing if needed <= self.blocks.num_free else None
 
     def _retire(self, finishing: list[Request]) -> None:
@@ -249,34 +209,21 @@ class Scheduler:
             request.slot_idx = -1
             del self.running[request.request_id]
 
-    def _blocks_granted_later(self, request: Request) -> int:
-        """Blocks given to ``request`` by the steps still in flight."""
-        return sum(
-            len(entry.new_block_ids)
-            for flight in self._in_flight
-            for entry in flight.plan.scheduled
-            if flight.requests[entry.slot_idx] is request
-        )
-
-    def update(self, result: StepResult) -> list[RequestOutput]:
-        """Applies the workers' result for the oldest step in flight: append tokens,
-        finish, free."""
-        if not self._in_flight or result.step != self._in_flight[0].plan.step:
-            oldest = self._in_flight[0].plan.step if self._in_flight else None
-            raise ProtocolError(
-                f"result for step {result.step} but the oldest step in flight is {oldest}"
-            )
-        flight = self._in_flight.popleft()
-        plan = flight.plan
+    def update(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """Applies the workers' result for ``step`` (the oldest step in flight):
+        append tokens, finish, free."""
+        if result.step != step.plan.step:
+            raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
+        self.num_in_flight -= 1
         expected: list[Request] = []
-        for entry in plan.scheduled:
+        for entry in step.plan.scheduled:
             if entry.sample:
-                request = flight.requests[entry.slot_idx]
+                request = step.requests[entry.slot_idx]
                 if request.status == RequestStatus.RUNNING:  # not aborted meanwhile
                     request.num_pending -= 1
                     expected.append(request)
         outputs: dict[str, RequestOutput] = {}
-        live, retiring = self._by_seq, self.retiring
+        live = self._by_seq
         for sampled in result.sampled:
             request = live.get(sampled.seq_id)
             if request is None:
@@ -293,12 +240,10 @@ class Scheduler:
             request = live.get(finished.seq_id)
             if request is None:
                 continue  # aborted while the step was in flight
-            if finished.seq_id in retiring:
-                held = retiring[finished.seq_id][1]
-            else:
-                # A lookahead plan still in flight may have granted it more blocks.
-                held = self.blocks.table(request.request_id)
-                held = held[: len(held) - self._blocks_granted_later(request)]
+            if finished.seq_id in self.retiring:
+                held = self.retiring[finished.seq_id][1]
+            else:  # a step built after this one may have granted more blocks since
+                held = self.blocks.table(request.request_id)[: step.num_blocks[request.seq_id]]
             if list(finished.block_ids) != held:
                 raise ProtocolError(
                     f"{request.request_id}: worker released blocks "
@@ -311,7 +256,9 @@ class Scheduler:
             ).finish_reason = reason
         for request in expected:
             if request.request_id not in outputs:
-                raise ProtocolError(f"{request.request_id}: no token sampled in step {plan.step}")
+                raise ProtocolError(
+                    f"{request.request_id}: no token sampled in step {step.plan.step}"
+                )
             if (
                 request.status == RequestStatus.RUNNING
                 and request.num_output_tokens >= request.params.max_tokens
@@ -320,77 +267,31 @@ class Scheduler:
         self.policy.after_update(self)
         return list(outputs.values())
 
-    # -- what policies call ------------------------------------------------------
+    # -- what the step builder and the policies call ----------------------------------
 
-    def try_schedule(
-        self, request: Request, num_tokens: int, num_pad_tokens: int = 0, reserve_tokens: int = 0
-    ) -> bool:
-        """Schedules ``num_tokens`` more of ``request``'s tokens in this step,
-        admitting it to a slot if it has none. ``reserve_tokens`` allocates blocks
-        for that many tokens up front. Returns False, changing nothing, when the
-        KV blocks cannot be allocated."""
-        start = request.num_computed_tokens
-        target = start + num_tokens
-        new_blocks = self.blocks.allocate(request.request_id, max(target, reserve_tokens))
-        if new_blocks is None:
-            return False
-        if request.slot_idx < 0:
-            self._admit(request)
-        sample = target == request.num_tokens + request.num_pending
-        self._scheduled.append(
-            ScheduledSeq(
-                slot_idx=request.slot_idx,
-                start_pos=start,
-                num_tokens=num_tokens,
-                new_block_ids=new_blocks,
-                sample=sample,
-                num_pad_tokens=num_pad_tokens,
-            )
+    def admit(self, request: Request) -> NewSequence:
+        """Gives a waiting request a slot; the workers learn of it from the result."""
+        if request.request_id in self.waiting:
+            self.waiting.remove(request.request_id)
+        if request.status == RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
+        request.slot_idx = self.slots.acquire(request.request_id)
+        request.status = RequestStatus.RUNNING
+        self.running[request.request_id] = request
+        self._by_seq[request.seq_id] = request
+        return NewSequence(
+            seq_id=request.seq_id,
+            request_id=request.label,
+            slot_idx=request.slot_idx,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            params=request.params,
         )
-        request.num_computed_tokens = target
-        request.num_pending += sample
-        self._scheduled_ids.add(request.request_id)
-        self._in_flight_requests[request.slot_idx] = request
-        self.budget_left -= num_tokens + num_pad_tokens
-        return True
-
-    def schedule_decodes(self, requests: list[Request]) -> None:
-        """Schedules one decode token for each running request; the caller has
-        checked that their new blocks fit. The hot path of every step, so the
-        bookkeeping of try_schedule is inlined here."""
-        block_size = self.config.block_size
-        tables = self.blocks.tables
-        scheduled, ids, in_flight = self._scheduled, self._scheduled_ids, self._in_flight_requests
-        for request in requests:
-            pos = request.num_computed_tokens
-            new_blocks = []
-            if len(tables[request.request_id]) * block_size <= pos:
-                new_blocks = self.blocks.allocate(request.request_id, pos + 1)
-                if new_blocks is None:
-                    raise RuntimeError("schedule_decodes called without room for new blocks")
-            scheduled.append(ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
-            request.num_computed_tokens = pos + 1
-            request.num_pending += 1
-            ids.add(request.request_id)
-            in_flight[request.slot_idx] = request
-        self.budget_left -= len(requests)
-
-    def pad_slot(self, slot_idx: int) -> None:
-        """Computes one padding token in a slot whose sequence already ended (static)."""
-        self._padding_slots.append(slot_idx)
-        self.budget_left -= 1
-
-    def is_scheduled(self, request: Request) -> bool:
-        return request.request_id in self._scheduled_ids
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
         every token it produced, to be recomputed later. Never while a step is in
         flight, except to forget the lost steps of failed workers."""
-        if self.lookahead:
-            raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
-        if request.request_id in self._scheduled_ids:
-            self._unschedule(request)
         self.blocks.free(request.request_id)
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
@@ -402,37 +303,13 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.num_preempted += 1
         self.waiting.push(request)
 
-    def _unschedule(self, request: Request) -> None:
-        """Takes a request scheduled earlier in the step being built back out of it."""
-        entry = next(e for e in self._scheduled if e.slot_idx == request.slot_idx)
-        self._scheduled.remove(entry)
-        self._scheduled_ids.discard(request.request_id)
-        del self._in_flight_requests[request.slot_idx]
-        self.budget_left += entry.num_tokens + entry.num_pad_tokens
-
-    def release_slot(self, slot_idx: int) -> None:
-        """Frees a slot held by a finished sequence (static's batch end)."""
-        self.slots.release(slot_idx)
-
-    def _admit(self, request: Request) -> None:
-        if request.request_id in self.waiting:
-            self.waiting.remove(request.request_id)
-        request.slot_idx = self.slots.acquire(request.request_id)
-        request.status = RequestStatus.RUNNING
-        self.running[request.request_id] = request
-        self._by_seq[request.seq_id] = request
-        self._new_seqs.append(
-            NewSequence(
-                seq_id=request.seq_id,
-                request_id=request.label,
-                slot_idx=request.slot_idx,
-                token_ids=request.all_token_ids,
-                num_prompt_tokens=request.num_prompt_tokens,
-                params=request.params,
-            )
-        )
+    def release_slot(self, request: Request) -> None:
+        """Frees the slot a finished member of a static batch kept, as the batch ends."""
+        self.slots.release(request.slot_idx)
+        request.slot_idx = -1
 
     def _release_slot(self, request: Request) -> None:
         self.slots.release(request.slot_idx)
@@ -440,23 +317,24 @@ class Scheduler:
         request.slot_idx = -1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        was_running = request.status == RequestStatus.RUNNING
+        was = request.status
         request.status = reason.status
         request.finish_reason = reason
         del self.requests[request.request_id]
+        if was == RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
         self._by_seq.pop(request.seq_id, None)
         if self.retiring.pop(request.seq_id, None) is not None:
             return  # slot and blocks were handed on when it retired
         self.blocks.free(request.request_id)
-        if not was_running:
+        if was != RequestStatus.RUNNING:
             return
         del self.running[request.request_id]
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self._release_slot(request)  # the workers still hold it: tell them
         elif not self.policy.holds_finished_slots:
             # The worker dropped the sequence itself when it finished it.
-            self.slots.release(request.slot_idx)
-            request.slot_idx = -1
+            self.release_slot(request)
         # else: static batching keeps the slot, as padding, until its batch ends.
 
     # -- introspection ---------------------------------------------------------------
@@ -470,15 +348,13 @@ class Scheduler:
         return self.policy.next_deadline(self)
 
     def stats(self) -> dict:
-        num_preempted = sum(
-            1 for r in self.requests.values() if r.status == RequestStatus.PREEMPTED
-        )
+        """The scheduler's state, from counts kept up to date as it changes."""
         return {
             "policy": self.config.policy,
             "step": self.step,
             "num_running": len(self.running) + len(self.retiring),
             "num_waiting": len(self.waiting),
-            "num_preempted": num_preempted,
+            "num_preempted": self.num_preempted,
             "slots_used": self.slots.num_used,
             "slots_total": self.slots.num_slots,
             "kv_blocks_used": self.blocks.num_used,
@@ -489,7 +365,7 @@ class Scheduler:
         }
 
     def check_integrity(self) -> None:
-        """Slots and blocks are consistent with the requests that hold them."""
+        """Slots, blocks and counts are consistent with the requests that hold them."""
         self.slots.check_integrity()
         self.blocks.check_integrity()
         for request_id in self.blocks.tables:
@@ -503,3 +379,5 @@ class Scheduler:
         assert {r.seq_id: r for r in live} == self._by_seq, "live sequences mismatch"
         counted = len(self.waiting) + len(self.running) + len(self.retiring)
         assert counted == len(self.requests), "requests lost"
+        preempted = sum(r.status == RequestStatus.PREEMPTED for r in self.requests.values())
+        assert preempted == self.num_preempted, "preempted count mismatch"

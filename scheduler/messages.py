@@ -124,6 +124,3 @@ class StepResult:
     forward_s: float = 0.0
     num_tokens: int = 0
     num_padding_tokens: int = 0
-
-
-MESSAGE_TYPES = (NewSequence, ScheduledSeq, StepPlan, SampledToken, FinishedSeq, StepResult)

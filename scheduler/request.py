@@ -39,10 +39,23 @@ class FinishReason(str, enum.Enum):
 
     @property
     def openai(self) -> str:
-        """The OpenAI ``finish_reason`` string."""
+        """The OpenAI ``finish_reason``: ``length``, else ``stop`` (an abort included)."""
         return "length" if self is FinishReason.LENGTH else "stop"
 
+    @property
+    def category(self) -> str:
+        """What metrics count it as: ``stop`` (EOS or a stop token), ``length``,
+        ``abort`` or ``error``."""
+        return _CATEGORIES[self]
 
+
+_CATEGORIES = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
 _REASON_TO_STATUS = {
     FinishReason.EOS: RequestStatus.FINISHED_STOPPED,
     FinishReason.STOP_TOKEN: RequestStatus.FINISHED_STOPPED,
@@ -89,8 +102,6 @@ class Request:
     seq_id: int = -1  # given by the scheduler at admission: unique, unlike request_id
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # When the request was first scheduled, for queue-time accounting.
-    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -127,14 +138,6 @@ class Request:
     def is_decoding(self) -> bool:
         return self.num_remaining_tokens == 1 and self.num_output_tokens > 0
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
     def sort_key(self) -> tuple[int, float, str]:
         """Service order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time, self.request_id)
-
-    def needs_new_block(self, block_size: int) -> bool:
-        """Whether the next token starts a new KV block (decode step)."""
-        return self.num_computed_tokens % block_size == 0

@@ -1,9 +1,10 @@
 """Batching policies behind one small interface.
 
-A policy only *chooses*: in ``schedule(sched, now)`` it calls
-``sched.try_schedule(request, num_tokens)`` (and ``sched.pad_slot`` /
-``sched.preempt``) until the step is full. Everything else — slots, blocks,
-messages — belongs to the :class:`~iterserve.scheduler.core.Scheduler`.
+A policy only *chooses*: in ``schedule(step, now)`` it calls
+``step.try_schedule(request, num_tokens)`` (and ``step.pad_slot`` /
+``step.preempt``) on the :class:`~iterserve.scheduler.step.StepBuilder` of that
+one step until it is full. Everything else — slots, blocks, messages — belongs
+to the :class:`~iterserve.scheduler.core.Scheduler`.
 """
 
 from __future__ import annotations

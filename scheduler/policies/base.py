@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from iterserve.scheduler.config import SchedulerConfig
     from iterserve.scheduler.core import Scheduler
+    from iterserve.scheduler.step import StepBuilder
 
 
 class Policy:
-    """Chooses what runs in each step.
+    """Chooses what runs in each step, through the :class:`StepBuilder` of that
+    step; between steps it sees the scheduler only to end a batch.
 
     ``holds_finished_slots``: a finished sequence keeps its slot (computed as
     padding) until the policy releases it — static batching's honest cost.
@@ -21,7 +23,7 @@ class Policy:
     def __init__(self, config: SchedulerConfig):
         self.config = config
 
-    def schedule(self, sched: Scheduler, now: float) -> None:
+    def schedule(self, step: StepBuilder, now: float) -> None:
         raise NotImplementedError
 
     def after_update(self, sched: Scheduler) -> None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.policies.base import Policy
 from iterserve.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
     from iterserve.scheduler.core import Scheduler
     from iterserve.scheduler.request import Request
+    from iterserve.scheduler.step import StepBuilder
 
 
 class StaticPolicy(Policy):
@@ -36,35 +36,30 @@ class StaticPolicy(Policy):
     def launch_wait_s(self) -> float:
         return self.config.batch_timeout_s
 
-    def schedule(self, sched: Scheduler, now: float) -> None:
-        self._close_if_done(sched)  # an abort may have ended the batch between steps
+    def schedule(self, step: StepBuilder, now: float) -> None:
+        self._close_if_done(step.sched)  # an abort may have ended the batch between steps
         if not self.batch:
-            self._launch(sched, now)
+            self._launch(step, now)
             return
         for member in self.batch:
             # A member whose last token the step in flight samples is padding from now.
             if member.status == RequestStatus.RUNNING and not member.finishes_in_flight:
-                if not sched.try_schedule(member, 1):  # cannot happen: worst case reserved
+                if not step.try_schedule(member, 1):  # cannot happen: worst case reserved
                     raise RuntimeError(f"{member.request_id}: reserved blocks ran out")
             elif member.slot_idx >= 0:  # finished, still batched
-                sched.pad_slot(member.slot_idx)
+                step.pad_slot(member.slot_idx)
 
     def after_update(self, sched: Scheduler) -> None:
         self._close_if_done(sched)
 
     def _close_if_done(self, sched: Scheduler) -> None:
         if self.batch and all(m.status.finished for m in self.batch):
-            for member in self.batch:
-                if member.slot_idx >= 0:
-                    sched.release_slot(member.slot_idx)
-                    member.slot_idx = -1
-            self.batch = []
+            self.reset(sched)
 
     def reset(self, sched: Scheduler) -> None:
         for member in self.batch:
             if member.status.finished and member.slot_idx >= 0:
-                sched.release_slot(member.slot_idx)
-                member.slot_idx = -1
+                sched.release_slot(member)
         self.batch = []
 
     def next_deadline(self, sched: Scheduler) -> float | None:
@@ -73,52 +68,44 @@ class StaticPolicy(Policy):
         oldest = sched.waiting.oldest_arrival()
         return None if oldest is None else oldest + self.launch_wait_s()
 
-    def _ready(self, sched: Scheduler, now: float) -> bool:
-        if len(sched.waiting) >= self.config.max_num_seqs:
+    def _ready(self, step: StepBuilder, now: float) -> bool:
+        if len(step.waiting) >= self.config.max_num_seqs:
             return True
-        oldest = sched.waiting.oldest_arrival()
+        oldest = step.waiting.oldest_arrival()
         return oldest is not None and now - oldest >= self.launch_wait_s()
 
-    def _launch(self, sched: Scheduler, now: float) -> None:
-        if not self._ready(sched, now):
+    def _launch(self, step: StepBuilder, now: float) -> None:
+        if not self._ready(step, now):
             return
         members: list[Request] = []
         longest = 0
         reserved = 0
-        while len(members) < min(self.config.max_num_seqs, sched.slots.num_free):
-            request = sched.waiting.peek()
+        while len(members) < min(self.config.max_num_seqs, step.num_free_slots):
+            request = step.waiting.peek()
             if request is None:
                 break
             new_longest = max(longest, request.num_tokens)
             # Padded prefill: every member computes new_longest tokens.
             if new_longest * (len(members) + 1) > self.config.max_num_batched_tokens:
                 break
-            worst = blocks_for(
-                max(
-                    request.num_prompt_tokens + request.params.max_tokens, sched.blocks.slab_tokens
-                ),
-                self.config.block_size,
-            )
-            if reserved + worst > sched.blocks.num_free:
+            worst = step.blocks_needed(request, self._worst_tokens(request))
+            if reserved + worst > step.num_free_blocks:
                 break
-            sched.waiting.pop()
+            step.waiting.pop()
             members.append(request)
             longest = new_longest
             reserved += worst
-        batch = []
         for request in members:
             # Reserve the worst case now so decoding never runs out of blocks.
-            if sched.try_schedule(
-                request,
-                request.num_tokens,
-                num_pad_tokens=longest - request.num_tokens,
-                reserve_tokens=request.num_prompt_tokens + request.params.max_tokens,
-            ):
-                request.first_scheduled_time = now
-                batch.append(request)
+            pad = longest - request.num_tokens
+            if step.try_schedule(request, request.num_tokens, pad, self._worst_tokens(request)):
+                self.batch.append(request)
             else:  # its blocks are not there after all: it waits for the next batch
-                sched.waiting.push(request)
-        self.batch = batch
+                step.waiting.push(request)
+
+    @staticmethod
+    def _worst_tokens(request: Request) -> int:
+        return request.num_prompt_tokens + request.params.max_tokens
 
 
 class DynamicPolicy(StaticPolicy):

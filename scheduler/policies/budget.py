@@ -9,6 +9,9 @@ instead of stalling them. Both follow the same order::
     1. every running decode: 1 token          (preempting when blocks run out)
     2. running partial prefills: next piece   (chunked only)
     3. waiting prompts, priority then arrival: whole (continuous) or a piece (chunked)
+
+When blocks run out, the worst running sequence (priority, then arrival) gives
+its blocks, wherever it sits in the step; a step that preempted admits nobody.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from iterserve.scheduler.policies.base import Policy
 from iterserve.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.core import Scheduler
+    from iterserve.scheduler.step import StepBuilder
 
 
 class ContinuousPolicy(Policy):
@@ -30,63 +33,50 @@ class ContinuousPolicy(Policy):
         remaining = request.num_remaining_tokens
         return remaining if remaining <= budget_left else 0
 
-    def schedule(self, sched: Scheduler, now: float) -> None:
+    def schedule(self, step: StepBuilder, now: float) -> None:
         decodes, prefills = [], []
-        for request in sched.running.values():
+        for request in step.running:
             (decodes if request.num_remaining_tokens == 1 else prefills).append(request)
-        if self._decodes_fit(sched, decodes):
-            # Common case: no decode can run out of blocks, so order does not matter.
-            sched.schedule_decodes(decodes)
+        needed = sum(step.blocks_needed(r, r.num_computed_tokens + 1) for r in decodes)
+        if needed <= step.num_free_blocks:
+            # The common case: no decode can run out of blocks, so order does not matter.
+            step.schedule_decodes(decodes)
             running = sorted(prefills, key=Request.sort_key)
         else:
             running = sorted(decodes, key=Request.sort_key) + sorted(prefills, key=Request.sort_key)
-        preempted = False
         for request in running:
             if request.slot_idx < 0:  # preempted as a victim earlier in this loop
                 continue
             num_tokens = (
-                1 if request.num_remaining_tokens == 1 else self.piece(request, sched.budget_left)
+                1 if request.num_remaining_tokens == 1 else self.piece(request, step.budget_left)
             )
             if num_tokens == 0:
                 continue
-            while not sched.try_schedule(request, num_tokens):
-                # The worst running sequence gives its blocks, wherever it is in this
-                # step's order (a decode scheduled earlier is taken out again).
-                victim = max(sched.running.values(), key=Request.sort_key)
-                sched.preempt(victim)
-                preempted = True
+            while not step.try_schedule(request, num_tokens):
+                victim = max(step.running, key=Request.sort_key)
+                step.preempt(victim)
                 if victim is request:
                     break
-        if preempted:
+        if step.preempted:
             return  # memory is short: a new prompt now would be the next victim
         # Prompts part-way through prefill when the step began (and not preempted since).
         num_partial = sum(1 for r in prefills if r.slot_idx >= 0)
-        self._admit_waiting(sched, now, num_partial)
+        self._admit_waiting(step, num_partial)
 
-    @staticmethod
-    def _decodes_fit(sched: Scheduler, decodes: list[Request]) -> bool:
-        block_size = sched.config.block_size
-        needed = 0
-        for request in decodes:
-            needed += request.needs_new_block(block_size)
-        return needed <= sched.blocks.num_free
-
-    def _admit_waiting(self, sched: Scheduler, now: float, num_partial: int) -> None:
-        while sched.budget_left > 0 and sched.slots.num_free > 0:
-            request = sched.waiting.peek()
+    def _admit_waiting(self, step: StepBuilder, num_partial: int) -> None:
+        while step.budget_left > 0 and step.num_free_slots > 0:
+            request = step.waiting.peek()
             if request is None:
                 return
-            num_tokens = self.piece(request, sched.budget_left)
+            num_tokens = self.piece(request, step.budget_left)
             if num_tokens == 0:
                 return
             partial = num_tokens < request.num_remaining_tokens
             if partial and num_partial >= self.config.max_num_partial_prefills:
                 return
             # Admission never preempts: new work waits for free blocks.
-            if not sched.try_schedule(request, num_tokens):
+            if not step.try_schedule(request, num_tokens):
                 return
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             num_partial += partial
 
 

@@ -154,7 +154,9 @@ def test_a_model_runner_step_runs_without_pickle(tiny_model_dir, no_pickle):
 
 
 def test_a_scheduler_and_fake_executor_loop_runs_without_pickle(no_pickle):
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4)
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=32, block_size=4, max_model_len=64, num_kv_blocks=64
+    )
     scheduler = Scheduler(config)
     fake = FakeExecutor(vocab_size=500, output_len=None, block_size=4)
     params = SamplingParams(max_tokens=12)
@@ -162,9 +164,9 @@ def test_a_scheduler_and_fake_executor_loop_runs_without_pickle(no_pickle):
         scheduler.add_request(Request(f"r{i}", [3 + i] * (5 + i), params))
     outputs: dict[str, list[int]] = {}
     while scheduler.has_work:
-        plan = scheduler.schedule(now=0.0)
-        assert isinstance(plan, StepPlan)
-        for out in scheduler.update(wire(fake.execute(wire(plan)))):
+        step = scheduler.schedule(now=0.0)
+        assert isinstance(step.plan, StepPlan)
+        for out in scheduler.update(step, wire(fake.execute(wire(step.plan)))):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         scheduler.check_integrity()
     assert outputs == {f"r{i}": fake.expected_output(f"r{i}", params)[0] for i in range(6)}

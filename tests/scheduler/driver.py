@@ -11,7 +11,14 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
-from iterserve.scheduler import FakeExecutor, Request, RequestStatus, SamplingParams, Scheduler
+from iterserve.scheduler import (
+    FakeExecutor,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    ScheduledStep,
+    Scheduler,
+)
 from iterserve.scheduler.codec import decode, encode
 from iterserve.scheduler.messages import StepPlan, StepResult
 
@@ -40,6 +47,14 @@ class RunLog:
     reasons: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     preemptions: int = 0
+
+
+def one_step(sched: Scheduler, executor: FakeExecutor, now: float = 0.0):
+    """One step at a time: its plan (None when nothing runs), and its outputs."""
+    scheduled = sched.schedule(now)
+    if scheduled is None:
+        return None, []
+    return scheduled.plan, sched.update(scheduled, executor.execute(scheduled.plan))
 
 
 def retiring_ids(sched: Scheduler) -> set[str]:
@@ -117,9 +132,10 @@ def run(
     ahead: bool = False,
 ) -> RunLog:
     log = RunLog()
-    # Results of steps the executor has run and the scheduler has not yet taken:
-    # the executor runs each plan when it is handed over, in order, like a rank.
-    in_flight: deque[StepResult] = deque()
+    # Steps the executor has run and the scheduler has not yet taken back, with
+    # their results: the executor runs each plan when it is handed over, in order,
+    # like a rank.
+    in_flight: deque[tuple[ScheduledStep, StepResult]] = deque()
     pending = sorted(arrivals, key=lambda a: a.step)
     checker = Checker(sched)
     clock = 0
@@ -133,7 +149,8 @@ def run(
         if live.get(a.request_id) == a.key and sched.abort(a.request_id):
             log.reasons[a.key] = "abort"
 
-    def hand_over(plan: StepPlan, was_decoding: dict[str, bool]) -> None:
+    def hand_over(step: ScheduledStep, was_decoding: dict[str, bool]) -> None:
+        plan = step.plan
         checker.after_schedule(plan, was_decoding)
         for a in by_step.get(clock - 1, []):
             if a.abort_in_flight:
@@ -143,7 +160,7 @@ def run(
         result = executor.execute(plan)
         if through_codec:
             result = decode(encode(result), StepResult)
-        in_flight.append(result)
+        in_flight.append((step, result))
 
     while pending or sched.has_work or in_flight:
         assert clock < max_steps, "scheduler made no progress"
@@ -173,17 +190,17 @@ def run(
         clock += 1
         if not in_flight:
             was_decoding = checker.before()
-            plan = sched.schedule(float(clock - 1))
-            if plan is None:
+            step = sched.schedule(float(clock - 1))
+            if step is None:
                 continue
-            hand_over(plan, was_decoding)
+            hand_over(step, was_decoding)
         if ahead and sched.has_work:
             was_decoding = checker.before()
-            plan = sched.schedule(float(clock - 1))
-            if plan is not None:
-                assert plan.lookahead
-                hand_over(plan, was_decoding)
-        for out in sched.update(in_flight.popleft()):
+            step = sched.schedule(float(clock - 1))
+            if step is not None:
+                assert step.plan.lookahead
+                hand_over(step, was_decoding)
+        for out in sched.update(*in_flight.popleft()):
             key = live[out.request_id]
             log.outputs[key].extend(out.new_token_ids)
             if out.finished:

@@ -5,6 +5,7 @@ prefills alike."""
 from __future__ import annotations
 
 from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
+from tests.scheduler.driver import one_step
 
 
 def _entries(sched: Scheduler, plan) -> list[tuple[str, int, int]]:
@@ -29,18 +30,17 @@ def test_a_worse_decode_gives_way_to_a_better_prompt_part_way_through_prefill():
     fake = FakeExecutor(vocab_size=100, output_len=None, block_size=4)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     sched.add_request(Request("low", [5, 6, 7], params, arrival_time=0.0, priority=1))
-    sched.update(fake.execute(sched.schedule(0.0)))
+    one_step(sched, fake, 0.0)
     sched.add_request(Request("high", list(range(10, 21)), params, arrival_time=1.0, priority=0))
-    plan = sched.schedule(1.0)
+    plan, _ = one_step(sched, fake, 1.0)
     assert _entries(sched, plan) == [("low", 3, 1), ("high", 0, 7)]
-    sched.update(fake.execute(plan))
     assert sched.blocks.num_free == 0
 
-    plan = sched.schedule(2.0)
-    assert _entries(sched, plan) == [("high", 7, 4)]
+    scheduled = sched.schedule(2.0)
+    assert _entries(sched, scheduled.plan) == [("high", 7, 4)]
     assert sched.requests["low"].num_preemptions == 1
     assert sched.requests["high"].num_preemptions == 0
-    sched.update(fake.execute(plan))
+    sched.update(scheduled, fake.execute(scheduled.plan))
     sched.check_integrity()
 
 
@@ -62,12 +62,12 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
     params = SamplingParams(max_tokens=4, temperature=0.0)
     sched.add_request(Request("a", [5, 6, 7], params, arrival_time=0.0))
     sched.add_request(Request("b", [5, 6, 7, 8, 9, 10, 11], params, arrival_time=0.5))
-    sched.update(fake.execute(sched.schedule(0.0)))  # both prefill
-    sched.update(fake.execute(sched.schedule(1.0)))  # a decodes @3, b @7
+    one_step(sched, fake, 0.0)  # both prefill
+    one_step(sched, fake, 1.0)  # a decodes @3, b @7
     sched.add_request(Request("c", [5, 6], params, arrival_time=1.5, priority=-1))
-    plan = sched.schedule(2.0)
-    assert _entries(sched, plan) == [("a", 4, 1)]
-    assert plan.new_seqs == []
+    scheduled = sched.schedule(2.0)
+    assert _entries(sched, scheduled.plan) == [("a", 4, 1)]
+    assert scheduled.plan.new_seqs == []
     assert sched.requests["b"].num_preemptions == 1
-    sched.update(fake.execute(plan))
+    sched.update(scheduled, fake.execute(scheduled.plan))
     sched.check_integrity()

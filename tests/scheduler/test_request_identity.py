@@ -31,16 +31,17 @@ def test_a_reused_id_never_receives_the_aborted_requests_token():
     sched = _sched()
     fake = FakeExecutor(vocab_size=100, output_len=None, block_size=4)
     sched.add_request(_req("x", [5, 6, 7]))
-    in_flight = fake.execute(sched.schedule(0.0))  # samples old x's first token
+    first = sched.schedule(0.0)
+    in_flight = fake.execute(first.plan)  # samples old x's first token
     sched.abort("x")
     fresh = _req("x", [9, 9, 9, 9, 9])
     sched.add_request(fresh)
     ahead = sched.schedule(0.0)  # built while the first step runs: admits the new x
-    assert ahead is not None and [n.request_id for n in ahead.new_seqs] == ["x"]
-    outputs = sched.update(in_flight)
+    assert ahead is not None and [n.request_id for n in ahead.plan.new_seqs] == ["x"]
+    outputs = sched.update(first, in_flight)
     assert all(not out.new_token_ids for out in outputs if out.request_id == "x")
     assert fresh.output_token_ids == []
-    outputs = sched.update(fake.execute(ahead))
+    outputs = sched.update(ahead, fake.execute(ahead.plan))
     assert [out.new_token_ids for out in outputs] == [fresh.output_token_ids]
     sched.check_integrity()
 
@@ -51,14 +52,15 @@ def test_a_reused_id_does_not_inherit_the_aborted_requests_finish():
     # the scheduler already freed at the abort.
     fake = FakeExecutor(vocab_size=100, output_len=1, block_size=4)
     sched.add_request(_req("x", [5, 6, 7]))
-    in_flight = fake.execute(sched.schedule(0.0))
+    first = sched.schedule(0.0)
+    in_flight = fake.execute(first.plan)
     assert [f.reason for f in in_flight.finished] == ["eos"]
     sched.abort("x")
     fresh = _req("x", [9, 9, 9, 9, 9], max_tokens=3)
     sched.add_request(fresh)
     ahead = sched.schedule(0.0)
-    sched.update(in_flight)  # no ProtocolError, and the new x keeps running
+    sched.update(first, in_flight)  # no ProtocolError, and the new x keeps running
     assert fresh.status.name == "RUNNING" and fresh.finish_reason is None
-    sched.update(fake.execute(ahead))
+    sched.update(ahead, fake.execute(ahead.plan))
     sched.check_integrity()
     assert len(fresh.output_token_ids) == 1

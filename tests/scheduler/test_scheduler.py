@@ -18,7 +18,7 @@ from iterserve.scheduler import (
 )
 from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError
-from tests.scheduler.driver import Arrival, retiring_ids, run
+from tests.scheduler.driver import Arrival, one_step, retiring_ids, run
 
 
 def make(policy="continuous", **kw) -> Scheduler:
@@ -46,9 +46,7 @@ def req(request_id, n=5, max_tokens=8, priority=0, t=0.0):
     )
 
 
-def step(sched, executor, now=0.0):
-    plan = sched.schedule(now)
-    return plan, (sched.update(executor.execute(plan)) if plan else [])
+step = one_step
 
 
 def test_queue_bound_refuses_with_queue_full_and_leaves_no_trace():
@@ -105,9 +103,9 @@ def test_abort_in_any_state_frees_slot_and_blocks(policy, when):
         step(sched, executor)
         out = sched.abort("a")
     else:
-        plan = sched.schedule(0.0)
+        scheduled = sched.schedule(0.0)
         out = sched.abort("a")
-        outputs = sched.update(executor.execute(plan))
+        outputs = sched.update(scheduled, executor.execute(scheduled.plan))
         assert all(o.request_id != "a" for o in outputs)
     assert out.finish_reason is FinishReason.ABORT
     assert "a" not in sched.blocks.tables
@@ -236,19 +234,19 @@ def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahea
     sched.add_request(req("a", max_tokens=2))
     sched.add_request(req("b", max_tokens=2))
     first = sched.schedule(0.0)  # a: prefill, samples its first token
-    result = executor.execute(first)
+    result = executor.execute(first.plan)
     ahead = sched.schedule(0.0)  # a: decode of its last token
-    assert ahead.lookahead and [s.sample for s in ahead.scheduled] == [True]
-    sched.update(result)
-    later = executor.execute(ahead)
+    assert ahead.plan.lookahead and [s.sample for s in ahead.plan.scheduled] == [True]
+    sched.update(first, result)
+    later = executor.execute(ahead.plan)
     # Built while a's last token is still being sampled: a retires, b takes the slot.
-    plan = sched.schedule(0.0)
-    assert "a" in retiring_ids(sched) and [n.request_id for n in plan.new_seqs] == ["b"]
+    third = sched.schedule(0.0)
+    assert "a" in retiring_ids(sched) and [n.request_id for n in third.plan.new_seqs] == ["b"]
     assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
     sched.check_integrity()
-    outputs = {o.request_id: o for o in sched.update(later)}
+    outputs = {o.request_id: o for o in sched.update(ahead, later)}
     assert outputs["a"].finish_reason == FinishReason.LENGTH and not sched.retiring
-    sched.update(executor.execute(plan))
+    sched.update(third, executor.execute(third.plan))
     sched.check_integrity()
 
 
@@ -258,15 +256,15 @@ def test_the_step_after_an_unforeseen_eos_computes_that_sequence_as_padding():
     sched.add_request(req("a", max_tokens=8))
     sched.add_request(req("b", max_tokens=8))
     first = sched.schedule(0.0)
-    result = executor.execute(first)  # a samples EOS
+    result = executor.execute(first.plan)  # a samples EOS
     ahead = sched.schedule(0.0)  # the scheduler does not know yet: both decode
-    assert len(ahead.scheduled) == 2
-    outputs = {o.request_id: o for o in sched.update(result)}
+    assert len(ahead.plan.scheduled) == 2
+    outputs = {o.request_id: o for o in sched.update(first, result)}
     assert outputs["a"].finish_reason == FinishReason.EOS
-    after = executor.execute(ahead)
+    after = executor.execute(ahead.plan)
     assert after.num_tokens == 1 and after.num_padding_tokens == 1
     assert [t.seq_id for t in after.sampled] == [sched.requests["b"].seq_id]
-    sched.update(after)  # a's row is not a missing token
+    sched.update(ahead, after)  # a's row is not a missing token
     sched.check_integrity()
     assert sched.blocks.num_used == len(sched.blocks.table("b"))
 
@@ -275,7 +273,7 @@ def test_only_a_plan_built_ahead_may_name_a_sequence_that_has_ended():
     executor = FakeExecutor(output_len=1, block_size=4)
     sched = make("continuous", max_num_seqs=1)
     sched.add_request(req("a", max_tokens=8))
-    plan = sched.schedule(0.0)
+    plan = sched.schedule(0.0).plan
     executor.execute(plan)  # a ends by EOS
     stale = StepPlan(step=2, scheduled=[ScheduledSeq(plan.scheduled[0].slot_idx, 5, 1, [], True)])
     with pytest.raises(PlanMismatchError, match="holds no sequence"):
@@ -289,16 +287,17 @@ def test_a_plan_that_would_preempt_is_not_built_ahead():
     executor = FakeExecutor(output_len=None, block_size=4)
     sched.add_request(req("a", n=8, max_tokens=8))
     sched.add_request(req("b", n=8, max_tokens=8, t=1.0))
-    result = executor.execute(sched.schedule(0.0))
+    current = sched.schedule(0.0)
+    result = executor.execute(current.plan)
     for _ in range(4):  # decodes at positions 8-11, each built ahead
         ahead = sched.schedule(0.0)
-        assert ahead.lookahead
-        sched.update(result)
-        result = executor.execute(ahead)
+        assert ahead.plan.lookahead
+        sched.update(current, result)
+        current, result = ahead, executor.execute(ahead.plan)
     assert sched.blocks.num_free == 1
     assert sched.schedule(0.0) is None  # would need a preemption: wait for the result
-    sched.update(result)
-    plan = sched.schedule(0.0)  # one step at a time, it preempts the latest arrival
+    sched.update(current, result)
+    plan = sched.schedule(0.0).plan  # one step at a time, it preempts the latest arrival
     assert not plan.lookahead and sched.num_preemptions == 1
     sched.check_integrity()
 
@@ -309,11 +308,11 @@ def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
     sched.add_request(req("a", max_tokens=2))
     sched.add_request(req("b", max_tokens=6))
     tokens = {"a": [], "b": []}
-    for out in sched.update(executor.execute(sched.schedule(0.0))):
+    for out in step(sched, executor)[1]:
         tokens[out.request_id] += out.new_token_ids
     sched.schedule(0.0)  # in flight: a's last token, b's second
     ahead = sched.schedule(0.0)  # built ahead: a retires, b decodes again
-    assert ahead.lookahead and "a" in retiring_ids(sched) and sched.num_in_flight == 2
+    assert ahead.plan.lookahead and "a" in retiring_ids(sched) and sched.num_in_flight == 2
     sched.requeue_running()  # the workers died with both steps
     assert sched.num_in_flight == 0 and not sched.retiring and not sched.running
     for request in sched.requests.values():

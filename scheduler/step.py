@@ -1,0 +1,159 @@
+"""What one ``schedule()`` call builds, and what the engine hands back with its result.
+
+A :class:`StepBuilder` is made for one call and thrown away after it. It owns
+the step being built: the token budget, the entries, the new sequences, the
+padding slots, whether the step is built ahead of one in flight, whether it
+preempted. Policies fill it through its small API::
+
+    step.running / step.waiting             who could run
+    step.try_schedule(request, num_tokens)  tokens of one request, admitting it
+    step.schedule_decodes(requests)         one token each, the hot path
+    step.preempt(request)                   free its blocks and slot, recompute later
+    step.pad_slot(slot_idx)                 a padding row (static batching)
+
+:meth:`StepBuilder.build` turns it into a :class:`ScheduledStep`: the plan for
+the workers and what ``update`` needs to take the result, which the caller
+keeps while the step runs (the scheduler keeps no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
+from iterserve.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from iterserve.scheduler.core import Scheduler
+    from iterserve.scheduler.queue import WaitingQueue
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A plan handed to the workers, with what the scheduler needs to take its
+    result: the request each entry computes, and how many blocks each request's
+    table has once the workers applied the plan (their release is checked
+    against that, whatever a step built after it granted since)."""
+
+    plan: StepPlan
+    requests: dict[int, Request]  # slot_idx -> the request its entry computes
+    num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
+
+
+class StepBuilder:
+    """One step being built; see the module docstring."""
+
+    def __init__(self, sched: Scheduler, *, lookahead: bool):
+        self.sched = sched
+        self.lookahead = lookahead
+        self.budget_left = sched.config.max_num_batched_tokens
+        self.new_seqs: list[NewSequence] = []
+        self.scheduled: list[ScheduledSeq] = []
+        self.padding_slots: list[int] = []
+        self.requests: dict[int, Request] = {}  # slot_idx -> request, for scheduled entries
+        self.preempted = False
+
+    # -- what policies read --------------------------------------------------------
+
+    @property
+    def running(self) -> Iterable[Request]:
+        return self.sched.running.values()
+
+    @property
+    def waiting(self) -> WaitingQueue:
+        return self.sched.waiting
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.sched.slots.num_free
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.sched.blocks.num_free
+
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """New blocks ``request`` needs so that ``num_tokens`` of its tokens fit."""
+        return self.sched.blocks.num_needed(request.request_id, num_tokens)
+
+    def is_scheduled(self, request: Request) -> bool:
+        return self.requests.get(request.slot_idx) is request
+
+    # -- what policies do ----------------------------------------------------------
+
+    def try_schedule(
+        self, request: Request, num_tokens: int, num_pad_tokens: int = 0, reserve_tokens: int = 0
+    ) -> bool:
+        """Schedules ``num_tokens`` more of ``request``'s tokens in this step,
+        admitting it to a slot if it has none. ``reserve_tokens`` allocates blocks
+        for that many tokens up front. Returns False, changing nothing, when the
+        KV blocks cannot be allocated."""
+        start = request.num_computed_tokens
+        target = start + num_tokens
+        new_blocks = self.sched.blocks.allocate(request.request_id, max(target, reserve_tokens))
+        if new_blocks is None:
+            return False
+        if request.slot_idx < 0:
+            self.new_seqs.append(self.sched.admit(request))
+        sample = target == request.num_tokens + request.num_pending
+        self._add(request, ScheduledSeq(
+            request.slot_idx, start, num_tokens, new_blocks, sample, num_pad_tokens
+        ))  # fmt: skip
+        self.budget_left -= num_tokens + num_pad_tokens
+        return True
+
+    def schedule_decodes(self, requests: list[Request]) -> None:
+        """One decode token for each running request; the caller has checked that
+        their new blocks fit. The hot path of every step."""
+        allocate = self.sched.blocks.allocate
+        for request in requests:
+            pos = request.num_computed_tokens
+            new_blocks = allocate(request.request_id, pos + 1)
+            if new_blocks is None:
+                raise RuntimeError("schedule_decodes called without room for new blocks")
+            self._add(request, ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
+        self.budget_left -= len(requests)
+
+    def _add(self, request: Request, entry: ScheduledSeq) -> None:
+        self.scheduled.append(entry)
+        self.requests[entry.slot_idx] = request
+        request.num_computed_tokens = entry.start_pos + entry.num_tokens
+        request.num_pending += entry.sample
+
+    def pad_slot(self, slot_idx: int) -> None:
+        """Computes one padding token in a slot whose sequence already ended (static)."""
+        self.padding_slots.append(slot_idx)
+        self.budget_left -= 1
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and slot; it waits to be recomputed,
+        keeping every token it produced. One already scheduled in this step is
+        taken back out of it."""
+        if self.lookahead:
+            raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
+        if any(new.seq_id == request.seq_id for new in self.new_seqs):
+            raise RuntimeError("a request admitted in this step cannot be preempted in it")
+        if self.is_scheduled(request):
+            entry = next(e for e in self.scheduled if e.slot_idx == request.slot_idx)
+            self.scheduled.remove(entry)
+            del self.requests[entry.slot_idx]
+            self.budget_left += entry.num_tokens + entry.num_pad_tokens
+        self.sched.preempt(request)
+        self.preempted = True
+
+    # -- the result ------------------------------------------------------------------
+
+    def build(self, step: int, released_slots: list[int]) -> ScheduledStep:
+        plan = StepPlan(
+            step=step,
+            new_seqs=self.new_seqs,
+            scheduled=self.scheduled,
+            released_slots=released_slots,
+            padding_slots=self.padding_slots,
+            lookahead=self.lookahead,
+        )
+        tables = self.sched.blocks.tables
+        num_blocks = {r.seq_id: len(tables[r.request_id]) for r in self.requests.values()}
+        return ScheduledStep(plan, self.requests, num_blocks)
