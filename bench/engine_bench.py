@@ -63,13 +63,11 @@ def control_ms_per_step(
     num_seqs: int,
     step_sleep_s: float = 0.005,
     max_tokens: int = 100,
-    step_transport: str = "auto",
     async_scheduling: bool = True,
 ) -> float:
     """Wall ms per step beyond the workers' own time. With ``async_scheduling``,
     the part of the control plane that does not overlap the step before."""
-    config = EngineConfig(
-        step_transport=step_transport,
+    config = EngineConfig.from_dict(dict(
         async_scheduling=async_scheduling,
         executor="fake",
         executor_options={"output_len": None, "max_model_len": 512, "step_sleep_s": step_sleep_s},
@@ -77,7 +75,7 @@ def control_ms_per_step(
         max_num_seqs=num_seqs,
         max_num_batched_tokens=max(512, num_seqs),
         num_cpus_per_worker=0.5,
-    )
+    ))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     run = asyncio.run(_drive(config, [[3 + i % 50] * 16 for i in range(num_seqs)], params))
     timing = run["timing"]
@@ -86,21 +84,13 @@ def control_ms_per_step(
 
 def overhead() -> dict:
     """Control-plane ms per step at 8 and 64 sequences: ``control_*`` with the
-    default configuration (the step channel, each plan built while the step before
-    runs), ``one_at_a_time_*`` the same with ``async_scheduling`` off, then the
-    other two transports for comparison."""
+    default configuration (each plan built while the step before runs),
+    ``one_at_a_time_*`` the same with ``async_scheduling`` off."""
     ensure_ray()
-    variants = (
-        ("control", "auto", True),
-        ("one_at_a_time", "auto", False),
-        ("compiled_graph", "compiled_graph", True),
-        ("actor_calls", "actor_calls", True),  # one step at a time whatever the setting
-    )
+    variants = (("control", True), ("one_at_a_time", False))
     return {
-        f"{key}_ms_per_step_{n}": round(
-            control_ms_per_step(n, step_transport=transport, async_scheduling=ahead), 3
-        )
-        for key, transport, ahead in variants
+        f"{key}_ms_per_step_{n}": round(control_ms_per_step(n, async_scheduling=ahead), 3)
+        for key, ahead in variants
         for n in (8, 64)
     }
 
@@ -136,7 +126,7 @@ def ceiling(
     ensure_ray()
     # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
     num_kv_blocks = num_seqs * (-(-(prompt_len + max_tokens) // EngineConfig.block_size) + 1)
-    config = EngineConfig(
+    config = EngineConfig.from_dict(dict(
         model=model,
         dtype="float32",
         kernel_backend="torch",
@@ -146,7 +136,7 @@ def ceiling(
         max_model_len=512,
         torch_threads=torch_threads,
         num_cpus_per_worker=1.0,
-    )
+    ))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [[10 + (i * 7 + j) % 300 for j in range(prompt_len)] for i in range(num_seqs)]
     torch.set_num_threads(torch_threads)
@@ -154,26 +144,26 @@ def ceiling(
         model,
         dtype="float32",
         num_kv_blocks=num_kv_blocks,
-        block_size=config.block_size,
+        block_size=config.scheduler.block_size,
         kernel_backend="torch",
     )
 
     def bare_pass() -> tuple[float, float]:
         """The same scheduler decisions replayed in-process: only the runner is timed.
         Returns tokens/s and the model forward's ms per step."""
-        sched = Scheduler(config.scheduler_config(num_kv_blocks=num_kv_blocks, max_model_len=512))
+        sched = Scheduler(config.scheduler.resolved(num_kv_blocks=num_kv_blocks, max_model_len=512))
         for i, prompt in enumerate(prompts):
             sched.add_request(Request(f"r{i}", prompt, params))
         bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0
         while sched.has_work:
-            plan = sched.schedule(time.monotonic())
+            step = sched.schedule(time.monotonic())
             start = time.perf_counter()
-            result = runner.execute(plan)
+            result = runner.execute(step.plan)
             bare_s += time.perf_counter() - start
             forward_s += result.forward_s
             steps += 1
             num_tokens += len(result.sampled)
-            sched.update(result)
+            sched.update(step, result)
         return num_tokens / bare_s, 1000 * forward_s / steps
 
     async def engine_pass(engine: AsyncEngine) -> tuple[float, float]:

@@ -1,26 +1,20 @@
 """The scheduler actor: owns the iteration clock, the slot table and the workers.
 
-Its loop is one tick after another::
+Its loop is one tick after another; the steps handed to the ranks and not yet
+taken back are one queue, ``in_flight`` (at most two: the one running and the
+one built ahead of it)::
 
-    plan    = scheduler.schedule(now)     # who runs, how many tokens, which blocks
-    result  = await workers.execute(plan) # one broadcast, one reply
-    outputs = scheduler.update(result)    # append tokens, finish, free slots and KV
-    publish(outputs)                      # to each consumer's buffer
+    tick():
+        in_flight.append(submit(scheduler.schedule(now)))   # when the queue has room
+        if in_flight has room and there is work: return     # build the next one ahead
+        step = in_flight.popleft()
+        outputs = scheduler.update(step, await collect())   # tokens, finishes, freed KV
+        publish(outputs)
 
-With ``async_scheduling`` the next plan is built and sent while a step runs,
-and the result is taken after::
-
-    submit(step N)                        # from the previous tick (or now, from idle)
-    submit(scheduler.schedule(now))       # step N+1, built ahead (None when it can't be)
-    outputs = scheduler.update(await collect(step N))
-    publish(outputs)
-
-so the ranks start N+1 the moment N ends, and the scheduler's own work for a
-step (update, publish, schedule, encode) overlaps the next step's forward.
-
-It sleeps while there is no work and wakes on arrival. Consumers (engine
-clients in other processes) fetch their requests' outputs with one long-poll
-call per batch of steps, never one call per token.
+With ``async_scheduling`` the queue holds two steps, so the ranks start step
+N+1 the moment N ends and the scheduler's own work for a step (update,
+publish, schedule, encode) overlaps the next step's forward; without it, one.
+It sleeps while there is no work and wakes on arrival.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +32,9 @@ import ray
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.metrics import EngineMetrics
+from iterserve.cluster.outputs import OutputBuffers, Record
 from iterserve.cluster.recorder import MetricsRecorder
-from iterserve.cluster.worker_group import Submitted, WorkerFailure, WorkerGroup
+from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
 from iterserve.scheduler import (
     FinishReason,
     PromptTooLongError,
@@ -48,15 +43,13 @@ from iterserve.scheduler import (
     RequestOutput,
     SamplingParams,
     SamplingParamsError,
+    ScheduledStep,
     Scheduler,
-    StepPlan,
 )
 
 logger = logging.getLogger(__name__)
 METRICS_PUSH_INTERVAL_S = 1.0  # a scrape sees the engines at most this stale
-
-# One published record: (request_id, new_token_ids, new_logprobs, finish_reason, error)
-Record = tuple[str, list[int], list, str | None, str | None]
+CONTEXT_CAP = 4096  # the default context when the config leaves it to the checkpoint
 
 
 class EngineCore:
@@ -75,7 +68,7 @@ class EngineCore:
         self.metrics = EngineMetrics(
             model_name or Path(config.model_path).name,
             engine_index,
-            config.policy,
+            config.scheduler.policy,
             ray_metrics=config.ray_metrics and ray.is_initialized(),
         )
         self.recorder = MetricsRecorder(self.metrics)
@@ -86,23 +79,17 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
         self.vocab_size = 0
-        self.owner: dict[str, str] = {}  # request_id -> consumer_id
-        self.buffers: dict[str, list[Record]] = defaultdict(list)
-        self.ready_events: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.outputs = OutputBuffers()
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
-        # The step handed to the workers and not yet collected, between ticks:
-        # (its plan, its replies, when its scheduling began).
-        self.in_flight: tuple[StepPlan, Submitted, float] | None = None
+        # The steps handed to the ranks and not yet collected, oldest first, each with
+        # when its scheduling began.
+        self.in_flight: deque[tuple[ScheduledStep, float]] = deque()
+        self.depth = 2 if config.async_scheduling else 1
         self.last_result_at = 0.0
         self.dead_reason: str | None = None
         self.num_restarts = 0
-        self.counters: dict[str, int] = defaultdict(int)
-        # Wall time of whole steps vs the workers' own forward time: the difference
-        # is the control plane's cost (schedule, broadcast, collect, update) that the
-        # steps do not hide; ``steps_ahead`` counts plans built while a step ran.
-        self.timing = {"steps": 0, "step_s": 0.0, "forward_s": 0.0, "steps_ahead": 0}
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -110,10 +97,11 @@ class EngineCore:
         await self.workers.start()
         info = self.workers.model_info
         limit = info["max_model_len"]
-        self.max_model_len = min(self.config.max_model_len or min(limit, 4096), limit)
+        wanted = self.config.scheduler.max_model_len or min(limit, CONTEXT_CAP)
+        self.max_model_len = min(wanted, limit)
         self.vocab_size = info["vocab_size"]
         self.scheduler = Scheduler(
-            self.config.scheduler_config(
+            self.config.scheduler.resolved(
                 num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len
             )
         )
@@ -127,7 +115,7 @@ class EngineCore:
             self.push_task = loop.create_task(
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
                                   interval_s=METRICS_PUSH_INTERVAL_S)
-            )
+            )  # fmt: skip
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
@@ -142,14 +130,10 @@ class EngineCore:
 
     # -- the loop ---------------------------------------------------------------------
 
-    @property
-    def schedules_ahead(self) -> bool:
-        return self.config.async_scheduling and self.workers.pipelines
-
     async def _loop(self) -> None:
         try:
             while True:
-                if not self.scheduler.has_work and self.in_flight is None:
+                if not self.scheduler.has_work and not self.in_flight:
                     self.wake.clear()
                     await self.wake.wait()
                     continue
@@ -164,70 +148,51 @@ class EngineCore:
             logger.exception("the engine loop failed")
             await self._stop_serving(f"the engine failed: {type(exc).__name__}: {exc}")
 
-    async def _stop_serving(self, message: str) -> None:
-        """Fails every request at once and reports unhealthy from now on, so that
-        nobody waits on an engine that no longer steps; under Serve the health
-        check then replaces this replica."""
-        self.in_flight = None
-        self._fail_all(message)
-        try:
-            await self.workers.stop()
-        except Exception:  # the ranks may be the broken part; they are gone either way
-            logger.exception("stopping the workers failed")
-
     async def tick(self) -> bool:
-        """Takes back one step's result; hands the workers the step after it first,
-        when it can be built ahead. False when there was nothing to run."""
+        """One iteration (see the module docstring). False when nothing ran."""
         async with self.step_lock:
-            current, self.in_flight = self.in_flight, None
-            if current is None:
-                current = await self._submit_next()
-                if current is None:
-                    return False
-            if self.schedules_ahead and self.scheduler.has_work:
-                self.in_flight = await self._submit_next()
-                self.timing["steps_ahead"] += self.in_flight is not None
-            outputs = await self._collect(current)
+            await self._submit_next()
+            if not self.in_flight:
+                return False
+            if len(self.in_flight) < self.depth and self.scheduler.has_work:
+                await self._submit_next()  # built ahead, while the one before runs
+            outputs = await self._collect()
         self.publish(outputs)
         return True
 
-    async def _submit_next(self) -> tuple[StepPlan, Submitted, float] | None:
+    async def _submit_next(self) -> None:
+        if len(self.in_flight) >= self.depth:
+            return
         started = time.perf_counter()
-        plan = self.scheduler.schedule(time.monotonic())
-        if plan is None:
-            return None
-        return plan, await self.workers.submit(plan), started
+        step = self.scheduler.schedule(time.monotonic())
+        if step is None:
+            return
+        await self.workers.submit(step.plan)
+        self.in_flight.append((step, started))
 
-    async def _collect(self, flight: tuple[StepPlan, Submitted, float]) -> list[RequestOutput]:
-        plan, submitted, started = flight
-        result = await self.workers.collect(submitted)
-        outputs = self.scheduler.update(result)
+    async def _collect(self) -> list[RequestOutput]:
+        step, started = self.in_flight.popleft()
+        result = await self.workers.collect()
+        outputs = self.scheduler.update(step, result)
         now = time.perf_counter()
         # The step's time on the critical path: from the previous result when it was
         # built ahead, else from the start of its scheduling.
         step_s = now - max(started, self.last_result_at)
         self.last_result_at = now
-        self.timing["steps"] += 1
-        self.timing["step_s"] += step_s
-        self.timing["forward_s"] += result.forward_s
-        self.counters["padding_tokens"] += result.num_padding_tokens
-        self.recorder.step(plan, result, step_s, self.scheduler)
+        self.recorder.step(step.plan, result, step_s, self.scheduler)
         return outputs
 
     async def _drain(self) -> None:
-        """Collects the step in flight (under ``step_lock``), so that nothing runs
+        """Collects every step in flight (under ``step_lock``), so that nothing runs
         behind a health check or an integrity check."""
-        if self.in_flight is not None:
-            flight, self.in_flight = self.in_flight, None
-            self.publish(await self._collect(flight))
+        while self.in_flight:
+            self.publish(await self._collect())
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self.wake.clear()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
 
     async def _recover(self, exc: WorkerFailure) -> None:
         """Preempts every running sequence for recompute and restarts the workers;
@@ -236,7 +201,7 @@ class EngineCore:
         async with self.step_lock:
             if exc.generation != self.workers.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
-            self.in_flight = None  # lost with the workers, as is any step before it
+            self.in_flight.clear()  # lost with the workers
             self.scheduler.requeue_running()
             if self.num_restarts >= self.config.max_restarts:
                 self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
@@ -249,58 +214,42 @@ class EngineCore:
             except Exception as restart_exc:  # any start-up failure ends service
                 self._fail_all(f"restarting the engine's workers failed: {restart_exc}")
 
+    async def _stop_serving(self, message: str) -> None:
+        """Fails every request at once and reports unhealthy from now on, so that
+        nobody waits on an engine that no longer steps; under Serve the health
+        check then replaces this replica."""
+        self.in_flight.clear()
+        self._fail_all(message)
+        try:
+            await self.workers.stop()
+        except Exception:  # the ranks may be the broken part; they are gone either way
+            logger.exception("stopping the workers failed")
+
     def _fail_all(self, message: str) -> None:
         """Ends every request with an error; works from the consumers' side too, so
         that a scheduler whose state is broken cannot keep a request from ending."""
         self.dead_reason = message
-        for request_id in {*self.scheduler.requests, *self.owner}:
+        for request_id in {*self.scheduler.requests, *self.outputs.owner}:
             try:
                 self.scheduler.finish_with_error(request_id)
             except Exception:
                 logger.exception("%s: ending it in the scheduler failed", request_id)
-            self._push(request_id, (request_id, [], [], FinishReason.ERROR.value, message))
-            self.recorder.finished(request_id, FinishReason.ERROR.value)
-            self.counters["finished_error"] += 1
+            self.outputs.push((request_id, [], [], FinishReason.ERROR.value, message))
+            self.recorder.finished(request_id, FinishReason.ERROR)
         with contextlib.suppress(Exception):
             self.recorder.state(self.scheduler)
 
-    # -- publishing -------------------------------------------------------------------
+    # -- requests and their outputs --------------------------------------------------
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         self.recorder.outputs(outputs)
         for out in outputs:
             reason = out.finish_reason.value if out.finish_reason else None
-            self.counters["generation_tokens"] += len(out.new_token_ids)
-            if reason is not None:
-                self.counters[f"finished_{reason}"] += 1
-            self._push(
-                out.request_id, (out.request_id, out.new_token_ids, out.new_logprobs, reason, None)
-            )
-
-    def _push(self, request_id: str, record: Record) -> None:
-        consumer = self.owner.get(request_id)
-        if consumer is None:
-            return
-        if record[3] is not None:
-            del self.owner[request_id]
-        self.buffers[consumer].append(record)
-        self.ready_events[consumer].set()
+            self.outputs.push((out.request_id, out.new_token_ids, out.new_logprobs, reason, None))
 
     async def poll(self, consumer_id: str, timeout_s: float = 1.0) -> list[Record]:
-        """Everything published for ``consumer_id`` since its last poll; waits up to
-        ``timeout_s`` for something to arrive."""
-        event = self.ready_events[consumer_id]
-        if not self.buffers.get(consumer_id):
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return []
-        records = self.buffers.pop(consumer_id, [])
-        event.clear()
-        return records
-
-    # -- requests ---------------------------------------------------------------------
+        """Everything published for ``consumer_id`` since its last poll."""
+        return await self.outputs.poll(consumer_id, timeout_s)
 
     async def add_request(
         self,
@@ -322,8 +271,8 @@ class EngineCore:
         try:
             sampling = SamplingParams(**params)
             sampling.check_limits(
-                max_n=self.config.max_n,
-                max_logprobs=self.config.max_logprobs,
+                max_n=self.config.scheduler.max_n,
+                max_logprobs=self.config.scheduler.max_logprobs,
                 vocab_size=self.vocab_size,
             )
             bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -341,15 +290,13 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
         except QueueFullError as exc:
-            self.counters["rejected_queue_full"] += 1
             self.recorder.rejected("queue_full")
             return ("queue_full", str(exc))
         except PromptTooLongError as exc:
             return ("prompt_too_long", str(exc))
         except (SamplingParamsError, ValueError, TypeError) as exc:
             return ("invalid", str(exc))
-        self.owner[request_id] = consumer_id
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.outputs.own(request_id, consumer_id)
         self.recorder.admitted(request_id, len(prompt_token_ids))
         self.wake.set()
         return None
@@ -360,24 +307,23 @@ class EngineCore:
         out = self.scheduler.abort(request_id)
         if out is None:
             return False
-        self.counters["finished_abort"] += 1
-        self.recorder.finished(request_id, FinishReason.ABORT.value)
-        self._push(request_id, (request_id, [], [], FinishReason.ABORT.value, None))
+        self.recorder.finished(request_id, FinishReason.ABORT)
+        self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None))
         return True
 
     # -- introspection ----------------------------------------------------------------------
 
     async def stats(self) -> dict:
-        stats = self.scheduler.stats()
-        stats.update(
-            healthy=self.dead_reason is None,
-            worker_restarts=self.num_restarts,
-            step_transport=self.workers.transport,
-            max_model_len=self.max_model_len,
-            counters=dict(self.counters),
-            timing=dict(self.timing),
-        )
-        return stats
+        """The scheduler's state and the engine's totals (the same numbers as its
+        metrics: one record of every event)."""
+        return {
+            **self.scheduler.stats(),
+            **self.metrics.totals(),
+            "healthy": self.dead_reason is None,
+            "worker_restarts": self.num_restarts,
+            "rank_links": self.workers.links,
+            "max_model_len": self.max_model_len,
+        }
 
     async def metrics_text(self) -> bytes:
         """This engine's metrics in the Prometheus text format."""

@@ -41,11 +41,9 @@ logger = logging.getLogger(__name__)
 disable_created_metrics()
 
 BASE_LABELS = ("model_name", "engine")
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # FinishReason.category
 REJECT_REASONS = ("queue_full",)
 STEP_KINDS = ("prefill", "decode")
-# The scheduler's own finish reasons, folded into the OpenAI-level ones above.
-_REASON_ALIASES = {"eos": "stop", "stop_token": "stop"}
 
 # 1 ms .. 120 s: a GPU decode step (~5-30 ms) and a CPU one (~0.1-1 s) both land
 # mid-range, and the usual SLO lines (50/100/200/500 ms, 1/2/5 s) are exact bucket
@@ -111,6 +109,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _histogram("iterserve_request_prefill_time_seconds", "First scheduled step to first token, per request.", LATENCY_BUCKETS),
     _histogram("iterserve_request_decode_time_seconds", "First token to finish, per request.", LATENCY_BUCKETS),
     _histogram("iterserve_step_duration_seconds", "Wall time of one engine iteration.", LATENCY_BUCKETS),
+    _histogram("iterserve_step_forward_seconds", "The ranks' own model time in one iteration.", LATENCY_BUCKETS),
+    _counter("iterserve_steps_built_ahead", "Steps whose plan was built while the step before them ran."),
     _histogram("iterserve_step_tokens", "Useful tokens computed per step, by kind (padding excluded).", COUNT_BUCKETS,
                (("kind", STEP_KINDS),)),
     _histogram("iterserve_step_running_sequences", "Live sequences computing in one step.", COUNT_BUCKETS),
@@ -138,6 +138,9 @@ class EngineMetrics:
         # dict lookup, and counters of every reason exist at 0 from the start, so
         # rate() over them returns 0 rather than nothing.
         self._children: dict[tuple, object] = {}
+        # Running totals of every counter and histogram, recorded with them: what
+        # ``totals()`` (the engine's stats) reads, so stats and metrics never disagree.
+        self._totals: dict[tuple, float] = {}
         for spec in SPECS:
             kwargs = {"buckets": spec.buckets} if spec.kind == "histogram" else {}
             family = _TYPES[spec.kind](
@@ -170,13 +173,15 @@ class EngineMetrics:
         self._set("iterserve_kv_cache_usage_ratio", usage)
 
     def observe_step(
-        self, *, duration_s, num_prefill_tokens, num_decode_tokens, num_padding_tokens,
-        num_running, max_num_seqs,
+        self, *, duration_s, forward_s, built_ahead, num_prefill_tokens, num_decode_tokens,
+        num_padding_tokens, num_running, max_num_seqs,
     ) -> None:  # fmt: skip
         """One iteration. Prefill/decode counts are useful tokens only; padding is
         counted apart. ``num_running`` counts live sequences, not the finished slots a
         static batch still pads, so slot utilization shows static batching's waste."""
         self._observe("iterserve_step_duration_seconds", duration_s)
+        self._observe("iterserve_step_forward_seconds", forward_s)
+        self._inc("iterserve_steps_built_ahead", int(built_ahead))
         # Both kinds every step: per kind, _count is the step count and _sum/_count the
         # average tokens of that kind per step, so the two stack into the step's load.
         self._observe("iterserve_step_tokens", num_prefill_tokens, ("prefill",))
@@ -206,10 +211,8 @@ class EngineMetrics:
     def on_finish(
         self, *, reason: str, e2e_s: float, decode_s: float, tpot_s: float | None
     ) -> None:
-        """``reason``: stop | length | abort | error (``eos``/``stop_token`` count as stop);
+        """``reason``: stop | length | abort | error (``FinishReason.category``);
         ``tpot_s`` is None for a request with fewer than two output tokens."""
-        reason = getattr(reason, "value", reason)  # FinishReason is a str enum
-        reason = _REASON_ALIASES.get(reason, reason)
         self._inc("iterserve_requests_finished", 1, (_checked(reason, FINISH_REASONS),))
         self._observe("iterserve_e2e_request_latency_seconds", e2e_s)
         self._observe("iterserve_request_decode_time_seconds", decode_s)
@@ -224,6 +227,28 @@ class EngineMetrics:
         self._inc("iterserve_worker_restarts", 1)
 
     # -- export ----------------------------------------------------------------------
+
+    def totals(self) -> dict:
+        """The engine's totals for ``stats()``: ``counters`` and ``timing`` (wall time
+        of whole steps against the ranks' forward time: the difference is the
+        control plane's cost that the steps do not hide)."""
+        t = self._totals.get
+        counters = {
+            "prompt_tokens": t(("iterserve_prompt_tokens", ()), 0),
+            "generation_tokens": t(("iterserve_generation_tokens", ()), 0),
+            "padding_tokens": t(("iterserve_padding_tokens", ()), 0),
+        }
+        for reason in FINISH_REASONS:
+            counters[f"finished_{reason}"] = t(("iterserve_requests_finished", (reason,)), 0)
+        for reason in REJECT_REASONS:
+            counters[f"rejected_{reason}"] = t(("iterserve_requests_rejected", (reason,)), 0)
+        timing = {
+            "steps": t(("iterserve_step_duration_seconds", (), "count"), 0),
+            "step_s": t(("iterserve_step_duration_seconds", (), "sum"), 0.0),
+            "forward_s": t(("iterserve_step_forward_seconds", (), "sum"), 0.0),
+            "steps_ahead": t(("iterserve_steps_built_ahead", ()), 0),
+        }
+        return {"counters": counters, "timing": timing}
 
     def snapshot(self) -> list:
         """Every family as ``(name, type, help, [(sample_name, labels, value), ...])``:
@@ -253,12 +278,16 @@ class EngineMetrics:
         if value <= 0:  # counters only go up; a zero increment is a no-op anyway
             return
         self._children[name, extra].inc(value)
+        self._totals[name, extra] = self._totals.get((name, extra), 0) + value
         if self._ray is not None:
             self._ray.record("inc", name, value, extra)
 
     def _observe(self, name: str, value: float, extra: tuple = ()) -> None:
         value = max(float(value), 0.0)  # a clock stepping back must not make sums shrink
         self._children[name, extra].observe(value)
+        totals = self._totals
+        totals[name, extra, "sum"] = totals.get((name, extra, "sum"), 0.0) + value
+        totals[name, extra, "count"] = totals.get((name, extra, "count"), 0) + 1
         if self._ray is not None:
             self._ray.record("observe", name, value, extra)
 

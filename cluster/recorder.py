@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from iterserve.cluster.metrics import EngineMetrics
-from iterserve.scheduler import RequestOutput, Scheduler, StepPlan, StepResult
+from iterserve.scheduler import FinishReason, RequestOutput, Scheduler, StepPlan, StepResult
 
 
 @dataclass(slots=True)
@@ -52,6 +52,8 @@ class MetricsRecorder:
         decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and s.sample) - ended
         self.metrics.observe_step(
             duration_s=step_s,
+            forward_s=result.forward_s,
+            built_ahead=plan.lookahead,
             num_prefill_tokens=result.num_tokens - decode,
             num_decode_tokens=decode,
             num_padding_tokens=result.num_padding_tokens,
@@ -101,9 +103,9 @@ class MetricsRecorder:
                 times.num_tokens += n
                 self.metrics.on_tokens(n, itl)
             if out.finish_reason is not None:
-                self.finished(out.request_id, out.finish_reason.value)
+                self.finished(out.request_id, out.finish_reason)
 
-    def finished(self, request_id: str, reason: str) -> None:
+    def finished(self, request_id: str, reason: FinishReason) -> None:
         times = self.times.pop(request_id, None)
         if times is None:
             return
@@ -111,5 +113,5 @@ class MetricsRecorder:
         decode_s = now - times.first_token if times.num_tokens else 0.0
         tpot = decode_s / (times.num_tokens - 1) if times.num_tokens > 1 else None
         self.metrics.on_finish(
-            reason=reason, e2e_s=now - times.arrival, decode_s=decode_s, tpot_s=tpot
+            reason=reason.category, e2e_s=now - times.arrival, decode_s=decode_s, tpot_s=tpot
         )

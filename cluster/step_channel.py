@@ -134,13 +134,12 @@ class RankEndpoint:
 
 
 class SchedulerChannel:
-    """The scheduler's end: one connection per rank, on its event loop."""
+    """The scheduler's end: one connection per rank, on its event loop. It keeps
+    no per-step state: a reply is the next frame on every rank's connection, and
+    whoever sent the plans knows which step that is (the oldest not read)."""
 
     def __init__(self, streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]):
         self.streams = streams
-        # Per rank, the task reading the reply to the last plan sent: the next
-        # reply is read only after it, since replies arrive in order.
-        self.last_replies: list[asyncio.Task | None] = [None] * len(streams)
 
     @classmethod
     async def connect(cls, addresses: list[tuple], token: bytes) -> SchedulerChannel:
@@ -161,9 +160,9 @@ class SchedulerChannel:
             raise
         return cls(streams)
 
-    async def send(self, payload: bytes) -> list[asyncio.Task]:
-        """Writes ``payload`` to every rank; one task per rank for its reply. A plan
-        may be sent before the replies to the previous one have been read."""
+    async def send(self, payload: bytes) -> None:
+        """Writes ``payload`` to every rank. A plan may be sent before the replies to
+        the previous one have been read."""
         frame = _frame(payload)
         for _, writer in self.streams:
             writer.write(frame)
@@ -171,23 +170,27 @@ class SchedulerChannel:
             await asyncio.gather(*(writer.drain() for _, writer in self.streams))
         except (ConnectionError, OSError) as exc:
             raise ChannelClosed(f"a rank's step channel is closed: {exc}") from None
-        replies = [
-            asyncio.ensure_future(self._reply(rank, reader, self.last_replies[rank]))
+
+    async def recv(self) -> list[bytes]:
+        """The next reply of every rank, in rank order. The first failure ends the
+        wait (a dead rank must not wait behind a live one blocked in an all-reduce
+        with it); the channel is then unusable, as the group it serves."""
+        reads = [
+            asyncio.ensure_future(self._reply(rank, reader))
             for rank, (reader, _) in enumerate(self.streams)
         ]
-        self.last_replies = list(replies)
-        return replies
+        try:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
+            for read in done:
+                if read.exception() is not None:
+                    raise read.exception()
+            return [read.result() for read in reads]
+        finally:
+            for read in reads:
+                read.cancel()
 
     @staticmethod
-    async def _reply(
-        rank: int, reader: asyncio.StreamReader, before: asyncio.Task | None
-    ) -> bytes:
-        if before is not None:
-            if not before.done():
-                await asyncio.wait([before])
-            # A rank's error reply was read whole; a cancelled or broken read was not.
-            if before.cancelled() or isinstance(before.exception(), ChannelClosed):
-                raise ChannelClosed(f"rank {rank}'s reply to an earlier plan was lost")
+    async def _reply(rank: int, reader: asyncio.StreamReader) -> bytes:
         try:
             (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
             if not 0 < length <= MAX_FRAME_BYTES:

@@ -99,7 +99,8 @@ def test_slot_utilization_counts_live_sequences_per_slot_and_step():
     metrics = EngineMetrics("m", 0, "static")
     before = prometheus_values(metrics.exposition())
     for running, padding in ((4, 0), (2, 2), (1, 3)):  # a batch of 4 whose members finish
-        metrics.observe_step(duration_s=0.01, num_prefill_tokens=0, num_decode_tokens=running,
+        metrics.observe_step(duration_s=0.01, forward_s=0.01, built_ahead=False,
+                             num_prefill_tokens=0, num_decode_tokens=running,
                              num_padding_tokens=padding, num_running=running, max_num_seqs=4)  # fmt: skip
     figures = step_figures(before, prometheus_values(metrics.exposition()), max_num_seqs=4)
     assert figures["num_steps"] == 3

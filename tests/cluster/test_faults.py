@@ -25,11 +25,10 @@ FAULTY = "tests.faults:faulty"
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
-@pytest.mark.parametrize("transport", ["socket", "compiled_graph", "actor_calls"])
 async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
-    tiny_llama, reference, transport
+    tiny_llama, reference
 ):
-    config = model_config(tiny_llama, tensor_parallel_size=2, step_transport=transport)
+    config = model_config(tiny_llama, tensor_parallel_size=2)
     engine = await start_engine(config)
     try:
         pids = await engine.actor.worker_pids.remote()

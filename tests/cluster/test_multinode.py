@@ -29,6 +29,6 @@ def test_ranks_on_two_nodes_generate_what_one_process_generates():
     result = json.loads(lines[0].removeprefix("RESULT "))
     assert result["num_nodes"] == 2
     assert len(set(result["worker_nodes"])) == 2, "both ranks on one node"
-    assert result["step_transport"] == "socket"  # over TCP to the other node's rank
+    assert "tcp" in result["rank_links"]  # over TCP to the other node's rank
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert result["outputs"] == single_process(str(DEMO_MODEL_PATH), PROMPTS, params)

@@ -22,7 +22,8 @@ def echo_rank(local: bool, handler=None) -> RankEndpoint:
 
 
 async def one_step(channel: SchedulerChannel, payload: bytes) -> list[bytes]:
-    return await asyncio.wait_for(asyncio.gather(*await channel.send(payload)), 10)
+    await channel.send(payload)
+    return await asyncio.wait_for(channel.recv(), 10)
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
@@ -32,6 +33,18 @@ async def test_every_rank_answers_each_broadcast_in_order(local):
     try:
         for payload in (b"abc", b"", bytes(range(256)) * 1000):
             assert await one_step(channel, payload) == [payload[::-1]] * 3
+    finally:
+        channel.close()
+
+
+async def test_plans_sent_ahead_are_answered_in_order():
+    ranks = [echo_rank(local=True) for _ in range(2)]
+    channel = await SchedulerChannel.connect([r.address for r in ranks], TOKEN)
+    try:
+        for payload in (b"one", b"two", b"three"):
+            await channel.send(payload)  # before any reply is read
+        for payload in (b"one", b"two", b"three"):
+            assert await asyncio.wait_for(channel.recv(), 10) == [payload[::-1]] * 2
     finally:
         channel.close()
 

@@ -17,14 +17,14 @@ def record_activity(metrics: EngineMetrics) -> EngineMetrics:
     for _ in range(2):
         metrics.on_prompt(17)
     metrics.observe_step(
-        duration_s=0.04, num_prefill_tokens=34, num_decode_tokens=0, num_padding_tokens=6,
-        num_running=2, max_num_seqs=4,
+        duration_s=0.04, forward_s=0.03, built_ahead=False, num_prefill_tokens=34,
+        num_decode_tokens=0, num_padding_tokens=6, num_running=2, max_num_seqs=4,
     )  # fmt: skip
     metrics.on_first_token(queue_s=0.01, prefill_s=0.04, ttft_s=0.05)
     metrics.on_first_token(queue_s=0.02, prefill_s=0.04, ttft_s=0.06)
     metrics.observe_step(
-        duration_s=0.02, num_prefill_tokens=0, num_decode_tokens=2, num_padding_tokens=0,
-        num_running=2, max_num_seqs=4,
+        duration_s=0.02, forward_s=0.015, built_ahead=True, num_prefill_tokens=0,
+        num_decode_tokens=2, num_padding_tokens=0, num_running=2, max_num_seqs=4,
     )  # fmt: skip
     metrics.on_tokens(3, [0.02, 0.02])
     metrics.on_tokens(1, [])

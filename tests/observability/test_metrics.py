@@ -130,9 +130,8 @@ def test_request_events_move_their_series():
 
 def test_finish_reasons_fold_the_schedulers_own_into_stop():
     metrics = EngineMetrics("demo", 0, "chunked")
-    metrics.on_finish(reason="eos", e2e_s=0.1, decode_s=0.0, tpot_s=None)
-    metrics.on_finish(reason=FinishReason.STOP_TOKEN, e2e_s=0.1, decode_s=0.0, tpot_s=None)
-    metrics.on_finish(reason=FinishReason.ERROR, e2e_s=0.1, decode_s=0.0, tpot_s=None)
+    for reason in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.ERROR):
+        metrics.on_finish(reason=reason.category, e2e_s=0.1, decode_s=0.0, tpot_s=None)
     assert sample(metrics, "iterserve_requests_finished_total", reason="stop") == 2
     assert sample(metrics, "iterserve_requests_finished_total", reason="error") == 1
     # A request with a single output token has no TPOT.
@@ -142,8 +141,8 @@ def test_finish_reasons_fold_the_schedulers_own_into_stop():
 def test_step_and_state_series():
     metrics = EngineMetrics("demo", 1, "static")
     metrics.observe_step(
-        duration_s=0.5, num_prefill_tokens=0, num_decode_tokens=3, num_padding_tokens=5,
-        num_running=3, max_num_seqs=8,
+        duration_s=0.5, forward_s=0.4, built_ahead=True, num_prefill_tokens=0,
+        num_decode_tokens=3, num_padding_tokens=5, num_running=3, max_num_seqs=8,
     )  # fmt: skip
     metrics.set_state(
         num_running=3, num_waiting=4, num_preempted=0, slots_used=8, slots_total=8,

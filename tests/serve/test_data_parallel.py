@@ -128,4 +128,4 @@ async def test_each_replica_drives_its_ranks_from_its_own_placement_group(dp_url
         assert [w["placement_group"] for w in p["workers"]] == [p["placement_group"]]
         assert [w["NodeID"] for w in p["workers"]] == [p["NodeID"]]
     stats = await engine_replicas(APP, "stats")
-    assert {s["step_transport"] for s in stats} == {"socket"}
+    assert [s["rank_links"] for s in stats] == [["unix"], ["unix"]]
