@@ -41,7 +41,8 @@ class EngineConfig:
     )
     dtype: str = knob(
         "auto",
-        "`float32`, `float16`, `bfloat16`; `auto`: fp32 on CPU, the checkpoint's on GPU",
+        "weights and activations: `float32`, `float16` or `bfloat16`; `auto`: fp32 on CPU, "
+        "the checkpoint's on GPU",
         choices=DTYPES,
     )
     tensor_parallel_size: int = knob(
@@ -54,8 +55,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_memory_fraction: float = knob(
         0.3,
-        "share of free memory the KV cache fills when `num_kv_blocks` is unset "
-        "(on CPU at most 1 GiB)",
+        "share of free memory (after the weights) the KV cache fills when `num_kv_blocks` is "
+        "unset; on CPU at most 1 GiB",
         exclusive_minimum=0,
         maximum=1,
         helm_default=0.8,

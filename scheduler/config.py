@@ -56,7 +56,9 @@ class SchedulerConfig:
     them set."""
 
     policy: str = knob(
-        "chunked", "`static`, `dynamic`, `continuous` or `chunked`", choices=POLICIES
+        "chunked",
+        "batching policy: `static`, `dynamic`, `continuous` or `chunked`",
+        choices=POLICIES,
     )
     max_num_seqs: int = knob(64, "slots: sequences running at once", minimum=1)
     max_num_batched_tokens: int = knob(
@@ -71,7 +73,7 @@ class SchedulerConfig:
     block_size: int = knob(16, "tokens per KV block", minimum=1)
     num_kv_blocks: int | None = knob(
         None,
-        "KV blocks per rank; unset: sized by `kv_memory_fraction`",
+        "KV blocks per rank; unset: as many as `kv_memory_fraction` of free memory holds",
         minimum=1,
         shown_default="from memory",
     )

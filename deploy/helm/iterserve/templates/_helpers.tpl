@@ -139,22 +139,25 @@ The Serve config (serveConfigV2) as YAML.
 */}}
 {{- define "iterserve.serveConfig" -}}
 {{- $e := .Values.engine }}
+{{- /* engine config: generated from EngineConfig by iterserve.cluster.config_docs */}}
 {{- $config := dict
+  "dtype" $e.dtype
+  "tensor_parallel_size" (int $e.tensorParallelSize)
   "policy" $e.policy
   "max_num_seqs" (int $e.maxNumSeqs)
   "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
   "block_size" (int $e.blockSize)
-  "tensor_parallel_size" (int $e.tensorParallelSize)
-  "device" "cuda"
-  "dtype" $e.dtype
   "max_queue_len" (int $e.maxQueueLen)
-  "step_timeout_s" (float64 $e.stepTimeoutS)
-  "max_restarts" (int $e.maxRestarts)
-  "placement_strategy" $e.placementStrategy
   "max_num_partial_prefills" (int $e.maxNumPartialPrefills)
   "long_prefill_token_threshold" (int $e.longPrefillTokenThreshold)
   "batch_timeout_s" (float64 $e.batchTimeoutS)
   "batch_wait_s" (float64 $e.batchWaitS)
+  "max_n" (int $e.maxN)
+  "max_logprobs" (int $e.maxLogprobs)
+  "kv_memory_fraction" (float64 $e.kvMemoryFraction)
+  "step_timeout_s" (float64 $e.stepTimeoutS)
+  "max_restarts" (int $e.maxRestarts)
+  "placement_strategy" $e.placementStrategy
   "async_scheduling" $e.asyncScheduling
 }}
 {{- if gt (int $e.maxModelLen) 0 }}
@@ -162,9 +165,9 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- if gt (int $e.numKvBlocks) 0 }}
 {{- $_ := set $config "num_kv_blocks" (int $e.numKvBlocks) }}
-{{- else }}
-{{- $_ := set $config "kv_memory_fraction" (float64 $e.kvMemoryFraction) }}
 {{- end }}
+{{- /* end of the generated engine config */}}
+{{- $_ := set $config "device" "cuda" }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
   "config" $config

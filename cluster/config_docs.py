@@ -1,0 +1,245 @@
+"""Everything that documents or exposes the engine's knobs, generated from their
+declarations (:func:`~iterserve.scheduler.config.knob` in ``cluster/config.py``
+and ``scheduler/config.py``): the README's configuration table, and the Helm
+chart's ``engine`` values, their schema, their rows in the chart's README and
+the template that turns them into the application's ``config``.
+
+``python -m iterserve.cluster.config_docs --write`` rewrites the generated parts
+of those files; ``--check`` (and the test suite) fails when any has drifted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import MISSING
+from pathlib import Path
+from typing import Any
+
+from iterserve.cluster.config import EngineConfig
+from iterserve.scheduler.config import SchedulerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "iterserve"
+README_BEGIN = "<!-- config-table: generated from EngineConfig by iterserve.cluster.config_docs -->"
+README_END = "<!-- /config-table -->"
+VALUES_BEGIN = (
+    "  # (generated from EngineConfig by iterserve.cluster.config_docs: edit the declarations)"
+)
+TEMPLATE_BEGIN = (
+    "{{- /* engine config: generated from EngineConfig by iterserve.cluster.config_docs */}}"
+)
+TEMPLATE_END = "{{- /* end of the generated engine config */}}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: str  # int | float | str | bool | dict
+    optional: bool
+    default: Any
+    meta: dict
+
+    @property
+    def helm_name(self) -> str:
+        head, *rest = self.name.split("_")
+        return head + "".join(word.capitalize() for word in rest)
+
+    @property
+    def helm_default(self) -> Any:
+        value = self.meta.get("helm_default", MISSING)
+        value = self.default if value is MISSING else value
+        return 0 if value is None else value  # an optional count: 0 means "derived"
+
+
+def knobs() -> list[Knob]:
+    """Every documented field, the scheduler's in the place the engine nests them."""
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "scheduler":
+            out += [_knob(g) for g in dataclasses.fields(SchedulerConfig)]
+        elif "doc" in f.metadata:
+            out.append(_knob(f))
+    return out
+
+
+def _knob(f: dataclasses.Field) -> Knob:
+    text = str(f.type)
+    kind = text.removesuffix(" | None").split("[")[0]
+    default = {} if f.default is MISSING else f.default
+    return Knob(f.name, kind, text.endswith("| None"), default, dict(f.metadata))
+
+
+# -- README -------------------------------------------------------------------------
+
+
+def _shown(knob: Knob) -> str:
+    if knob.meta.get("shown_default"):
+        return knob.meta["shown_default"]
+    value = knob.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f"`{value}`"
+    if value == {}:
+        return "`{}`"
+    return str(value)
+
+
+def readme_table() -> str:
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | {_shown(k)} | {k.meta['doc']} |" for k in knobs()]
+    return "\n".join(rows)
+
+
+# -- the Helm chart --------------------------------------------------------------------
+
+_JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
+
+
+def _sentence(doc: str, chart: bool = True) -> str:
+    """A declaration's doc as a sentence of the chart's, where an unset optional
+    value is written 0."""
+    text = doc.replace("`", "")
+    if chart:
+        text = text.replace("unset:", "0:").replace("is unset", "is 0")
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def _helm_knobs() -> list[Knob]:
+    return [k for k in knobs() if k.meta.get("helm", True) and k.kind in _JSON_TYPES]
+
+
+def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def values_block() -> str:
+    """The lines of values.yaml's ``engine:`` mapping."""
+    lines = [VALUES_BEGIN]
+    for k in _helm_knobs():
+        lines.append(f"  # -- {_sentence(k.meta['doc'])}")
+        lines.append(f"  {k.helm_name}: {_yaml_scalar(k.helm_default)}")
+    return "\n".join(lines)
+
+
+def schema_properties() -> dict:
+    props = {}
+    for k in _helm_knobs():
+        node: dict[str, Any] = {"type": _JSON_TYPES[k.kind]}
+        if k.meta.get("choices"):
+            node["enum"] = list(k.meta["choices"])
+        if k.optional:
+            node["minimum"] = 0  # 0: derived
+        elif k.meta.get("minimum") is not None:
+            node["minimum"] = k.meta["minimum"]
+        if k.meta.get("exclusive_minimum") is not None:
+            node["exclusiveMinimum"] = k.meta["exclusive_minimum"]
+        if k.meta.get("maximum") is not None:
+            node["maximum"] = k.meta["maximum"]
+        node["description"] = _sentence(k.meta["doc"])
+        props[k.helm_name] = node
+    return props
+
+
+def chart_readme_rows() -> list[str]:
+    types = {"int": "int", "float": "float", "str": "string", "bool": "bool"}
+    return [
+        f"| `engine.{k.helm_name}` | {types[k.kind]} | `{json.dumps(k.helm_default)}` | "
+        f"{_sentence(k.meta['doc'])} |"
+        for k in _helm_knobs()
+    ]
+
+
+def template_block() -> str:
+    """The part of the serveConfig template that maps ``engine.*`` to config keys."""
+    casts = {"int": "int", "float": "float64"}
+    plain = [k for k in _helm_knobs() if not k.optional]
+    lines = [TEMPLATE_BEGIN, "{{- $config := dict"]
+    for k in plain:
+        value = f"$e.{k.helm_name}"
+        if k.kind in casts:
+            value = f"({casts[k.kind]} {value})"
+        lines.append(f'  "{k.name}" {value}')
+    lines.append("}}")
+    for k in _helm_knobs():
+        if k.optional:
+            lines += [
+                f"{{{{- if gt (int $e.{k.helm_name}) 0 }}}}",
+                f'{{{{- $_ := set $config "{k.name}" (int $e.{k.helm_name}) }}}}',
+                "{{- end }}",
+            ]
+    lines.append(TEMPLATE_END)
+    return "\n".join(lines)
+
+
+# -- the files ---------------------------------------------------------------------------
+
+
+def _between(text: str, begin: str, end: str, body: str, path: Path) -> str:
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"{path}: the generated part's markers are missing")
+    return text[:start] + body + text[stop:]
+
+
+def rendered() -> dict[Path, str]:
+    """Every generated file as it should read."""
+    out = {}
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    out[readme] = _between(
+        text, README_BEGIN, README_END, f"{README_BEGIN}\n{readme_table()}\n", readme
+    )
+    values = CHART / "values.yaml"
+    text = values.read_text()
+    out[values] = re.sub(
+        r"(?ms)^engine:\n.*?(?=^\S)", lambda _: f"engine:\n{values_block()}\n\n", text, count=1
+    )
+    schema_path = CHART / "values.schema.json"
+    schema = json.loads(schema_path.read_text())
+    schema["properties"]["engine"]["properties"] = schema_properties()
+    out[schema_path] = json.dumps(schema, indent=2) + "\n"
+    chart_readme = CHART / "README.md"
+    lines = chart_readme.read_text().splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("| `engine.")]
+    if not rows:
+        raise ValueError(f"{chart_readme}: no engine.* rows to replace")
+    lines[rows[0] : rows[-1] + 1] = chart_readme_rows()
+    out[chart_readme] = "\n".join(lines) + "\n"
+    helpers = CHART / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    out[helpers] = _between(
+        text, TEMPLATE_BEGIN, TEMPLATE_END, template_block().removesuffix(TEMPLATE_END), helpers
+    )
+    return out
+
+
+def stale() -> list[Path]:
+    return [path for path, text in rendered().items() if path.read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m iterserve.cluster.config_docs")
+    parser.add_argument("--write", action="store_true", help="rewrite the generated parts")
+    parser.add_argument("--check", action="store_true", help="exit 1 when any has drifted")
+    args = parser.parse_args(argv)
+    if args.write:
+        for path, text in rendered().items():
+            path.write_text(text)
+        return 0
+    drifted = stale()
+    for path in drifted:
+        print(f"{path.relative_to(ROOT)} differs from EngineConfig's declarations", file=sys.stderr)
+    return 1 if drifted and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
