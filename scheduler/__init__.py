@@ -11,16 +11,11 @@ Public surface:
 """
 
 from iterserve.scheduler.config import POLICIES, SchedulerConfig
-from iterserve.scheduler.core import (
-    PromptTooLongError,
-    ProtocolError,
-    QueueFullError,
-    RequestOutput,
-    Scheduler,
-)
+from iterserve.scheduler.core import Scheduler
+from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
 from iterserve.scheduler.fake_executor import FakeExecutor
 from iterserve.scheduler.messages import StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason, Request, RequestStatus
+from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
 from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
 from iterserve.scheduler.step import ScheduledStep, StepBuilder
 

@@ -146,6 +146,11 @@ class SchedulerConfig:
             raise ValueError("a Scheduler needs max_model_len and num_kv_blocks set (resolved())")
 
 
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "float": (int, float), "str": str, "bool": bool, "dict[str, Any]": dict,
+}  # fmt: skip
+
+
 def check_knobs(config: Any) -> None:
     """Types, choices and bounds of every :func:`knob` field of a config dataclass;
     the message names the field."""
@@ -156,11 +161,8 @@ def check_knobs(config: Any) -> None:
         value = getattr(config, f.name)
         if value is None and "None" in str(f.type):
             continue
-        expected = {
-            "int": int, "float": (int, float), "str": str, "bool": bool, "dict[str, Any]": dict,
-        }  # fmt: skip
         kind = str(f.type).removesuffix(" | None")
-        wanted = expected.get(kind)
+        wanted = _TYPES.get(kind)
         if wanted is not None:
             if isinstance(value, bool) and kind != "bool" or not isinstance(value, wanted):
                 raise ValueError(f"{f.name} must be {kind}, got {value!r}")

@@ -7,70 +7,24 @@ The batching *policy* (static, dynamic, continuous, chunked) only chooses, into
 a :class:`StepBuilder` made for that one call; this module owns the slot table,
 the KV block manager, the waiting queue, preemption and finishing.
 
-Scheduling ahead: while step N runs, ``schedule`` may build step N+1 (a
-*lookahead* plan), so the workers start N+1 as soon as N ends instead of
-waiting for the scheduler to take N's result and decide. What N will produce
-is not known yet, so the lookahead plan is built on what is certain:
-
-- every sequence N samples for is counted as one token longer (its token is
-  *pending*); the workers hold that token and feed it to N+1 themselves;
-- a sequence whose last token (``max_tokens``) N samples *retires*: its slot
-  and blocks go to waiting requests in N+1, and it finishes when N's result
-  brings that token;
-- a sequence N ends by EOS or a stop token still gets a row in N+1, which the
-  workers compute as padding (the cost of not knowing: one row, once);
-- a plan that would have to preempt is not built ahead: ``schedule`` returns
-  None and the caller schedules again once N's result is in.
+Scheduling ahead (a plan built while the step before it runs) is explained in
+:mod:`~iterserve.scheduler.ahead`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
+from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
 from iterserve.scheduler.blocks import BlockManager
 from iterserve.scheduler.config import SchedulerConfig
+from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
 from iterserve.scheduler.messages import NewSequence, StepResult
 from iterserve.scheduler.policies import make_policy
 from iterserve.scheduler.queue import WaitingQueue
-from iterserve.scheduler.request import FinishReason, Request, RequestStatus
+from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
 from iterserve.scheduler.slots import SlotTable
 from iterserve.scheduler.step import ScheduledStep, StepBuilder
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later."""
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for output within ``max_model_len``."""
-
-    def __init__(self, num_prompt_tokens: int, max_model_len: int):
-        super().__init__(
-            f"the prompt has {num_prompt_tokens} tokens; this model's context is "
-            f"{max_model_len} tokens (max_model_len), which must hold the prompt and at least "
-            f"one output token"
-        )
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_model_len = max_model_len
-
-
-class ProtocolError(RuntimeError):
-    """A worker's result contradicts the scheduler's own state: a bug, never user input."""
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
-    finish_reason: FinishReason | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class Scheduler:
@@ -169,12 +123,12 @@ class Scheduler:
         lookahead = self.num_in_flight == 1
         finishing: list[Request] = []
         if lookahead:
-            finishing = self._finishing_if_ahead_fits()
+            finishing = finishing_if_ahead_fits(self)
             if finishing is None:
                 return None
         step = StepBuilder(self, lookahead=lookahead)
         if finishing and not self.policy.holds_finished_slots:
-            self._retire(finishing)
+            retire(self, finishing)
         self.policy.schedule(step, now)
         if not step.scheduled:
             return None
@@ -183,31 +137,6 @@ class Scheduler:
         scheduled = step.build(self.step, self._released_slots)
         self._released_slots = []
         return scheduled
-
-    def _finishing_if_ahead_fits(self) -> list[Request] | None:
-        """The running sequences whose last token the step in flight samples; None
-        unless every other one's next step, at its largest, fits in the free blocks
-        (otherwise a choice in a plan built ahead could need a preemption)."""
-        budget = self.config.max_num_batched_tokens
-        needed = 0
-        finishing = []
-        for request in self.running.values():
-            if request.finishes_in_flight:
-                finishing.append(request)  # retires (or pads, in static batching)
-                continue
-            target = request.num_computed_tokens + min(request.num_remaining_tokens, budget)
-            needed += self.blocks.num_needed(request.request_id, target)
-        return finishing if needed <= self.blocks.num_free else None
-
-    def _retire(self, finishing: list[Request]) -> None:
-        """Hands on the slot and blocks of every sequence whose last token the step
-        in flight samples. The workers drop it when they sample that token, before
-        they start the step being built, so the step may reuse both."""
-        for request in finishing:
-            self.retiring[request.seq_id] = (request, self.blocks.free(request.request_id))
-            self.slots.release(request.slot_idx)
-            request.slot_idx = -1
-            del self.running[request.request_id]
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """Applies the workers' result for ``step`` (the oldest step in flight):

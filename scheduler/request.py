@@ -141,3 +141,17 @@ class Request:
     def sort_key(self) -> tuple[int, float, str]:
         """Service order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time, self.request_id)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -21,10 +21,6 @@ class SamplingParamsError(ValueError):
         self.field = field_name
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SamplingParamsError(name, f"must be a number, got {type(value).__name__}")
@@ -37,7 +33,7 @@ def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bo
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if not _is_int(value):
+    if not isinstance(value, int) or isinstance(value, bool):
         raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
         raise SamplingParamsError(name, f"must be in [{lo}, {hi}], got {value}")

@@ -98,7 +98,8 @@ class SequenceTable:
         return plan
 
     def _pad_ended(self, plan: StepPlan, ended: set[int]) -> StepPlan:
-        live, padded = [], []
+        live: list[ScheduledSeq] = []
+        padded: list[ScheduledSeq] = []
         for entry in plan.scheduled:
             stale = entry.slot_idx in ended and entry.slot_idx not in self.by_slot
             (padded if stale else live).append(entry)

@@ -21,6 +21,7 @@ from iterserve.scheduler.policies.base import Policy
 from iterserve.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
+    from iterserve.scheduler.config import SchedulerConfig
     from iterserve.scheduler.core import Scheduler
     from iterserve.scheduler.request import Request
     from iterserve.scheduler.step import StepBuilder
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 class StaticPolicy(Policy):
     holds_finished_slots = True
 
-    def __init__(self, config):
+    def __init__(self, config: SchedulerConfig):
         super().__init__(config)
         self.batch: list[Request] = []
 

@@ -34,7 +34,8 @@ class ContinuousPolicy(Policy):
         return remaining if remaining <= budget_left else 0
 
     def schedule(self, step: StepBuilder, now: float) -> None:
-        decodes, prefills = [], []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
         for request in step.running:
             (decodes if request.num_remaining_tokens == 1 else prefills).append(request)
         needed = sum(step.blocks_needed(r, r.num_computed_tokens + 1) for r in decodes)
@@ -77,7 +78,7 @@ class ContinuousPolicy(Policy):
             # Admission never preempts: new work waits for free blocks.
             if not step.try_schedule(request, num_tokens):
                 return
-            num_partial += partial
+            num_partial += int(partial)
 
 
 class ChunkedPolicy(ContinuousPolicy):

@@ -1,0 +1,102 @@
+"""The ``iterserve`` command line: ``serve`` (the cluster's), ``bench`` and
+``simulate`` (the benchmarks'). It lives above both so that the cluster never
+imports the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _write(result: dict, path: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+def _bench_scheduler(args: argparse.Namespace) -> None:
+    from iterserve.bench import scheduler_bench
+
+    _write(scheduler_bench.run(), args.json)
+
+
+def _bench_forward(args: argparse.Namespace) -> None:
+    from iterserve.workers.bench_forward import bench_forward
+
+    _write(bench_forward(args.model, num_threads=args.threads), args.json)
+
+
+def _bench_overhead(args: argparse.Namespace) -> None:
+    from iterserve.bench import engine_bench
+
+    _write(engine_bench.overhead(), args.json)
+
+
+def _bench_ceiling(args: argparse.Namespace) -> None:
+    from iterserve.bench import engine_bench
+
+    _write(engine_bench.ceiling(args.model, num_seqs=args.num_seqs), args.json)
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    from iterserve.bench import simulator
+
+    result = simulator.run(args.gpu, args.model, json_path=args.json)
+    print(json.dumps(result, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from iterserve.cluster.serve_cli import add_serve_arguments
+
+    add_serve_arguments(
+        commands.add_parser("serve", help="the OpenAI-compatible server (default: the demo model)")
+    )
+
+    bench = commands.add_parser("bench", help="benchmarks that print ratios; they never assert")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    sched = benches.add_parser("scheduler", help="CPU ms of schedule()+update() per step")
+    sched.add_argument("--json", help="also write the result to this file")
+    sched.set_defaults(func=_bench_scheduler)
+    forward = benches.add_parser("forward", help="model forward tokens/s on this machine")
+    forward.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    forward.add_argument("--json", help="also write the result to this file")
+    forward.add_argument("--threads", type=int, default=None, help="torch threads")
+    forward.set_defaults(func=_bench_forward)
+    overhead = benches.add_parser("overhead", help="control-plane ms per step through Ray")
+    overhead.add_argument("--json", help="also write the result to this file")
+    overhead.set_defaults(func=_bench_overhead)
+    ceiling = benches.add_parser("ceiling", help="engine tok/s through Ray vs the bare runner")
+    ceiling.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    ceiling.add_argument("--num-seqs", type=int, default=16)
+    ceiling.add_argument("--json", help="also write the result to this file")
+    ceiling.set_defaults(func=_bench_ceiling)
+
+    from iterserve.bench import loadgen, policies
+
+    loadgen.register(benches)
+    policies.register(benches)
+
+    simulate = commands.add_parser(
+        "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"
+    )
+    simulate.add_argument("--gpu", choices=["h100", "h200"], default="h200")
+    simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
+    simulate.add_argument("--json", help="also write the result to this file")
+    simulate.set_defaults(func=_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
