@@ -22,7 +22,8 @@ import ray
 from iterserve.bench.report import forward_ms_per_step
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine import AsyncEngine
-from iterserve.scheduler import Request, SamplingParams, Scheduler
+from iterserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from iterserve.scheduler.blocks import blocks_for
 
 
 def ensure_ray() -> None:
@@ -67,15 +68,21 @@ def control_ms_per_step(
 ) -> float:
     """Wall ms per step beyond the workers' own time. With ``async_scheduling``,
     the part of the control plane that does not overlap the step before."""
-    config = EngineConfig.from_dict(dict(
-        async_scheduling=async_scheduling,
-        executor="fake",
-        executor_options={"output_len": None, "max_model_len": 512, "step_sleep_s": step_sleep_s},
-        num_kv_blocks=num_seqs * 16,
-        max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(512, num_seqs),
-        num_cpus_per_worker=0.5,
-    ))
+    config = EngineConfig.from_dict(
+        dict(
+            async_scheduling=async_scheduling,
+            executor="fake",
+            executor_options={
+                "output_len": None,
+                "max_model_len": 512,
+                "step_sleep_s": step_sleep_s,
+            },
+            num_kv_blocks=num_seqs * 16,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max(512, num_seqs),
+            num_cpus_per_worker=0.5,
+        )
+    )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     run = asyncio.run(_drive(config, [[3 + i % 50] * 16 for i in range(num_seqs)], params))
     timing = run["timing"]
@@ -93,6 +100,94 @@ def overhead() -> dict:
         for key, ahead in variants
         for n in (8, 64)
     }
+
+
+class _CeilingRun:
+    """One engine, its one-step-at-a-time twin, and the bare runner, on the same
+    prompts: ``alternate`` times them in turn."""
+
+    def __init__(
+        self, model: str, num_seqs: int, prompt_len: int, max_tokens: int, torch_threads: int
+    ):
+        import torch
+
+        from iterserve.workers.runner import ModelRunner
+
+        block_size = SchedulerConfig().block_size
+        # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
+        self.num_kv_blocks = num_seqs * (blocks_for(prompt_len + max_tokens, block_size) + 1)
+        self.config = EngineConfig.from_dict(dict(
+            model=model,
+            dtype="float32",
+            kernel_backend="torch",
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max(256, num_seqs * prompt_len),
+            max_model_len=512,
+            torch_threads=torch_threads,
+            num_cpus_per_worker=1.0,
+        ))  # fmt: skip
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.prompts = [
+            [10 + (i * 7 + j) % 300 for j in range(prompt_len)] for i in range(num_seqs)
+        ]
+        torch.set_num_threads(torch_threads)
+        self.runner = ModelRunner(
+            model,
+            dtype="float32",
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=block_size,
+            kernel_backend="torch",
+        )
+
+    def bare_pass(self) -> tuple[float, float]:
+        """The same scheduler decisions replayed in-process: only the runner is timed.
+        Returns tokens/s and the model forward's ms per step."""
+        config = self.config.scheduler.resolved(num_kv_blocks=self.num_kv_blocks, max_model_len=512)
+        sched = Scheduler(config)
+        for i, prompt in enumerate(self.prompts):
+            sched.add_request(Request(f"r{i}", prompt, self.params))
+        bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0
+        while sched.has_work:
+            step = sched.schedule(time.monotonic())
+            start = time.perf_counter()
+            result = self.runner.execute(step.plan)
+            bare_s += time.perf_counter() - start
+            forward_s += result.forward_s
+            steps += 1
+            num_tokens += len(result.sampled)
+            sched.update(step, result)
+        return num_tokens / bare_s, 1000 * forward_s / steps
+
+    async def engine_pass(self, engine: AsyncEngine) -> tuple[float, float]:
+        """Tokens/s through the engine, and the rank's forward ms per step."""
+        before = (await engine.stats())["timing"]
+        run = await _generate_all(engine, self.prompts, self.params)
+        after = (await engine.stats())["timing"]
+        return run["num_tokens"] / run["wall_s"], forward_ms_per_step(before, after)
+
+    async def alternate(self, rounds: int) -> dict[str, list[float]]:
+        engine = await AsyncEngine(self.config).start()
+        serial = await AsyncEngine(self.config.replace(async_scheduling=False)).start()
+        runs: dict[str, list[float]] = {
+            key: [] for key in ("engine", "serial", "bare", "engine_fwd", "bare_fwd")
+        }
+        try:
+            for warm in (engine, serial):
+                await _generate_all(warm, self.prompts[:1], self.params)  # one-off costs
+            self.bare_pass()
+            for _ in range(rounds):
+                tok_s, fwd_ms = await self.engine_pass(engine)
+                runs["engine"].append(tok_s)
+                runs["engine_fwd"].append(fwd_ms)
+                runs["serial"].append((await self.engine_pass(serial))[0])
+                tok_s, fwd_ms = self.bare_pass()
+                runs["bare"].append(tok_s)
+                runs["bare_fwd"].append(fwd_ms)
+        finally:
+            await engine.shutdown()
+            await serial.shutdown()
+        return runs
 
 
 def _default_model() -> str:
@@ -118,85 +213,10 @@ def ceiling(
     passes (engine, bare, engine, bare, ...) and the medians are compared. Each round
     also runs a second engine with ``async_scheduling`` off (``engine_serial_*``):
     what building each plan while the step before runs is worth."""
-    import torch
-
-    from iterserve.workers.runner import ModelRunner
-
     model = model or _default_model()
     ensure_ray()
-    # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
-    num_kv_blocks = num_seqs * (-(-(prompt_len + max_tokens) // EngineConfig.block_size) + 1)
-    config = EngineConfig.from_dict(dict(
-        model=model,
-        dtype="float32",
-        kernel_backend="torch",
-        num_kv_blocks=num_kv_blocks,
-        max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(256, num_seqs * prompt_len),
-        max_model_len=512,
-        torch_threads=torch_threads,
-        num_cpus_per_worker=1.0,
-    ))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [[10 + (i * 7 + j) % 300 for j in range(prompt_len)] for i in range(num_seqs)]
-    torch.set_num_threads(torch_threads)
-    runner = ModelRunner(
-        model,
-        dtype="float32",
-        num_kv_blocks=num_kv_blocks,
-        block_size=config.scheduler.block_size,
-        kernel_backend="torch",
-    )
-
-    def bare_pass() -> tuple[float, float]:
-        """The same scheduler decisions replayed in-process: only the runner is timed.
-        Returns tokens/s and the model forward's ms per step."""
-        sched = Scheduler(config.scheduler.resolved(num_kv_blocks=num_kv_blocks, max_model_len=512))
-        for i, prompt in enumerate(prompts):
-            sched.add_request(Request(f"r{i}", prompt, params))
-        bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0
-        while sched.has_work:
-            step = sched.schedule(time.monotonic())
-            start = time.perf_counter()
-            result = runner.execute(step.plan)
-            bare_s += time.perf_counter() - start
-            forward_s += result.forward_s
-            steps += 1
-            num_tokens += len(result.sampled)
-            sched.update(step, result)
-        return num_tokens / bare_s, 1000 * forward_s / steps
-
-    async def engine_pass(engine: AsyncEngine) -> tuple[float, float]:
-        """Tokens/s through the engine, and the rank's forward ms per step."""
-        before = (await engine.stats())["timing"]
-        run = await _generate_all(engine, prompts, params)
-        after = (await engine.stats())["timing"]
-        return run["num_tokens"] / run["wall_s"], forward_ms_per_step(before, after)
-
-    async def alternate() -> dict[str, list[float]]:
-        engine = await AsyncEngine(config).start()
-        serial = await AsyncEngine(config.replace(async_scheduling=False)).start()
-        runs: dict[str, list[float]] = {
-            key: [] for key in ("engine", "serial", "bare", "engine_fwd", "bare_fwd")
-        }
-        try:
-            for warm in (engine, serial):
-                await _generate_all(warm, prompts[:1], params)  # one-off start-up costs
-            bare_pass()
-            for _ in range(rounds):
-                tok_s, fwd_ms = await engine_pass(engine)
-                runs["engine"].append(tok_s)
-                runs["engine_fwd"].append(fwd_ms)
-                runs["serial"].append((await engine_pass(serial))[0])
-                tok_s, fwd_ms = bare_pass()
-                runs["bare"].append(tok_s)
-                runs["bare_fwd"].append(fwd_ms)
-        finally:
-            await engine.shutdown()
-            await serial.shutdown()
-        return runs
-
-    runs = asyncio.run(alternate())
+    run = _CeilingRun(model, num_seqs, prompt_len, max_tokens, torch_threads)
+    runs = asyncio.run(run.alternate(rounds))
     engine_tok_s = statistics.median(runs["engine"])
     serial_tok_s = statistics.median(runs["serial"])
     ceiling_tok_s = statistics.median(runs["bare"])

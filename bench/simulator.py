@@ -101,6 +101,64 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+class _Timeline:
+    """When each request arrived, got its first and last token, and finished."""
+
+    def __init__(self, arrival: dict[str, float]):
+        self.arrival = arrival
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.finish: dict[str, float] = {}
+        self.num_out = dict.fromkeys(arrival, 0)
+        self.itl: list[float] = []
+
+    def record(self, outputs: list, now: float) -> None:
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                if rid in self.first:
+                    self.itl.append(now - self.last[rid])
+                else:
+                    self.first[rid] = now
+                self.last[rid] = now
+                self.num_out[rid] += len(out.new_token_ids)
+            if out.finished:
+                self.finish[rid] = now
+
+    def latencies(self) -> dict:
+        ids, first, finish, num_out = self.arrival, self.first, self.finish, self.num_out
+        ttft = [first[r] - self.arrival[r] for r in ids]
+        e2e = [finish[r] - self.arrival[r] for r in ids]
+        tpot = [(finish[r] - first[r]) / (num_out[r] - 1) for r in ids if num_out[r] > 1]
+        metrics = {}
+        for name, values in (("ttft", ttft), ("itl", self.itl), ("e2e", e2e)):
+            for q in (50, 90, 99):
+                metrics[f"{name}_p{q}_s"] = _pct(values, q)
+        metrics["tpot_p50_s"] = _pct(tpot, 50)
+        return metrics
+
+
+def _step_shape(plan, slot_ctx: dict[int, int]) -> tuple[int, int, int, int]:
+    """Tokens, attended context, causal pairs and sampled rows of one step, for the
+    cost model; ``slot_ctx`` tracks each slot's context (a padding slot keeps
+    attending over its own KV)."""
+    tokens = context = causal = rows = 0
+    for e in plan.scheduled:
+        s, n = e.start_pos, e.num_tokens + e.num_pad_tokens
+        tokens += n
+        context += s + n
+        causal += n * s + n * (n + 1) // 2
+        rows += e.sample
+        slot_ctx[e.slot_idx] = s + n
+    for slot in plan.padding_slots:
+        c = slot_ctx[slot] = slot_ctx[slot] + 1
+        tokens += 1
+        context += c
+        causal += c
+        rows += 1
+    return tokens, context, causal, rows
+
+
 def simulate_policy(
     policy: str,
     cost: CostModel,
@@ -128,13 +186,7 @@ def simulate_policy(
     ids = [f"req-{i}" for i in range(num_requests)]
     output_len = dict(zip(ids, load["output_len"], strict=True))
     executor = FakeExecutor(output_len=output_len.__getitem__, check_blocks=False)
-    arrival = dict(zip(ids, load["arrival_s"], strict=True))
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    finish: dict[str, float] = {}
-    num_out = dict.fromkeys(ids, 0)
-    itl: list[float] = []
-    # Context length per slot: a padding slot keeps attending over its own KV.
+    timeline = _Timeline(dict(zip(ids, load["arrival_s"], strict=True)))
     slot_ctx: dict[int, int] = {}
     steps = seqs_scheduled = real_tokens = pad_tokens = 0
     order = sorted(range(num_requests), key=load["arrival_s"].__getitem__)
@@ -145,7 +197,7 @@ def simulate_policy(
             i = order[nxt]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
             prompt = [3] * load["prompt_len"][i]
-            sched.add_request(Request(ids[i], prompt, params, arrival_time=arrival[ids[i]]))
+            sched.add_request(Request(ids[i], prompt, params, arrival_time=load["arrival_s"][i]))
             nxt += 1
         step = sched.schedule(now)
         if step is None:
@@ -158,63 +210,31 @@ def simulate_policy(
                 raise RuntimeError(f"{policy}: work is waiting but nothing can run")
             now = min(events)
             continue
-        plan = step.plan
-        tokens = context = causal = rows = 0
-        for e in plan.scheduled:
-            s, n = e.start_pos, e.num_tokens + e.num_pad_tokens
-            tokens += n
-            context += s + n
-            causal += n * s + n * (n + 1) // 2
-            rows += e.sample
-            slot_ctx[e.slot_idx] = s + n
-        for slot in plan.padding_slots:
-            c = slot_ctx[slot] = slot_ctx[slot] + 1
-            tokens += 1
-            context += c
-            causal += c
-            rows += 1
+        tokens, context, causal, rows = _step_shape(step.plan, slot_ctx)
         steps += 1
-        seqs_scheduled += len(plan.scheduled)
-        padding = plan.num_padding_tokens
+        seqs_scheduled += len(step.plan.scheduled)
+        padding = step.plan.num_padding_tokens
         pad_tokens += padding
         real_tokens += tokens - padding
         now += cost.totals(tokens, context, causal, rows).time_s
-        for out in sched.update(step, executor.execute(plan)):
-            rid = out.request_id
-            if out.new_token_ids:
-                if rid in first:
-                    itl.append(now - last[rid])
-                else:
-                    first[rid] = now
-                last[rid] = now
-                num_out[rid] += len(out.new_token_ids)
-            if out.finished:
-                finish[rid] = now
+        timeline.record(sched.update(step, executor.execute(step.plan)), now)
 
+    finish = timeline.finish
     assert len(finish) == num_requests, f"{policy}: {num_requests - len(finish)} unfinished"
-    ttft = [first[r] - arrival[r] for r in ids]
-    e2e = [finish[r] - arrival[r] for r in ids]
-    tpot = [(finish[r] - first[r]) / (num_out[r] - 1) for r in ids if num_out[r] > 1]
-    total_out = sum(num_out.values())
-    makespan = max(finish.values()) - min(arrival.values())
-    metrics = {
+    total_out = sum(timeline.num_out.values())
+    makespan = max(finish.values()) - min(timeline.arrival.values())
+    return {
         "throughput_tok_s": total_out / makespan,
         "slot_utilization": seqs_scheduled / (max_num_seqs * steps),
         "padding_fraction": pad_tokens / (pad_tokens + real_tokens),
+        **timeline.latencies(),
+        "num_steps": steps,
+        "preemptions": sched.num_preemptions,
+        "recomputed_tokens": sched.num_recomputed_tokens,
+        "output_tokens": total_out,
+        "makespan_s": makespan,
+        "max_num_batched_tokens": max_num_batched_tokens,
     }
-    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
-        for q in (50, 90, 99):
-            metrics[f"{name}_p{q}_s"] = _pct(values, q)
-    metrics["tpot_p50_s"] = _pct(tpot, 50)
-    metrics.update(
-        num_steps=steps,
-        preemptions=sched.num_preemptions,
-        recomputed_tokens=sched.num_recomputed_tokens,
-        output_tokens=total_out,
-        makespan_s=makespan,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
-    return metrics
 
 
 def simulate(

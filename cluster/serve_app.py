@@ -233,8 +233,8 @@ class HandleEngineClient:
             raise
         if tuple(first) != ACCEPTED:
             # The replica's generator has ended, but Serve counts a stream as ongoing
-            # until it is read to the end or cancelled: left alone, every refusal
-            # held a slot of the replica's max_ongoing_requests (and memory here),
+            # until it is read to the end or cancelled: left alone, a refusal would
+            # hold a slot of the replica's max_ongoing_requests (and memory here),
             # until the router queued new requests into timeouts.
             stream.cancel()
             kind, message = first

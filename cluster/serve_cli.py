@@ -74,7 +74,6 @@ def run_server(
     block: serve until Ctrl-C / SIGTERM, then shut down (``False``: return at once,
         leaving Serve running; the caller shuts it down).
     """
-    from iterserve.cluster import resources
     from iterserve.cluster.serve_app import ServeArgs, build_app
 
     engine = load_config_file(config_file) if config_file else {}
@@ -88,11 +87,7 @@ def run_server(
         model_name=model_name,
         request_timeout_s=request_timeout_s,
     )
-    # Refuse a bad config, or one this machine cannot place, before starting anything.
-    checked = resources.resolve(args.engine_config(), num_engine_replicas=num_engine_replicas)
-    resources.check_fits(
-        checked, num_engine_replicas=num_engine_replicas, ingress_cpus=args.ingress_cpus
-    )
+    name = _check_before_starting(args)
 
     import ray
     from ray import serve
@@ -104,15 +99,7 @@ def run_server(
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
     try:
         if not ray.is_initialized():
-            # A fresh single-node Ray, bound to loopback: nothing of it is reachable
-            # from other machines; only Serve's proxy listens on host:port.
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                logging_level="WARNING",
-                _node_ip_address="127.0.0.1",
-                _system_config={"worker_niceness": WORKER_NICENESS},
-            )
+            _start_ray()
             started_ray = True
             if block:
                 # Ray's core replaces the handler with one that logs, then aborts
@@ -122,7 +109,7 @@ def run_server(
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         engines.broadcast("info").results(timeout_s=ready_timeout_s)
-        print(f"iterserve: serving {args.served_model_name(checked)} at {url}/v1", flush=True)
+        print(f"iterserve: serving {name} at {url}/v1", flush=True)
         if block:
             threading.Event().wait()
     except KeyboardInterrupt:
@@ -133,6 +120,31 @@ def run_server(
             _shutdown(stop_ray=started_ray)
             signal.signal(signal.SIGTERM, previous)
     return url
+
+
+def _check_before_starting(args) -> str:
+    """Refuses a bad config, or one this machine cannot place, before anything
+    starts; returns the served model's name."""
+    from iterserve.cluster import resources
+
+    replicas = args.num_engine_replicas
+    checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
+    resources.check_fits(checked, num_engine_replicas=replicas, ingress_cpus=args.ingress_cpus)
+    return args.served_model_name(checked)
+
+
+def _start_ray() -> None:
+    """A fresh single-node Ray, bound to loopback: nothing of it is reachable from
+    other machines; only the HTTP server listens on the given host and port."""
+    import ray
+
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level="WARNING",
+        _node_ip_address="127.0.0.1",
+        _system_config={"worker_niceness": WORKER_NICENESS},
+    )
 
 
 def _interrupt(signum, frame) -> None:

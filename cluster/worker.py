@@ -73,16 +73,6 @@ class EngineWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def stacks(self) -> str:
-        """Every thread's Python stack: what a hung rank is stuck on."""
-        import sys
-        import traceback
-
-        return "\n".join(
-            f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
-            for ident, frame in sys._current_frames().items()
-        )
-
     def placement(self) -> dict:
         import ray
 

@@ -24,9 +24,7 @@ from iterserve.cluster.openai.errors import (
     unavailable,
 )
 from iterserve.cluster.openai.stream import StopMatcher
-
-# Engine finish reasons as OpenAI names them.
-FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "length": "length", "abort": "stop"}
+from iterserve.scheduler.request import FinishReason
 
 
 class EngineStream(Protocol):
@@ -98,7 +96,7 @@ class Choice:
                     text, matched = self.matcher.flush()
                     self._add_text(delta, text)
                     self.stopped_by_string = matched
-                    self.finish_reason = "stop" if matched else FINISH_REASONS.get(reason, "stop")
+                    self.finish_reason = "stop" if matched else FinishReason(reason).openai
                     delta.finish_reason = self.finish_reason
                 return delta
         return delta
