@@ -33,7 +33,6 @@ PROGRAMS_PER_SM_NO_SPLIT = 2
 # When splitting, aim for this many programs per SM.
 PROGRAMS_PER_SM_SPLIT = 4
 DECODE_BLOCK_M = 16
-PREFILL_BLOCK_M = 64
 
 
 def next_power_of_2(n: int) -> int:
@@ -41,19 +40,41 @@ def next_power_of_2(n: int) -> int:
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and warps of both kernels for one (dtype, head_dim, group).
+
+    Chosen so that no variant spills registers on sm_90 (the compile check in
+    tests/kernels asserts it): 16-bit K/V tiles of 16 KB whatever the head
+    size; fp32 dots run on FMA units and hold every operand in registers, so
+    they get smaller prefill tiles and twice the warps in the decode kernel."""
+
+    decode_block_m: int  # decode tile rows = decode_block_q * group (+ padding)
+    decode_block_q: int  # the longest query piece the decode kernel takes
+    decode_block_n: int  # KV positions per decode tile
+    decode_num_warps: int
+    prefill_block_m: int
+    prefill_block_n: int
+
+
+def tiles_for(elem_bytes: int, head_dim: int, group: int) -> Tiles:
+    block_m, block_q = decode_tile(group)
+    padded = next_power_of_2(max(head_dim, 16))
+    decode_n = max(16, min(128, 8192 // padded))
+    if elem_bytes >= 4:
+        return Tiles(block_m, block_q, min(decode_n, 64), 8,
+                     max(32, next_power_of_2(group)), 32)  # fmt: skip
+    prefill_n = 64 if padded <= 128 else 32
+    return Tiles(block_m, block_q, decode_n, 4, max(64, next_power_of_2(group)), prefill_n)
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """The launches of one paged attention call."""
 
-    block_n: int  # KV positions per tile, both kernels
-    decode_block_m: int  # decode tile rows = decode_block_q * group (+ padding)
-    decode_block_q: int  # the longest query piece the decode kernel takes
+    tiles: Tiles
     num_splits: int  # KV ranges per (sequence, KV head) in the decode kernel; 1 = no reduce
     use_decode: bool
-    prefill_block_m: int  # 0: no prefill launch
-
-    @property
-    def use_prefill(self) -> bool:
-        return self.prefill_block_m > 0
+    use_prefill: bool
 
 
 def decode_tile(group: int) -> tuple[int, int]:
@@ -61,10 +82,6 @@ def decode_tile(group: int) -> tuple[int, int]:
     fill the tile's rows, ``block_q`` query rows of ``group`` heads each."""
     block_m = max(DECODE_BLOCK_M, next_power_of_2(group))
     return block_m, block_m // group
-
-
-def block_n_for(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
 
 
 def choose_num_splits(
@@ -91,6 +108,7 @@ def plan_attention(
     head_dim: int,
     max_seq_len: int,
     max_query_len: int | None = None,
+    elem_bytes: int = 2,
     num_sms: int = DEFAULT_NUM_SMS,
 ) -> AttentionPlan:
     """The launches for a call with these shapes.
@@ -101,20 +119,14 @@ def plan_attention(
     (too small) hint leaves rows uncomputed: hints are trusted, like the
     metadata itself.
     """
-    group = num_heads // num_kv_heads
-    block_m, block_q = decode_tile(group)
+    tiles = tiles_for(elem_bytes, head_dim, num_heads // num_kv_heads)
     longest_piece = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
-    use_prefill = longest_piece > block_q
+    use_prefill = longest_piece > tiles.decode_block_q
     # With one sequence its piece is num_tokens rows exactly: all decode or all prefill.
     use_decode = not (use_prefill and num_seqs == 1)
     num_splits = (
         choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms) if use_decode else 1
     )
     return AttentionPlan(
-        block_n=block_n_for(head_dim),
-        decode_block_m=block_m,
-        decode_block_q=block_q,
-        num_splits=num_splits,
-        use_decode=use_decode,
-        prefill_block_m=max(PREFILL_BLOCK_M, next_power_of_2(group)) if use_prefill else 0,
+        tiles=tiles, num_splits=num_splits, use_decode=use_decode, use_prefill=use_prefill
     )

@@ -133,7 +133,7 @@ def _paged_attention_kernel(
 
 def launch_prefill(
     out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-    *, block_m: int, block_n: int, skip_q_len: int = 0,
+    *, block_m: int, block_n: int, skip_q_len: int = 0, num_warps: int = 4,
 ) -> None:  # fmt: skip
     """The prefill kernel over every sequence with more than ``skip_q_len`` rows."""
     num_tokens, num_heads, head_dim = query.shape
@@ -157,7 +157,7 @@ def launch_prefill(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -204,17 +204,18 @@ def run_plan(
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    t = plan.tiles
     with device_guard(query):
         if plan.use_decode:
             launch_decode(
-                out, *args, block_m=plan.decode_block_m, block_n=plan.block_n,
-                num_splits=plan.num_splits,
+                out, *args, block_m=t.decode_block_m, block_n=t.decode_block_n,
+                num_splits=plan.num_splits, num_warps=t.decode_num_warps,
             )  # fmt: skip
         if plan.use_prefill:
             # Without the decode launch every sequence is the prefill kernel's.
-            skip = plan.decode_block_q if plan.use_decode else 0
+            skip = t.decode_block_q if plan.use_decode else 0
             launch_prefill(
-                out, *args, block_m=plan.prefill_block_m, block_n=plan.block_n, skip_q_len=skip
+                out, *args, block_m=t.prefill_block_m, block_n=t.prefill_block_n, skip_q_len=skip
             )
     return out
 
@@ -260,6 +261,7 @@ def paged_attention(
         head_dim=head_dim,
         max_seq_len=bound if max_seq_len is None else min(max_seq_len, bound),
         max_query_len=max_query_len,
+        elem_bytes=query.element_size(),
         num_sms=_num_sms(query.device),
     )
     return run_plan(plan, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -188,6 +188,7 @@ def launch_decode(
     block_m: int,
     block_n: int,
     num_splits: int,
+    num_warps: int = 4,
 ) -> None:
     """The decode kernel (and its reduce when ``num_splits > 1``) over every
     sequence with at most ``block_m // group`` query rows."""
@@ -227,7 +228,7 @@ def launch_decode(
         BLOCK_N=block_n,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](

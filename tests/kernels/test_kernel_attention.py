@@ -6,6 +6,7 @@ shapes are kept tiny. Tolerances: fp32 atol/rtol 1e-5; fp16 atol 2e-3, rtol 1e-2
 (fp16 output rounding plus fp16 probabilities in the P @ V product).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -278,14 +279,12 @@ EDGES = [(63, 1), (64, 1), (65, 1), (0, 1), (127, 1), (128, 1), (300, 1), (10, 3
 
 
 def decode_plan(num_heads, num_kv_heads, num_splits, *, prefill=False):
-    block_m, block_q = attention_plan.decode_tile(num_heads // num_kv_heads)
+    tiles = attention_plan.tiles_for(2, 64, num_heads // num_kv_heads)
     return attention_plan.AttentionPlan(
-        block_n=64,
-        decode_block_m=block_m,
-        decode_block_q=block_q,
+        tiles=dataclasses.replace(tiles, decode_block_n=64),
         num_splits=num_splits,
         use_decode=True,
-        prefill_block_m=64 if prefill else 0,
+        use_prefill=prefill,
     )
 
 
@@ -349,7 +348,12 @@ def test_plan_splits_small_decode_batches_only():
         num_tokens=1, num_seqs=1, max_seq_len=8192, max_query_len=1, **llama8b
     )
     assert one.use_decode and not one.use_prefill
-    assert one.num_splits == 32 and (one.decode_block_m, one.decode_block_q) == (16, 4)
+    assert one.num_splits == 32
+    assert (one.tiles.decode_block_m, one.tiles.decode_block_q, one.tiles.decode_block_n) == (
+        16,
+        4,
+        64,
+    )
     wide = attention_plan.plan_attention(
         num_tokens=64, num_seqs=64, max_seq_len=8192, max_query_len=1, **llama8b
     )
@@ -363,7 +367,7 @@ def test_plan_splits_small_decode_batches_only():
 def test_plan_sends_long_pieces_to_the_prefill_kernel():
     kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=4096)
     mixed = attention_plan.plan_attention(num_tokens=600, num_seqs=9, **kw)
-    assert mixed.use_decode and mixed.prefill_block_m == 64
+    assert mixed.use_decode and mixed.use_prefill and mixed.tiles.prefill_block_m == 64
     # Without the hint the longest piece is bounded by num_tokens; with it,
     # a batch of three-row pieces needs no prefill launch.
     pieces = attention_plan.plan_attention(num_tokens=12, num_seqs=4, max_query_len=3, **kw)
@@ -373,4 +377,7 @@ def test_plan_sends_long_pieces_to_the_prefill_kernel():
     gqa16 = attention_plan.plan_attention(
         num_tokens=2, num_seqs=2, num_heads=32, num_kv_heads=2, head_dim=64, max_seq_len=64
     )
-    assert (gqa16.decode_block_m, gqa16.decode_block_q) == (16, 1)
+    assert (gqa16.tiles.decode_block_m, gqa16.tiles.decode_block_q) == (16, 1)
+    assert gqa16.tiles.decode_block_n == 128  # 16-bit K/V tiles of 16 KB
+    fp32 = attention_plan.tiles_for(4, 128, 4)
+    assert (fp32.prefill_block_m, fp32.prefill_block_n, fp32.decode_num_warps) == (32, 32, 8)
