@@ -14,10 +14,9 @@ disturb any real sequence::
     seq_lens:        18    3          41    41     41
     logits rows:     A17, B2, C40, pad7 (the last one is computed and discarded)
 
-The layout is built on the host as a few numpy arrays, one per field, from
-flat Python lists: nothing is made per sequence. On CUDA the arrays are
-packed into one pinned buffer and cross to the device in a single copy
-(:class:`Staging`).
+The layout is built on the host as a few CPU tensors, one per field, from
+flat Python lists: nothing is made per sequence. On CUDA they are packed into
+one pinned buffer and cross to the device in a single copy (:class:`Staging`).
 """
 
 from __future__ import annotations
@@ -26,16 +25,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
 from iterserve.workers.model import AttentionInputs
 
-# Token ids, positions, slots and block ids all fit int32 (the runner checks
-# the cache's slot count), which every kernel and torch index op accepts.
-INDEX_NP = np.int32
+# Token ids, positions, slots and block ids all fit int32 (the cache checks its
+# slot count), which every kernel and torch index op accepts.
 INDEX_DTYPE = torch.int32
 # Segments of a staging buffer start on 256-byte boundaries, so every device
 # view is as aligned as a fresh allocation (kernels specialise on alignment).
@@ -44,15 +41,15 @@ _ALIGN = 64
 
 @dataclass
 class HostBatch:
-    """One step's flat batch on the host."""
+    """One step's flat batch on the host: int32 CPU tensors."""
 
-    input_ids: np.ndarray  # [num_rows]
-    positions: np.ndarray  # [num_rows]
-    slot_mapping: np.ndarray  # [num_rows] block_id * block_size + offset
-    logits_indices: np.ndarray  # [num_logits] sampled rows first, then padding slots
-    seq_lens: np.ndarray  # [num_seqs] KV length after this step
-    query_start_loc: np.ndarray  # [num_seqs + 1]
-    block_tables: np.ndarray  # [num_seqs, width]
+    input_ids: torch.Tensor  # [num_rows]
+    positions: torch.Tensor  # [num_rows]
+    slot_mapping: torch.Tensor  # [num_rows] block_id * block_size + offset
+    logits_indices: torch.Tensor  # [num_logits] sampled rows first, then padding slots
+    seq_lens: torch.Tensor  # [num_seqs] KV length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    block_tables: torch.Tensor  # [num_seqs, width]
     sample_entries: list[ScheduledSeq]  # own the first len(sample_entries) logits rows
     max_query_len: int
     max_seq_len: int
@@ -65,7 +62,7 @@ class HostBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
+    def arrays(self) -> tuple[torch.Tensor, ...]:
         return (
             self.input_ids,
             self.positions,
@@ -156,42 +153,42 @@ def layout_batch(
     needed_blocks.extend([0] * num_padding)  # the table row stays all scratch
 
     num_seqs = len(q_lens)
-    q_lens_np = np.array(q_lens, dtype=np.int64)
-    starts = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q_lens_np, out=starts[1:])
+    i64 = torch.int64
+    q_lens_t = torch.tensor(q_lens, dtype=i64)
+    starts = torch.zeros(num_seqs + 1, dtype=i64)
+    torch.cumsum(q_lens_t, 0, out=starts[1:])
     width = max(max(needed_blocks, default=1), 1)
-    block_tables = np.full((num_seqs, width), scratch_block, dtype=INDEX_NP)
-    used = np.array(needed_blocks, dtype=np.int64)
-    total = int(used.sum())
+    block_tables = torch.full((num_seqs, width), scratch_block, dtype=INDEX_DTYPE)
+    used = torch.tensor(needed_blocks, dtype=i64)
+    total = sum(needed_blocks)
     if total:
-        flat = np.fromiter(
-            itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks)),
-            dtype=INDEX_NP,
-            count=total,
+        flat = torch.tensor(
+            list(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))),
+            dtype=INDEX_DTYPE,
         )
-        row_of = np.repeat(np.arange(num_seqs), used[:num_seqs])
-        col_of = np.arange(total) - np.repeat(np.cumsum(used) - used, used)
+        row_of = torch.repeat_interleave(torch.arange(num_seqs), used)
+        col_of = torch.arange(total) - torch.repeat_interleave(torch.cumsum(used, 0) - used, used)
         block_tables[row_of, col_of] = flat
 
     num_rows = len(ids)
-    seq_of_row = np.repeat(np.arange(num_seqs), q_lens_np)
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
     # row r of sequence s sits at first_pos[s] + (r - starts[s])
-    positions = np.arange(num_rows, dtype=np.int64) + np.repeat(
-        np.array(first_pos, dtype=np.int64) - starts[:-1], q_lens_np
+    positions = torch.arange(num_rows, dtype=i64) + torch.repeat_interleave(
+        torch.tensor(first_pos, dtype=i64) - starts[:-1], q_lens_t
     )
     # Padding rows sit at position 0 of the scratch block, so this also sends them there.
-    block_ids = block_tables[seq_of_row, positions // block_size].astype(np.int64)
+    block_ids = block_tables[seq_of_row, positions // block_size].long()
     slot_mapping = block_ids * block_size + positions % block_size
     return HostBatch(
-        input_ids=np.array(ids, dtype=INDEX_NP),
-        positions=positions.astype(INDEX_NP),
-        slot_mapping=slot_mapping.astype(INDEX_NP),
-        logits_indices=np.array(sample_rows + pad_logit_rows, dtype=INDEX_NP),
-        seq_lens=np.array(seq_lens, dtype=INDEX_NP),
-        query_start_loc=starts.astype(INDEX_NP),
+        input_ids=torch.tensor(ids, dtype=INDEX_DTYPE),
+        positions=positions.to(INDEX_DTYPE),
+        slot_mapping=slot_mapping.to(INDEX_DTYPE),
+        logits_indices=torch.tensor(sample_rows + pad_logit_rows, dtype=INDEX_DTYPE),
+        seq_lens=torch.tensor(seq_lens, dtype=INDEX_DTYPE),
+        query_start_loc=starts.to(INDEX_DTYPE),
         block_tables=block_tables,
         sample_entries=sample_entries,
-        max_query_len=int(q_lens_np.max(initial=0)),
+        max_query_len=max(q_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
 
@@ -218,10 +215,10 @@ def flat_batch(host: HostBatch, tensors: Sequence[torch.Tensor]) -> FlatBatch:
 
 def to_device(host: HostBatch, device: torch.device, staging: Staging | None = None) -> FlatBatch:
     """``host`` on ``device``: through ``staging`` (one copy) when given, otherwise
-    one tensor per field (on the CPU these share the arrays' memory)."""
+    one tensor per field (on the CPU, the host tensors themselves)."""
     if staging is not None:
         return flat_batch(host, staging.put(host.arrays()))
-    return flat_batch(host, [torch.from_numpy(a).to(device) for a in host.arrays()])
+    return flat_batch(host, [a.to(device) for a in host.arrays()])
 
 
 def build_batch(
@@ -257,8 +254,8 @@ def segment_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 class Staging:
-    """A pinned host buffer and its device twin, grown on demand: a step's index
-    arrays are written side by side into the host buffer and cross to the device
+    """A pinned host buffer and its device twin, grown on demand: a step's host
+    tensors are written side by side into the host buffer and cross to the device
     in one asynchronous copy. Before the host buffer is written again, the copy
     that read it last must be done; an event records that."""
 
@@ -280,16 +277,15 @@ class Staging:
         self._host = torch.empty(n, dtype=self.dtype, pin_memory=self._pinned)
         self._dev = torch.empty(n, dtype=self.dtype, device=self.device)
 
-    def put(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Copies ``arrays`` to the device; returns one device view per array."""
-        offsets, end = segment_offsets([a.size for a in arrays])
+    def put(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies host ``tensors`` to the device; returns one device view per tensor."""
+        offsets, end = segment_offsets([t.numel() for t in tensors])
         self._reserve(end)
         if self._copied is not None:
             self._copied.synchronize()
-        host = self._host.numpy()
-        for a, off in zip(arrays, offsets):
-            host[off : off + a.size] = a.reshape(-1)
+        for t, off in zip(tensors, offsets):
+            self._host[off : off + t.numel()].copy_(t.reshape(-1))
         self._dev[:end].copy_(self._host[:end], non_blocking=self._pinned)
         if self._copied is not None:
             self._copied.record()
-        return [self._dev[off : off + a.size].view(a.shape) for a, off in zip(arrays, offsets)]
+        return [self._dev[off : off + t.numel()].view(t.shape) for t, off in zip(tensors, offsets)]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from iterserve.workers.batch import INDEX_DTYPE, HostBatch, segment_offsets
@@ -58,26 +57,33 @@ def replayable(host: HostBatch, batch_sizes: Sequence[int], width: int) -> bool:
 
 
 def padded_arrays(host: HostBatch, bucket: int, width: int, scratch_block: int,
-                  block_size: int, pad_token_id: int) -> list[np.ndarray]:  # fmt: skip
-    """``host``'s arrays grown to ``bucket`` one-row sequences and ``width`` columns.
+                  block_size: int, pad_token_id: int) -> list[torch.Tensor]:  # fmt: skip
+    """``host``'s tensors grown to ``bucket`` one-row sequences and ``width`` columns.
 
     Rows past the step's own are padding: token ``pad_token_id`` at position 0,
     K/V to the scratch block's first slot, one KV position. Their logits rows
     follow the step's own; they are computed and never read."""
     n, s = host.num_rows, host.num_seqs
     extra = bucket - n
-    ids = np.concatenate([host.input_ids, np.full(extra, pad_token_id, dtype=np.int32)])
-    positions = np.concatenate([host.positions, np.zeros(extra, dtype=np.int32)])
-    slots = np.concatenate(
-        [host.slot_mapping, np.full(extra, scratch_block * block_size, dtype=np.int32)]
-    )
-    rows = np.concatenate([host.logits_indices, np.arange(host.logits_indices.size, bucket)])
-    seq_lens = np.concatenate([host.seq_lens, np.ones(extra, dtype=np.int32)])
-    starts = np.concatenate([host.query_start_loc, n + 1 + np.arange(extra, dtype=np.int32)])
-    tables = np.full((bucket, width), scratch_block, dtype=np.int32)
+
+    def grow(t: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, tail.to(INDEX_DTYPE)])
+
+    def filled(value: int) -> torch.Tensor:
+        return torch.full((extra,), value, dtype=INDEX_DTYPE)
+
+    num_logits = host.logits_indices.numel()
+    tables = torch.full((bucket, width), scratch_block, dtype=INDEX_DTYPE)
     tables[:s, : host.block_tables.shape[1]] = host.block_tables
-    return [a.astype(np.int32, copy=False) for a in (ids, positions, slots, rows, seq_lens,
-                                                     starts, tables)]  # fmt: skip
+    return [
+        grow(host.input_ids, filled(pad_token_id)),
+        grow(host.positions, filled(0)),
+        grow(host.slot_mapping, filled(scratch_block * block_size)),
+        grow(host.logits_indices, torch.arange(num_logits, bucket)),
+        grow(host.seq_lens, filled(1)),
+        grow(host.query_start_loc, n + 1 + torch.arange(extra)),
+        tables,
+    ]
 
 
 class CudaGraph:
@@ -161,9 +167,9 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller ones fit in its pool."""
-        none = np.zeros(0, dtype=np.int32)
-        empty = HostBatch(none, none, none, none, none, np.zeros(1, dtype=np.int32),
-                          np.zeros((0, 1), dtype=np.int32), [], 1, 0)  # fmt: skip
+        none = torch.zeros(0, dtype=INDEX_DTYPE)
+        empty = HostBatch(none, none, none, none, none, torch.zeros(1, dtype=INDEX_DTYPE),
+                          torch.zeros((0, 1), dtype=INDEX_DTYPE), [], 1, 0)  # fmt: skip
         pool = None
         for bucket in reversed(self.batch_sizes):
             self._load(empty, bucket)  # every row padding: a valid step to warm up on
@@ -191,9 +197,8 @@ class DecodeGraphs:
                                self.block_size, self.pad_token_id)  # fmt: skip
         if self._copied is not None:
             self._copied.synchronize()  # the last copy out of the host buffer is done
-        buf = self._host.numpy()
         for a, off in zip(arrays, self._offsets):
-            buf[off : off + a.size] = a.reshape(-1)
+            self._host[off : off + a.numel()].copy_(a.reshape(-1))
         # Everything up to the bucket's last table row, in one copy.
         end = self._offsets[6] + bucket * self.width
         self._dev[:end].copy_(self._host[:end], non_blocking=self._pinned)
@@ -208,7 +213,7 @@ class DecodeGraphs:
         views = self._load(host, bucket)
         logits = self.graphs[bucket].replay()  # [bucket, vocab], one row per input row
         self.num_replays += 1
-        num_logits = host.logits_indices.size
-        if np.array_equal(host.logits_indices, np.arange(num_logits)):
+        num_logits = host.logits_indices.numel()
+        if torch.equal(host.logits_indices, torch.arange(num_logits, dtype=INDEX_DTYPE)):
             return logits[:num_logits]
         return logits.index_select(0, views[3][:num_logits])

@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from iterserve.scheduler.sampling import SamplingParams
@@ -116,8 +115,8 @@ class Sampler:
             if top_n:
                 vals, ids = raw_logprobs.topk(top_n, dim=-1)  # [n, top_n]
                 parts += [vals.double().reshape(-1), ids.double().reshape(-1)]
-        host = torch.cat(parts).cpu().numpy()
-        token_list = host[:n].astype(np.int64).tolist()
+        host = torch.cat(parts).cpu()
+        token_list = host[:n].long().tolist()
         if batch.counted:
             self._counts.drawn(
                 [rows[i] for i in batch.counted], [token_list[i] for i in batch.counted]
@@ -128,8 +127,8 @@ class Sampler:
             out.top_logprobs = [[] for _ in range(n)]
             return out
         chosen = host[n : 2 * n].tolist()
-        top_vals = host[2 * n : 2 * n + n * top_n].reshape(n, top_n)
-        top_ids = host[2 * n + n * top_n :].reshape(n, top_n).astype(np.int64)
+        top_vals = host[2 * n : 2 * n + n * top_n].reshape(n, top_n).tolist()
+        top_ids = host[2 * n + n * top_n :].reshape(n, top_n).long().tolist()
         for i, p in enumerate(params):
             if p.logprobs is None:
                 out.logprobs.append(None)
@@ -137,7 +136,7 @@ class Sampler:
                 continue
             out.logprobs.append(chosen[i])
             k = min(p.logprobs, vocab)
-            out.top_logprobs.append(list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())))
+            out.top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k])))
         return out
 
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -243,7 +242,7 @@ class _StepParams:
             "min_p": [p.min_p for p in drawn],
         }
         names = list(fields)
-        views = sampler._staging.put([np.asarray(fields[k], dtype=np.float64) for k in names])
+        views = sampler._staging.put([torch.tensor(fields[k], dtype=torch.float64) for k in names])
         self._views = dict(zip(names, views))
 
     def get(self, name: str) -> torch.Tensor:

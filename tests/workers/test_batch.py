@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -78,7 +77,7 @@ def test_layout_matches_a_per_sequence_construction(seed):
     )
     want = per_sequence(plan, table)
     for got, expected in zip(host.arrays(), want, strict=True):
-        assert got.dtype == np.int32
+        assert got.dtype == torch.int32
         assert got.tolist() == expected
     assert host.max_query_len == max(e.num_tokens for e in plan.scheduled)
     assert host.max_seq_len == max(e.start_pos + e.num_tokens for e in plan.scheduled)

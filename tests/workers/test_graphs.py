@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
 import pytest
 import torch
 from plan_driver import PlanDriver
@@ -25,14 +24,15 @@ SIZES = (1, 2, 4, 8)
 
 def host(num_rows, q_len=1, width=3):
     n = num_rows
+    i32 = dict(dtype=torch.int32)
     return HostBatch(
-        input_ids=np.arange(10, 10 + n, dtype=np.int32),
-        positions=np.full(n, 5, dtype=np.int32),
-        slot_mapping=np.arange(n, dtype=np.int32),
-        logits_indices=np.arange(n, dtype=np.int32),
-        seq_lens=np.full(n, 6, dtype=np.int32),
-        query_start_loc=np.arange(n + 1, dtype=np.int32),
-        block_tables=np.ones((n, width), dtype=np.int32),
+        input_ids=torch.arange(10, 10 + n, **i32),
+        positions=torch.full((n,), 5, **i32),
+        slot_mapping=torch.arange(n, **i32),
+        logits_indices=torch.arange(n, **i32),
+        seq_lens=torch.full((n,), 6, **i32),
+        query_start_loc=torch.arange(n + 1, **i32),
+        block_tables=torch.ones((n, width), **i32),
         sample_entries=[ScheduledSeq(i, 5, 1, sample=True) for i in range(n)],
         max_query_len=q_len,
         max_seq_len=6,
