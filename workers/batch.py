@@ -150,35 +150,39 @@ def layout_batch(
     q_lens.extend([1] * num_padding)
     first_pos.extend([0] * num_padding)
     seq_lens.extend([padded_len] * num_padding)
+    tables.extend([[]] * num_padding)
     needed_blocks.extend([0] * num_padding)  # the table row stays all scratch
 
     num_seqs = len(q_lens)
-    i64 = torch.int64
-    q_lens_t = torch.tensor(q_lens, dtype=i64)
-    starts = torch.zeros(num_seqs + 1, dtype=i64)
-    torch.cumsum(q_lens_t, 0, out=starts[1:])
+    num_rows = len(ids)
     width = max(max(needed_blocks, default=1), 1)
     block_tables = torch.full((num_seqs, width), scratch_block, dtype=INDEX_DTYPE)
-    used = torch.tensor(needed_blocks, dtype=i64)
-    total = sum(needed_blocks)
-    if total:
-        flat = torch.tensor(
-            list(itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))),
-            dtype=INDEX_DTYPE,
-        )
-        row_of = torch.repeat_interleave(torch.arange(num_seqs), used)
-        col_of = torch.arange(total) - torch.repeat_interleave(torch.cumsum(used, 0) - used, used)
-        block_tables[row_of, col_of] = flat
+    if sum(needed_blocks):
+        # Row-major boolean assignment: each row's first `needed` columns, in order.
+        used = torch.arange(width)[None, :] < torch.tensor(needed_blocks)[:, None]
+        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))
+        block_tables[used] = torch.tensor(list(flat), dtype=INDEX_DTYPE)
 
-    num_rows = len(ids)
-    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
-    # row r of sequence s sits at first_pos[s] + (r - starts[s])
-    positions = torch.arange(num_rows, dtype=i64) + torch.repeat_interleave(
-        torch.tensor(first_pos, dtype=i64) - starts[:-1], q_lens_t
-    )
-    # Padding rows sit at position 0 of the scratch block, so this also sends them there.
-    block_ids = block_tables[seq_of_row, positions // block_size].long()
-    slot_mapping = block_ids * block_size + positions % block_size
+    if num_rows == num_seqs:  # decode rows only (padding included): one row per sequence
+        starts = torch.arange(num_seqs + 1)
+        positions = torch.tensor(first_pos)
+        slots = [
+            (t[p // block_size] if n else scratch_block) * block_size + p % block_size
+            for t, n, p in zip(tables, needed_blocks, first_pos, strict=True)
+        ]
+        slot_mapping = torch.tensor(slots)
+    else:
+        q_lens_t = torch.tensor(q_lens)
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=starts[1:])
+        seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        # row r of sequence s sits at first_pos[s] + (r - starts[s])
+        positions = torch.arange(num_rows) + torch.repeat_interleave(
+            torch.tensor(first_pos) - starts[:-1], q_lens_t
+        )
+        # Padding rows sit at position 0 of the scratch block, so this also sends them there.
+        block_ids = block_tables[seq_of_row, positions // block_size].long()
+        slot_mapping = block_ids * block_size + positions % block_size
     return HostBatch(
         input_ids=torch.tensor(ids, dtype=INDEX_DTYPE),
         positions=positions.to(INDEX_DTYPE),

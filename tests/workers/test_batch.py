@@ -47,19 +47,19 @@ def per_sequence(plan: StepPlan, table: SequenceTable):
     return ids, positions, slots, sample_rows, seq_lens, starts, bt
 
 
-def random_step(rng: random.Random):
+def random_step(rng: random.Random, decode: bool = False):
     table = SequenceTable()
     params = SamplingParams(temperature=0.0)
     scheduled, new, next_block = [], [], 0
     for slot in range(rng.randint(1, 12)):
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 60))]
         new.append(NewSequence(f"r{slot}", slot, prompt, len(prompt), params))
-        start = rng.randrange(len(prompt))
+        start = len(prompt) - 1 if decode else rng.randrange(len(prompt))
         n = rng.randint(1, len(prompt) - start)
         blocks = list(range(next_block, next_block + -(-(start + n) // BS) + rng.randint(0, 2)))
         next_block += len(blocks)
         sample = start + n == len(prompt)
-        pads = rng.choice([0, 0, 1, 3])
+        pads = 0 if decode else rng.choice([0, 0, 1, 3])
         scheduled.append(ScheduledSeq(slot, start, n, blocks, sample=sample, num_pad_tokens=pads))
     plan = StepPlan(0, new_seqs=new, padding_slots=rng.sample(range(50, 60), rng.randint(0, 2)))
     table.apply(plan)
@@ -69,9 +69,10 @@ def random_step(rng: random.Random):
     return StepPlan(1, scheduled=scheduled, padding_slots=plan.padding_slots), table
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_layout_matches_a_per_sequence_construction(seed):
-    plan, table = random_step(random.Random(seed))
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("seed", range(12))
+def test_layout_matches_a_per_sequence_construction(seed, decode):
+    plan, table = random_step(random.Random(seed), decode)
     host = layout_batch(
         plan, table, block_size=BS, scratch_block=SCRATCH, pad_token_id=PAD, max_position=1000
     )
