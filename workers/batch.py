@@ -219,10 +219,13 @@ def flat_batch(host: HostBatch, tensors: Sequence[torch.Tensor]) -> FlatBatch:
 
 def to_device(host: HostBatch, device: torch.device, staging: Staging | None = None) -> FlatBatch:
     """``host`` on ``device``: through ``staging`` (one copy) when given, otherwise
-    one tensor per field (on the CPU, the host tensors themselves)."""
+    one tensor per field. Without staging the per-row fields become int64, the
+    dtype the torch references index with, so no layer converts them again."""
     if staging is not None:
         return flat_batch(host, staging.put(host.arrays()))
-    return flat_batch(host, [a.to(device) for a in host.arrays()])
+    arrays = host.arrays()
+    rows = [a.to(device, torch.int64) for a in arrays[:4]]
+    return flat_batch(host, rows + [a.to(device) for a in arrays[4:]])
 
 
 def build_batch(

@@ -24,6 +24,12 @@ from iterserve.workers.model import AllReduce, LlamaModel
 from iterserve.workers.sampler import Sampler
 
 
+# The graphs' block tables are this wide unless max_model_len says otherwise: each
+# replayed step copies bucket x width ids, so a 128k-position model's full width
+# would cost 32 KB per row per step for sequences that rarely need it.
+GRAPH_MAX_LEN = 8192
+
+
 class ModelRunner:
     """Runs a Llama-family checkpoint over a paged KV cache, step by step.
 
@@ -34,8 +40,9 @@ class ModelRunner:
     ``cuda_graphs``: ``None`` captures decode graphs when the Triton kernels run
     on CUDA with one rank; ``True`` forces them (off a GPU, replays rerun the
     captured step eagerly, which tests the static buffers); ``False`` never.
-    ``graph_batch_sizes`` are the buckets; ``max_model_len`` bounds the graphs'
-    block tables (default: the model's positions).
+    ``graph_batch_sizes`` are the buckets; ``max_model_len`` is the longest
+    sequence a graph takes (default: the model's positions, at most
+    ``GRAPH_MAX_LEN``); a step with a longer one runs eagerly.
     """
 
     def __init__(
@@ -151,7 +158,7 @@ class ModelRunner:
                 self.model,
                 self.kv_cache,
                 batch_sizes=graph_batch_sizes,
-                max_seq_len=min(max_model_len or positions, positions),
+                max_seq_len=min(max_model_len or GRAPH_MAX_LEN, positions),
                 pad_token_id=self.pad_token_id,
                 capture=CudaGraph if on_gpu else EagerReplay,
             )

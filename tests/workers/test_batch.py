@@ -94,10 +94,10 @@ def test_staging_puts_every_array_in_one_buffer():
     staged = build_batch(plan, table, device=torch.device("cpu"), staging=staging, **kw)
     plain = build_batch(plan, table, device=torch.device("cpu"), **kw)
     for a, b in [
-        (staged.input_ids, plain.input_ids),
-        (staged.positions, plain.positions),
-        (staged.logits_indices, plain.logits_indices),
-        (staged.attn.slot_mapping, plain.attn.slot_mapping),
+        (staged.input_ids, plain.input_ids.int()),
+        (staged.positions, plain.positions.int()),
+        (staged.logits_indices, plain.logits_indices.int()),
+        (staged.attn.slot_mapping, plain.attn.slot_mapping.int()),
         (staged.attn.block_tables, plain.attn.block_tables),
         (staged.attn.seq_lens, plain.attn.seq_lens),
         (staged.attn.query_start_loc, plain.attn.query_start_loc),
