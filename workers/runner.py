@@ -21,8 +21,7 @@ from iterserve.workers.config import ModelConfig
 from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AllReduce, LlamaModel
-from iterserve.workers.sampler import Sampler
-
+from iterserve.workers.sampler import Sampler, sequence_key
 
 # The graphs' block tables are this wide unless max_model_len says otherwise: each
 # replayed step copies bucket x width ids, so a 128k-position model's full width
@@ -177,7 +176,7 @@ class ModelRunner:
         for slot in plan.released_slots:
             seq = self.table.by_slot.get(slot)
             if seq is not None:
-                self.sampler.forget(seq.request_id)
+                self.sampler.forget(sequence_key(seq))
         for new in plan.new_seqs:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -227,7 +226,7 @@ class ModelRunner:
             finished = self.table.append_token(seq.slot_idx, token)
             if finished is not None:
                 result.finished.append(finished)
-                self.sampler.forget(finished.request_id)
+                self.sampler.forget(sequence_key(seq))
         return result
 
     def forward(self, host: HostBatch) -> torch.Tensor:

@@ -41,6 +41,12 @@ from iterserve.workers.batch import Staging
 from iterserve.workers.token_counts import TokenCounts
 
 
+def sequence_key(row: SampleRow) -> str:
+    """What names a row's sequence across steps: its generator and token counts
+    live under this key until :meth:`Sampler.forget`."""
+    return row.request_id
+
+
 class SampleRow(Protocol):
     """What the sampler reads of a sequence (``SeqState`` satisfies it)."""
 
@@ -65,21 +71,23 @@ class Sampler:
         # the same tokens and their sequence tables stay in step.
         self._shared = torch.Generator(device=self.device).manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
-        self._counts = TokenCounts(self.device)
+        self._counts = TokenCounts(self.device, key=sequence_key)
         # Parameters and indices cross as float64: exact for every int id and for
         # the Python floats, which then round to fp32 as torch.tensor would.
         self._staging = Staging(self.device, torch.float64)
 
-    def forget(self, request_id: str) -> None:
-        """Drops a finished or released request's generator and token counts."""
-        self._seeded.pop(request_id, None)
-        self._counts.forget(request_id)
+    def forget(self, key: str) -> None:
+        """Drops a finished or released sequence's generator and token counts
+        (``key`` as :func:`sequence_key` gives it)."""
+        self._seeded.pop(key, None)
+        self._counts.forget(key)
 
     def _generator(self, row: SampleRow) -> torch.Generator:
-        gen = self._seeded.get(row.request_id)
+        key = sequence_key(row)
+        gen = self._seeded.get(key)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
-            self._seeded[row.request_id] = gen
+            self._seeded[key] = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:

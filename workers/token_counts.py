@@ -16,31 +16,33 @@ request, it is rebuilt from the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 
 class CountedRow(Protocol):
-    request_id: str
     token_ids: list[int]
     num_prompt_tokens: int
 
 
 class TokenCounts:
-    def __init__(self, device: torch.device):
+    """``key(row)`` names a row's sequence: the same key, the same counts."""
+
+    def __init__(self, device: torch.device, key: Callable[[Any], Hashable]):
         self.device = torch.device(device)
-        self._slot: dict[str, int] = {}
-        self._seen: dict[str, tuple[int, int]] = {}  # request -> (length, last token) counted
+        self.key = key
+        self._slot: dict[Hashable, int] = {}
+        self._seen: dict[Hashable, tuple[int, int]] = {}  # key -> (length, last token) counted
         self._free: list[int] = []
         self.prompt_seen = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         self.output = torch.zeros(0, 0, device=self.device)
 
-    def forget(self, request_id: str) -> None:
-        slot = self._slot.pop(request_id, None)
+    def forget(self, key: Hashable) -> None:
+        slot = self._slot.pop(key, None)
         if slot is not None:
-            self._seen.pop(request_id, None)
+            self._seen.pop(key, None)
             self._free.append(slot)
 
     def slots(self, rows: Sequence[CountedRow], vocab: int) -> list[int]:
@@ -50,12 +52,13 @@ class TokenCounts:
         stale = []
         out = []
         for r in rows:
-            slot = self._slot.get(r.request_id)
+            key = self.key(r)
+            slot = self._slot.get(key)
             if slot is None:
                 slot = self._take(vocab)
-                self._slot[r.request_id] = slot
+                self._slot[key] = slot
             ids = r.token_ids
-            if self._seen.get(r.request_id) != (len(ids), ids[-1] if ids else -1):
+            if self._seen.get(key) != (len(ids), ids[-1] if ids else -1):
                 stale.append((slot, r))
             out.append(slot)
         if stale:
@@ -70,7 +73,7 @@ class TokenCounts:
     def drawn(self, rows: Sequence[CountedRow], tokens: Sequence[int]) -> None:
         """Records that ``tokens`` (already counted by :meth:`add`) will end ``rows``."""
         for r, t in zip(rows, tokens):
-            self._seen[r.request_id] = (len(r.token_ids) + 1, t)
+            self._seen[self.key(r)] = (len(r.token_ids) + 1, t)
 
     def _take(self, vocab: int) -> int:
         if not self._free:
@@ -100,7 +103,7 @@ class TokenCounts:
             slot_of += [slot] * len(ids)
             token_of += ids
             is_output += [0] * r.num_prompt_tokens + [1] * (len(ids) - r.num_prompt_tokens)
-            self._seen[r.request_id] = (len(ids), ids[-1] if ids else -1)
+            self._seen[self.key(r)] = (len(ids), ids[-1] if ids else -1)
         dev = self.device
         slots = torch.tensor([s for s, _ in stale], device=dev)
         self.prompt_seen[slots] = False
