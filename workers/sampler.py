@@ -186,7 +186,7 @@ class Sampler:
         else:
             q = torch.empty_like(probs)
             if shared:
-                idx = torch.tensor(shared, device=dev)
+                idx = batch.get("shared").long()
                 q[idx] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                     generator=self._shared
                 )
@@ -243,6 +243,7 @@ class _StepParams:
             "counted": self.counted,
             "count_slots": [slot_of[i] for i in self.counted],
             "temperature": [p.temperature for p in drawn],
+            "shared": [i for i, p in enumerate(drawn) if p.seed is None],
             "top_k": [p.top_k if 0 < p.top_k < vocab else vocab for p in drawn],
             # Rows without top-p get an unreachable limit: rounding can push the
             # cumulative mass to just over 1.0.
