@@ -13,11 +13,12 @@ What a replay reads lives in static buffers, written before each replay::
     | input_ids[B] | positions[B] | slots[B] | logits_rows[B] | seq_lens[B] | starts[B+1] | tables[B, W] |
       a bucket b < B uses the first b (b + 1, b rows) of each
 
-W is the block table's width for the longest sequence the model takes, so the
-attention plan (and its split count) is fixed per bucket; the kernels read
-each sequence's own length. Padding rows are one-row sequences at position 0
-of the scratch block, as plan padding is (:mod:`.batch`). Steps with a prefill
-piece, more rows than the largest bucket or a longer sequence run eagerly.
+W is the block table's width for the longest sequence a graph takes (the
+runner's ``max_model_len``), so the attention plan (and its split count) is
+fixed per bucket; the kernels read each sequence's own length. Padding rows
+are one-row sequences at position 0 of the scratch block, as plan padding is
+(:mod:`.batch`). Steps with a prefill piece, more rows than the largest bucket
+or a longer sequence run eagerly.
 
 The bucket choice, the decision and the padding are plain functions; only
 :class:`CudaGraph` needs a GPU. :class:`EagerReplay` stands in for it on the
