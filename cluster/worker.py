@@ -127,23 +127,42 @@ class EngineWorker:
         return info
 
     def kv_capacity(self) -> int:
-        """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory."""
+        """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory.
+
+        Free memory is read before the weights load, so on a GPU the budget is
+        also capped by what the weights and the largest step's activations leave.
+        """
         if self.config.scheduler.num_kv_blocks is not None:
             return self.config.scheduler.num_kv_blocks
         if self.config.executor != "model":
             return 4096
         from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
-        from iterserve.workers.kv_cache import blocks_for_budget
+        from iterserve.workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
+        from iterserve.workers.model import weight_bytes
 
         ckpt = load_checkpoint(self.config.model_path)
         c = ckpt.config
         dtype = resolve_dtype(self.config.dtype, c, self.device)
         ckpt.close()
-        budget = int(_available_memory_bytes(self.device) * self.config.kv_memory_fraction)
-        if not self.device.startswith("cuda"):
-            # Host memory is shared with everything else on the machine: cap the cache.
-            budget = min(budget, CPU_KV_CACHE_MAX_BYTES)
+        free = _available_memory_bytes(self.device)
         kv_heads = max(1, c.num_kv_heads // self.world_size)
+        if self.device.startswith("cuda"):
+            heads = c.num_heads // self.world_size
+            workspace = workspace_bytes(
+                hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size // self.world_size,
+                q_size=heads * c.head_dim,
+                kv_size=kv_heads * c.head_dim,
+                vocab_size=c.vocab_size,
+                max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                dtype=dtype,
+            )
+            weights = weight_bytes(c, dtype, self.rank, self.world_size)
+            budget = kv_budget_bytes(free, weights, workspace, self.config.kv_memory_fraction)
+        else:
+            # Host memory is shared with everything else on the machine: cap the cache.
+            budget = min(int(free * self.config.kv_memory_fraction), CPU_KV_CACHE_MAX_BYTES)
         return blocks_for_budget(
             budget, c.num_layers, self.config.scheduler.block_size, kv_heads, c.head_dim, dtype
         )
@@ -152,6 +171,7 @@ class EngineWorker:
         """Builds the executor with the KV cache size every rank agreed on."""
         kind = self.config.executor
         if kind == "model":
+            from iterserve.workers.graphs import graph_buckets
             from iterserve.workers.runner import ModelRunner
 
             self.executor = ModelRunner(
@@ -164,6 +184,10 @@ class EngineWorker:
                 tp_size=self.world_size,
                 all_reduce=self.all_reduce,
                 kernel_backend=self.config.kernel_backend,
+                # Decode graphs for every batch the scheduler can run, over the
+                # longest context it allows (the checkpoint's, when it leaves it).
+                graph_batch_sizes=graph_buckets(self.config.scheduler.max_num_seqs),
+                max_model_len=self.config.scheduler.max_model_len,
             )
         elif kind == "fake":
             from iterserve.scheduler.fake_executor import FakeExecutor

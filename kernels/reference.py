@@ -56,11 +56,16 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened mixed batch over a paged KV cache.
 
     Query row ``i`` of sequence ``s`` sits at absolute position
     ``seq_lens[s] - q_len + i`` and attends to KV positions ``0..`` that position.
+    ``max_query_len`` / ``max_seq_len`` are the Triton backend's kernel-choice
+    hints; this one reads the lengths themselves and ignores them.
     """
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale

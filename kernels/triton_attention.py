@@ -1,15 +1,18 @@
 """Triton paged attention for a flattened mixed batch of decode rows and prefill pieces.
 
-Work split
-----------
+One call launches up to three kernels, chosen on the host by
+:func:`~iterserve.kernels.attention_plan.plan_attention` from shapes alone:
+the split-KV decode kernel and its reduce (:mod:`.triton_decode`) for the
+sequences with few query rows, and the prefill kernel below for the longer
+pieces. Each sequence's rows are written by exactly one of them.
+
+Prefill kernel work split
+-------------------------
 The query rows of all sequences are cut into *query blocks* of ``BLOCK_Q``
 rows; every block belongs to exactly one sequence. A program handles one
-query block for one KV head, and packs the ``GROUP = num_heads / num_kv_heads``
-query heads that share that KV head into the rows of its tile, so each K/V
-tile read from the cache serves the whole group (this is what makes decode
-with grouped-query attention cheap)::
+query block for one KV head, with the ``GROUP`` query heads of that KV head
+packed into the rows of its tile (:mod:`.triton_tiles`)::
 
-    tile row m  ->  query row  m // GROUP  of the block,  query head  kv_head * GROUP + m % GROUP
     BLOCK_M = BLOCK_Q * GROUP (+ padding rows when GROUP does not divide BLOCK_M)
 
 Sequence ``s`` owns the global query blocks starting at
@@ -17,40 +20,28 @@ Sequence ``s`` owns the global query blocks starting at
 block at the start of every sequence), so the grid size
 ``num_tokens // BLOCK_Q + num_seqs`` is an upper bound known from shapes alone,
 and a program finds its sequence by binary search; no host synchronisation
-is needed. Programs past the end of their sequence exit at once.
-
-Each program then streams the sequence's K/V in tiles of ``BLOCK_N``
-positions through the block table, with an online (streaming) softmax in
-fp32, stopping at the last position any of its rows can see.
+is needed. Programs past the end of their sequence, and those of sequences the
+decode kernel serves (``q_len <= skip_q_len``), exit at once.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from . import checks
+from .attention_plan import DEFAULT_NUM_SMS, AttentionPlan, plan_attention
+from .triton_decode import launch_decode
 from .triton_ops import device_guard
+from .triton_tiles import attend_kv_range, dot_precision, find_seq_of_block
 
 
-@triton.jit
-def _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
-    # Largest s with query_start_loc[s] // BLOCK_Q + s <= q_block. The key is
-    # strictly increasing in s (even across empty sequences), so this is exact.
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
-        if first_block <= q_block:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
+# Per-step values are not specialised on: a new batch size or block-table width
+# must not compile a new variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "skip_q_len", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], contiguous
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -61,6 +52,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1]
     scale,
     num_seqs,
+    skip_q_len,  # sequences with at most this many rows belong to the decode kernel
     stride_qt,
     stride_qh,
     stride_ot,
@@ -84,11 +76,11 @@ def _paged_attention_kernel(
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    seq = _find_seq_idx(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    seq = find_seq_of_block(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     local_block = q_block - (q_start // BLOCK_Q + seq)
-    if local_block * BLOCK_Q >= q_len:
+    if (local_block * BLOCK_Q >= q_len) | (q_len <= skip_q_len):
         return  # spare program (also every program of a sequence with q_len == 0)
 
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -98,8 +90,7 @@ def _paged_attention_kernel(
     #                  cached prefix            | this step's rows (already stored)
     #
     # Row i sits at context_len + i and sees positions 0..context_len + i. The
-    # prefix may end mid-block; the block table lookup below is per position,
-    # so tiles need not line up with cache blocks.
+    # prefix may end mid-block.
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,40 +112,15 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (base-2 logits)
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # running numerator @ V
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] kv positions
-        n_ok = offs_n < kv_end
-        # position p lives in cache block block_tables[seq, p // BLOCK_SIZE] at slot p % BLOCK_SIZE
-        phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k_off = phys * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        v_off = phys * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        k = tl.load(
-            k_cache_ptr + k_off[None, :] + offs_d[:, None],
-            mask=d_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that sees nothing yet keeps a finite max so exp2 below yields 0, not NaN.
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = attend_kv_range(
+        acc, m_i, l_i, q, q_pos, 0, kv_end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+        offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -165,12 +131,34 @@ def _paged_attention_kernel(
     )
 
 
-def default_tiles(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) from shapes only: small tiles for decode-heavy batches."""
-    decode_heavy = num_tokens <= 2 * num_seqs
-    block_m = max(16 if decode_heavy else 64, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
-    return block_m, block_n
+def launch_prefill(
+    out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+    *, block_m: int, block_n: int, skip_q_len: int = 0, num_warps: int = 4,
+) -> None:  # fmt: skip
+    """The prefill kernel over every sequence with more than ``skip_q_len`` rows."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    block_q = block_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        float(scale), num_seqs, skip_q_len,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=num_warps,
+    )  # fmt: skip
 
 
 def paged_attention_launch(
@@ -185,52 +173,58 @@ def paged_attention_launch(
     block_m: int,
     block_n: int,
 ) -> torch.Tensor:
-    """Launch with explicit tile sizes (arguments already checked)."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    num_seqs = seq_lens.shape[0]
+    """Every sequence through the prefill kernel with explicit tile sizes
+    (arguments already checked)."""
+    group = query.shape[1] // k_cache.shape[2]
     if block_m < max(16, group) or block_n < 16:
         raise ValueError(f"tile sizes too small: block_m={block_m}, block_n={block_n}")
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    if num_tokens == 0 or num_seqs == 0:
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     with device_guard(query):
-        _paged_attention_kernel[grid](
-            out,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            float(scale),
-            num_seqs,
-            query.stride(0),
-            query.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            block_tables.stride(0),
-            HEAD_DIM=head_dim,
-            BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
-            BLOCK_SIZE=block_size,
-            GROUP=group,
-            BLOCK_M=block_m,
-            BLOCK_Q=block_q,
-            BLOCK_N=block_n,
-            # fp32 inputs would otherwise go through TF32 tensor cores (~1e-3 error).
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            num_warps=4,
-        )
+        launch_prefill(
+            out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+            block_m=block_m, block_n=block_n,
+        )  # fmt: skip
     return out
+
+
+def run_plan(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The launches of ``plan`` (arguments already checked)."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    t = plan.tiles
+    with device_guard(query):
+        if plan.use_decode:
+            launch_decode(
+                out, *args, block_m=t.decode_block_m, block_n=t.decode_block_n,
+                num_splits=plan.num_splits, num_warps=t.decode_num_warps,
+            )  # fmt: skip
+        if plan.use_prefill:
+            # Without the decode launch every sequence is the prefill kernel's.
+            skip = t.decode_block_q if plan.use_decode else 0
+            launch_prefill(
+                out, *args, block_m=t.prefill_block_m, block_n=t.prefill_block_n, skip_q_len=skip
+            )
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_attention(
@@ -241,27 +235,33 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened mixed batch over a paged KV cache.
 
     Same contract as :func:`iterserve.kernels.reference.paged_attention`;
-    the metadata values are trusted (checking them would need a GPU sync).
+    the metadata values are trusted (checking them would need a GPU sync), and
+    so are the hints ``max_query_len`` (longest query piece) and
+    ``max_seq_len`` (longest sequence), which only steer the choice of kernels.
     """
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
     checks.check_triton_device("query", query)
     num_tokens, num_heads, head_dim = query.shape
-    group = num_heads // k_cache.shape[2]
-    block_m, block_n = default_tiles(num_tokens, seq_lens.shape[0], group, head_dim)
-    return paged_attention_launch(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        block_m=block_m,
-        block_n=block_n,
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    bound = block_tables.shape[1] * block_size
+    plan = plan_attention(
+        num_tokens=num_tokens,
+        num_seqs=seq_lens.shape[0],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_seq_len=bound if max_seq_len is None else min(max_seq_len, bound),
+        max_query_len=max_query_len,
+        elem_bytes=query.element_size(),
+        num_sms=_num_sms(query.device),
     )
+    return run_plan(plan, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

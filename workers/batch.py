@@ -13,10 +13,16 @@ disturb any real sequence::
     query_start_loc: 0     1          4     5      6     7
     seq_lens:        18    3          41    41     41
     logits rows:     A17, B2, C40, pad7 (the last one is computed and discarded)
+
+The layout is built on the host as a few CPU tensors, one per field, from
+flat Python lists: nothing is made per sequence. On CUDA they are packed into
+one pinned buffer and cross to the device in a single copy (:class:`Staging`).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +31,60 @@ from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
 from iterserve.workers.model import AttentionInputs
 
+# Token ids, positions, slots and block ids all fit int32 (the cache checks its
+# slot count), which every kernel and torch index op accepts.
+INDEX_DTYPE = torch.int32
+# Segments of a staging buffer start on 256-byte boundaries, so every device
+# view is as aligned as a fresh allocation (kernels specialise on alignment).
+_ALIGN = 64
+
+
+@dataclass
+class HostBatch:
+    """One step's flat batch on the host: int32 CPU tensors."""
+
+    input_ids: torch.Tensor  # [num_rows]
+    positions: torch.Tensor  # [num_rows]
+    slot_mapping: torch.Tensor  # [num_rows] block_id * block_size + offset
+    logits_indices: torch.Tensor  # [num_logits] sampled rows first, then padding slots
+    seq_lens: torch.Tensor  # [num_seqs] KV length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    block_tables: torch.Tensor  # [num_seqs, width]
+    sample_entries: list[ScheduledSeq]  # own the first len(sample_entries) logits rows
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def arrays(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.logits_indices,
+            self.seq_lens,
+            self.query_start_loc,
+            self.block_tables,
+        )
+
 
 @dataclass
 class FlatBatch:
-    input_ids: torch.Tensor  # [num_rows] int64
-    positions: torch.Tensor  # [num_rows] int64
+    input_ids: torch.Tensor  # [num_rows]
+    positions: torch.Tensor  # [num_rows]
     attn: AttentionInputs
-    logits_indices: torch.Tensor  # [num_logits] int64
+    logits_indices: torch.Tensor  # [num_logits]
     sample_entries: list[ScheduledSeq]  # own the first len(sample_entries) logits rows
     num_rows: int
 
 
-def build_batch(
+def layout_batch(
     plan: StepPlan,
     table: SequenceTable,
     *,
@@ -44,16 +92,16 @@ def build_batch(
     scratch_block: int,
     pad_token_id: int,
     max_position: int,
-    device: torch.device,
-) -> FlatBatch:
-    """The flat batch for ``plan``; ``table`` must already have applied it."""
+) -> HostBatch:
+    """The flat batch for ``plan`` on the host; ``table`` must already have applied it."""
     ids: list[int] = []
-    starts = [0]
+    q_lens: list[int] = []
+    first_pos: list[int] = []  # per sequence: position of its first row
     seq_lens: list[int] = []
-    tables: list[list[int]] = []
+    tables: list[list[int]] = []  # per sequence: its block ids (the first `needed` are used)
+    needed_blocks: list[int] = []
     sample_rows: list[int] = []
     sample_entries: list[ScheduledSeq] = []
-    first_pos: list[int] = []  # per sequence: position of its first row
 
     for entry in plan.scheduled:
         seq = table.get(entry.slot_idx)
@@ -81,55 +129,170 @@ def build_batch(
                 f"slot {entry.slot_idx} ({seq.request_id}): sampling after position {end - 1}, "
                 f"but the sequence has {len(seq.token_ids)} tokens"
             )
-        ids.extend(table.input_ids(entry))
+        ids.extend(seq.token_ids[entry.start_pos : end])
+        q_lens.append(entry.num_tokens)
         first_pos.append(entry.start_pos)
-        starts.append(len(ids))
         seq_lens.append(end)
-        tables.append(seq.block_ids[:needed])
+        tables.append(seq.block_ids)
+        needed_blocks.append(needed)
         if entry.sample:
             sample_rows.append(len(ids) - 1)
             sample_entries.append(entry)
 
+    num_real_rows = len(ids)
     num_pads = sum(e.num_pad_tokens for e in plan.scheduled)
-    pad_logit_rows = []
+    num_padding = num_pads + len(plan.padding_slots)
     padded_len = max(seq_lens, default=1)  # the rectangle a static batch computes
-    for i in range(num_pads + len(plan.padding_slots)):
-        ids.append(pad_token_id)
-        first_pos.append(0)
-        starts.append(len(ids))
-        seq_lens.append(padded_len)
-        tables.append([scratch_block])
-        if i >= num_pads:
-            # A finished-but-batched member still decodes; its logits are the honest cost.
-            pad_logit_rows.append(len(ids) - 1)
+    # A finished-but-batched member (padding slot) still decodes; its logits are the
+    # honest cost. Prefill padding rows get none.
+    pad_logit_rows = list(range(num_real_rows + num_pads, num_real_rows + num_padding))
+    ids.extend([pad_token_id] * num_padding)
+    q_lens.extend([1] * num_padding)
+    first_pos.extend([0] * num_padding)
+    seq_lens.extend([padded_len] * num_padding)
+    tables.extend([[]] * num_padding)
+    needed_blocks.extend([0] * num_padding)  # the table row stays all scratch
 
-    q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-    row_starts = torch.tensor(starts[:-1], dtype=torch.long)
-    positions = torch.tensor(first_pos, dtype=torch.long)[seq_of_row] + (
-        torch.arange(len(ids)) - row_starts[seq_of_row]
-    )
-    width = max((len(t) for t in tables), default=1)
-    block_tables = torch.full((len(tables), width), scratch_block, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    # Padding rows sit at position 0 of the scratch block, so this also sends them there.
-    block_ids = block_tables[seq_of_row, positions // block_size].long()
-    slot_mapping = block_ids * block_size + positions % block_size
+    num_seqs = len(q_lens)
+    num_rows = len(ids)
+    width = max(max(needed_blocks, default=1), 1)
+    block_tables = torch.full((num_seqs, width), scratch_block, dtype=INDEX_DTYPE)
+    if sum(needed_blocks):
+        # Row-major boolean assignment: each row's first `needed` columns, in order.
+        used = torch.arange(width)[None, :] < torch.tensor(needed_blocks)[:, None]
+        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))
+        block_tables[used] = torch.tensor(list(flat), dtype=INDEX_DTYPE)
 
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    return FlatBatch(
-        input_ids=dev(torch.tensor(ids, dtype=torch.long)),
-        positions=dev(positions),
-        attn=AttentionInputs(
-            slot_mapping=dev(slot_mapping),
-            block_tables=dev(block_tables),
-            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-            query_start_loc=dev(torch.tensor(starts, dtype=torch.int32)),
-        ),
-        logits_indices=dev(torch.tensor(sample_rows + pad_logit_rows, dtype=torch.long)),
+    if num_rows == num_seqs:  # decode rows only (padding included): one row per sequence
+        starts = torch.arange(num_seqs + 1)
+        positions = torch.tensor(first_pos)
+        slots = [
+            (t[p // block_size] if n else scratch_block) * block_size + p % block_size
+            for t, n, p in zip(tables, needed_blocks, first_pos, strict=True)
+        ]
+        slot_mapping = torch.tensor(slots)
+    else:
+        q_lens_t = torch.tensor(q_lens)
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=starts[1:])
+        seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+        # row r of sequence s sits at first_pos[s] + (r - starts[s])
+        positions = torch.arange(num_rows) + torch.repeat_interleave(
+            torch.tensor(first_pos) - starts[:-1], q_lens_t
+        )
+        # Padding rows sit at position 0 of the scratch block, so this also sends them there.
+        block_ids = block_tables[seq_of_row, positions // block_size].long()
+        slot_mapping = block_ids * block_size + positions % block_size
+    return HostBatch(
+        input_ids=torch.tensor(ids, dtype=INDEX_DTYPE),
+        positions=positions.to(INDEX_DTYPE),
+        slot_mapping=slot_mapping.to(INDEX_DTYPE),
+        logits_indices=torch.tensor(sample_rows + pad_logit_rows, dtype=INDEX_DTYPE),
+        seq_lens=torch.tensor(seq_lens, dtype=INDEX_DTYPE),
+        query_start_loc=starts.to(INDEX_DTYPE),
+        block_tables=block_tables,
         sample_entries=sample_entries,
-        num_rows=len(ids),
+        max_query_len=max(q_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
     )
+
+
+def flat_batch(host: HostBatch, tensors: Sequence[torch.Tensor]) -> FlatBatch:
+    """The device view of ``host``, given its arrays as tensors (same order as ``arrays()``)."""
+    input_ids, positions, slots, logits_indices, seq_lens, starts, tables = tensors
+    return FlatBatch(
+        input_ids=input_ids,
+        positions=positions,
+        attn=AttentionInputs(
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_start_loc=starts,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+        ),
+        logits_indices=logits_indices,
+        sample_entries=host.sample_entries,
+        num_rows=host.num_rows,
+    )
+
+
+def to_device(host: HostBatch, device: torch.device, staging: Staging | None = None) -> FlatBatch:
+    """``host`` on ``device``: through ``staging`` (one copy) when given, otherwise
+    one tensor per field. Without staging the per-row fields become int64, the
+    dtype the torch references index with, so no layer converts them again."""
+    if staging is not None:
+        return flat_batch(host, staging.put(host.arrays()))
+    arrays = host.arrays()
+    rows = [a.to(device, torch.int64) for a in arrays[:4]]
+    return flat_batch(host, rows + [a.to(device) for a in arrays[4:]])
+
+
+def build_batch(
+    plan: StepPlan,
+    table: SequenceTable,
+    *,
+    block_size: int,
+    scratch_block: int,
+    pad_token_id: int,
+    max_position: int,
+    device: torch.device,
+    staging: Staging | None = None,
+) -> FlatBatch:
+    """The flat batch for ``plan``; ``table`` must already have applied it."""
+    host = layout_batch(
+        plan,
+        table,
+        block_size=block_size,
+        scratch_block=scratch_block,
+        pad_token_id=pad_token_id,
+        max_position=max_position,
+    )
+    return to_device(host, torch.device(device), staging)
+
+
+def segment_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Start of each segment in a staging buffer, and the buffer's used length."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+class Staging:
+    """A pinned host buffer and its device twin, grown on demand: a step's host
+    tensors are written side by side into the host buffer and cross to the device
+    in one asynchronous copy. Before the host buffer is written again, the copy
+    that read it last must be done; an event records that."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = INDEX_DTYPE, capacity: int = 0):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._pinned = self.device.type == "cuda"
+        self._host = torch.empty(0, dtype=dtype)
+        self._dev = torch.empty(0, dtype=dtype, device=self.device)
+        self._copied = torch.cuda.Event() if self._pinned else None
+        self._reserve(capacity)
+
+    def _reserve(self, n: int) -> None:
+        if n <= self._host.numel():
+            return
+        n = max(n, 2 * self._host.numel())
+        if self._copied is not None:
+            self._copied.synchronize()  # the old buffer may still be read
+        self._host = torch.empty(n, dtype=self.dtype, pin_memory=self._pinned)
+        self._dev = torch.empty(n, dtype=self.dtype, device=self.device)
+
+    def put(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies host ``tensors`` to the device; returns one device view per tensor."""
+        offsets, end = segment_offsets([t.numel() for t in tensors])
+        self._reserve(end)
+        if self._copied is not None:
+            self._copied.synchronize()
+        for t, off in zip(tensors, offsets):
+            self._host[off : off + t.numel()].copy_(t.reshape(-1))
+        self._dev[:end].copy_(self._host[:end], non_blocking=self._pinned)
+        if self._copied is not None:
+            self._copied.record()
+        return [self._dev[off : off + t.numel()].view(t.shape) for t, off in zip(tensors, offsets)]

@@ -33,6 +33,41 @@ def blocks_for_budget(
     return max(0, budget_bytes // per_block - 1)
 
 
+# Slot ids (block_id * block_size + offset) travel as int32.
+MAX_SLOTS = 2**31 - 1
+# cuBLAS workspaces, CUDA graph pools and the allocator's slack, on top of the
+# activations ``workspace_bytes`` counts.
+RUNTIME_RESERVE_BYTES = 1 << 30
+
+
+def workspace_bytes(
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    q_size: int,
+    kv_size: int,
+    vocab_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    dtype: torch.dtype,
+) -> int:
+    """Activation memory of the largest step, estimated from the model's shapes:
+    per token the fused QKV and gate/up outputs plus a few hidden-sized
+    tensors, per sampled row its fp32 logits a few times over (the sampler's
+    copies), and ``RUNTIME_RESERVE_BYTES``."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = (q_size + 2 * kv_size + 3 * intermediate_size + 6 * hidden_size) * elem
+    per_row = 4 * vocab_size * 4
+    return max_num_batched_tokens * per_token + max_num_seqs * per_row + RUNTIME_RESERVE_BYTES
+
+
+def kv_budget_bytes(free_bytes: int, weight_bytes: int, workspace: int, fraction: float) -> int:
+    """Bytes for the KV cache: ``fraction`` of the free memory, but never more than
+    is left once the weights and the step's workspace are placed (free memory is
+    measured before the weights load, so without this a large fraction runs out)."""
+    return max(0, min(int(free_bytes * fraction), free_bytes - weight_bytes - workspace))
+
+
 @dataclass
 class KVCache:
     """K and V pools, each ``num_layers`` tensors of
@@ -61,6 +96,11 @@ class KVCache:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}"
+            )
+        if (num_blocks + 1) * block_size > MAX_SLOTS:
+            raise ValueError(
+                f"{num_blocks} blocks of {block_size} tokens exceed the {MAX_SLOTS} slots "
+                "that int32 slot ids address"
             )
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: a kernel that reads a never-written slot must see

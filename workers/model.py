@@ -14,14 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.workers.checkpoint import Checkpoint, CheckpointError, ModelConfig
+from iterserve.workers.config import CheckpointError, ModelConfig
 from iterserve.workers.kv_cache import KVCache
+
+if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model does not
+    from iterserve.workers.checkpoint import Checkpoint
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -34,10 +37,14 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
 class AttentionInputs:
     """How the flat batch splits into sequences, for ``store_kv``/``paged_attention``."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32, KV length after this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    slot_mapping: torch.Tensor  # [num_tokens], block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_seqs], KV length after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    # Host-side bounds the attention kernels choose their launches by (no sync):
+    # the longest query piece and the longest sequence; None = infer from shapes.
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
 
 
 def _weight(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
@@ -84,7 +91,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens]
         cos_sin: torch.Tensor,  # [max_pos, head_dim]
         attn: AttentionInputs,
         k_cache: torch.Tensor,  # [num_blocks + 1, block_size, num_kv_heads, head_dim]
@@ -99,7 +106,15 @@ class Attention(nn.Module):
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.ops.paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
+            q,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            max_query_len=attn.max_query_len,
+            max_seq_len=attn.max_seq_len,
         )  # [num_tokens, num_heads, head_dim]
         out = self.all_reduce(F.linear(out.reshape(n, self.q_size), self.o_weight))
         if self.o_bias is not None:
@@ -175,11 +190,11 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [num_tokens] int64
-        positions: torch.Tensor,  # [num_tokens] int64
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
         attn: AttentionInputs,
         kv: KVCache,
-        logits_indices: torch.Tensor,  # [num_logits] int64, rows of the flat batch
+        logits_indices: torch.Tensor,  # [num_logits], rows of the flat batch
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
@@ -201,6 +216,23 @@ class LlamaModel(nn.Module):
         else:
             hidden, _ = self.ops.rms_norm(hidden, self.norm, eps, residual[logits_indices])
         return F.linear(hidden, self.lm_head)  # [num_logits, vocab]
+
+    def set_ops(self, ops: Any) -> None:
+        """Runs the same weights on another kernel backend (for comparisons)."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = layer.attn.ops = layer.mlp.ops = ops
+
+    @torch.no_grad()
+    def init_random_(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (norms at 1), drawn on the weights' device: benchmarks and
+        device checks need a model of a real shape, not a checkpoint."""
+        gen = torch.Generator(device=self.embed.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
 
     def load_weights(self, ckpt: Checkpoint) -> None:
         """Copies this rank's shard of every HF tensor into place."""
@@ -251,3 +283,22 @@ class LlamaModel(nn.Module):
             put(m.down_weight, p + "mlp.down_proj.weight", 1, mlp_rows)
             if m.down_bias is not None:
                 put(m.down_bias, p + "mlp.down_proj.bias")
+
+
+def weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+) -> int:
+    """Bytes of one rank's weights: the model built on the meta device, so the
+    count follows the model's own definition and allocates nothing."""
+    model = LlamaModel(
+        config,
+        None,
+        torch.empty(0),
+        dtype=dtype,
+        device="meta",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        all_reduce=_identity,
+    )
+    # The tied LM head is the embedding itself: parameters() yields it once.
+    return sum(p.numel() * p.element_size() for p in model.parameters())

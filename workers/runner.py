@@ -1,8 +1,14 @@
-"""The model runner: one :class:`StepPlan` in, one :class:`StepResult` out."""
+"""The model runner: one :class:`StepPlan` in, one :class:`StepResult` out.
+
+On a GPU a step waits on the device once: when the sampled tokens come back.
+Its inputs cross in one copy from a pinned buffer, decode steps replay a
+captured CUDA graph (:mod:`.graphs`) and the forward is timed with events.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -10,11 +16,17 @@ import torch
 from iterserve.kernels import build_cos_sin_cache, get_ops
 from iterserve.scheduler.messages import SampledToken, StepPlan, StepResult
 from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
-from iterserve.workers.batch import build_batch
-from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
+from iterserve.workers.batch import HostBatch, Staging, layout_batch, to_device
+from iterserve.workers.config import ModelConfig
+from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AllReduce, LlamaModel
-from iterserve.workers.sampler import Sampler
+from iterserve.workers.sampler import Sampler, sequence_key
+
+# The graphs' block tables are this wide unless max_model_len says otherwise: each
+# replayed step copies bucket x width ids, so a 128k-position model's full width
+# would cost 32 KB per row per step for sequences that rarely need it.
+GRAPH_MAX_LEN = 8192
 
 
 class ModelRunner:
@@ -23,6 +35,13 @@ class ModelRunner:
     Every tensor-parallel rank runs one runner with the same plans; all ranks
     compute the same logits and, with the same ``seed``, sample the same tokens,
     so their sequence tables agree. By convention only rank 0's result is read.
+
+    ``cuda_graphs``: ``None`` captures decode graphs when the Triton kernels run
+    on CUDA with one rank; ``True`` forces them (off a GPU, replays rerun the
+    captured step eagerly, which tests the static buffers); ``False`` never.
+    ``graph_batch_sizes`` are the buckets; ``max_model_len`` is the longest
+    sequence a graph takes (default: the model's positions, at most
+    ``GRAPH_MAX_LEN``); a step with a longer one runs eagerly.
     """
 
     def __init__(
@@ -37,17 +56,61 @@ class ModelRunner:
         all_reduce: AllReduce | None = None,
         kernel_backend: str = "auto",
         seed: int = 0,
+        *,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        max_model_len: int | None = None,
     ):
+        # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
+        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
+
+        ckpt = load_checkpoint(model_path)
+        device = torch.device(device)
+        self.generation_config = ckpt.generation_config
+        self._build(
+            ckpt.config, resolve_dtype(dtype, ckpt.config, device), device, tp_rank, tp_size,
+            all_reduce, kernel_backend, num_kv_blocks, block_size, ckpt.eos_token_ids,
+            weights=ckpt,
+        )  # fmt: skip
+        ckpt.close()
+        self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        kernel_backend: str = "auto",
+        seed: int = 0,
+        weight_seed: int = 0,
+        cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        max_model_len: int | None = None,
+    ) -> ModelRunner:
+        """A runner of ``config``'s shape with random weights drawn on the device:
+        for benchmarks and device checks, where a checkpoint would only cost load time."""
+        runner = cls.__new__(cls)
+        runner.generation_config = {}
+        eos = frozenset(config.eos_token_ids)
+        runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
+                      num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
+        runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
+        return runner
+
+    def _build(self, config, dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
+               num_kv_blocks, block_size, eos_token_ids, *, weights, weight_seed=0) -> None:  # fmt: skip
         if tp_size > 1 and all_reduce is None:
             raise ValueError("tp_size > 1 needs an all_reduce callable")
-        ckpt = load_checkpoint(model_path)
-        self.config = ckpt.config
-        self.generation_config = ckpt.generation_config
-        self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.config, self.device)
+        self.config = c = config
+        self.device = device
+        self.dtype = dtype
+        self.tp_size = tp_size
         self.ops = get_ops(kernel_backend, self.device)
         self.block_size = block_size
-        c = self.config
         # fp32 table regardless of model dtype: the kernels rotate in fp32.
         cos_sin = build_cos_sin_cache(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
@@ -62,8 +125,10 @@ class ModelRunner:
             tp_size=tp_size,
             all_reduce=all_reduce,
         )
-        self.model.load_weights(ckpt)
-        ckpt.close()
+        if weights is not None:
+            self.model.load_weights(weights)
+        else:
+            self.model.init_random_(weight_seed)
         self.kv_cache = KVCache.allocate(
             c.num_layers,
             num_kv_blocks,
@@ -73,11 +138,30 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.eos_token_ids = ckpt.eos_token_ids
-        self.table = SequenceTable(self.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
+        self.eos_token_ids = eos_token_ids
         pad = c.pad_token_id
         self.pad_token_id = pad if pad is not None and pad < c.vocab_size else 0
+
+    def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
+        self.table = SequenceTable(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
+        on_gpu = self.device.type == "cuda"
+        self.staging = Staging(self.device) if on_gpu else None
+        self.timer = ForwardTimer(self.device)
+        if cuda_graphs is None:
+            cuda_graphs = on_gpu and self.ops.name == "triton" and self.tp_size == 1
+        self.graphs = None
+        if cuda_graphs:
+            positions = self.model.cos_sin.shape[0]
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                batch_sizes=graph_batch_sizes,
+                max_seq_len=min(max_model_len or GRAPH_MAX_LEN, positions),
+                pad_token_id=self.pad_token_id,
+                capture=CudaGraph if on_gpu else EagerReplay,
+            )
+            self.graphs.capture()
 
     @property
     def vocab_size(self) -> int:
@@ -92,7 +176,7 @@ class ModelRunner:
         for slot in plan.released_slots:
             seq = self.table.by_slot.get(slot)
             if seq is not None:
-                self.sampler.forget(seq.seq_id)
+                self.sampler.forget(sequence_key(seq))
         for new in plan.new_seqs:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -109,29 +193,26 @@ class ModelRunner:
         if not plan.scheduled and not plan.padding_slots:
             return result
 
-        batch = build_batch(
+        host = layout_batch(
             plan,
             self.table,
             block_size=self.block_size,
             scratch_block=self.kv_cache.scratch_block,
             pad_token_id=self.pad_token_id,
             max_position=self.model.cos_sin.shape[0],
-            device=self.device,
         )
-        start = time.perf_counter()
-        logits = self.model(
-            batch.input_ids, batch.positions, batch.attn, self.kv_cache, batch.logits_indices
-        )  # [num_logits, vocab]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        result.forward_s = time.perf_counter() - start
+        self.timer.start()
+        logits = self.forward(host)  # [num_logits, vocab]
+        self.timer.stop()
 
         for entry in plan.scheduled:
             self.table.advance(entry)
-        rows = [self.table.get(e.slot_idx) for e in batch.sample_entries]
+        rows = [self.table.get(e.slot_idx) for e in host.sample_entries]
         if not rows:
+            result.forward_s = self.timer.seconds()
             return result
-        out = self.sampler(logits[: len(rows)], rows)
+        out = self.sampler(logits[: len(rows)], rows)  # waits for the tokens
+        result.forward_s = self.timer.seconds()
         for i, seq in enumerate(rows):
             token = out.token_ids[i]
             result.sampled.append(
@@ -145,5 +226,45 @@ class ModelRunner:
             finished = self.table.append_token(seq.slot_idx, token)
             if finished is not None:
                 result.finished.append(finished)
-                self.sampler.forget(finished.seq_id)
+                self.sampler.forget(sequence_key(seq))
         return result
+
+    def forward(self, host: HostBatch) -> torch.Tensor:
+        """Logits of ``host``'s logits rows: a graph replay when one fits, else eager."""
+        graphs = self.graphs
+        if graphs is not None and graphs.replayable(host):
+            return graphs.run(host)
+        batch = to_device(host, self.device, self.staging)
+        return self.model(
+            batch.input_ids, batch.positions, batch.attn, self.kv_cache, batch.logits_indices
+        )
+
+
+class ForwardTimer:
+    """Times the forward without a wait of its own: on CUDA two events, read after
+    the step's one wait (the sampled tokens), on the CPU the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self._end.synchronize()  # already done when the tokens have come back
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._t1 - self._t0

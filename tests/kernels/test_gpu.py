@@ -2,7 +2,8 @@
 
 Run with ``TRITON_INTERPRET= .venv/bin/python -m pytest -m gpu tests/kernels -s``;
 ``-s`` shows the paged attention bandwidth lines. Tolerances: fp16 atol 2e-3 /
-rtol 1e-2, bf16 atol 1e-2 / rtol 1.6e-2, fp32 atol/rtol 1e-5.
+rtol 1e-2, bf16 atol 1e-2 / rtol 1.6e-2, fp32 atol/rtol 1e-5. The same checks,
+with the model and the speed figures, run as one script: scripts/gpu_check.py.
 """
 
 import pytest
@@ -33,19 +34,26 @@ def ops():
     return ops
 
 
-def _mixed_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """Decode rows with long contexts plus two prefill chunks, one starting mid-block."""
+MIXED = [(2047, 1), (1000, 1), (517, 300), (0, 512), (33, 1), (120, 0), (8191, 1), (70, 3)]
+
+
+def _mixed_batch(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, shape=MIXED,
+                 first_block=0, width=None):  # fmt: skip
+    """Decode rows with long contexts plus prefill chunks, one starting mid-block.
+    Blocks are numbered from ``first_block`` (a large one puts offsets past 2^31)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
-    shape = [(2047, 1), (1000, 1), (517, 300), (0, 512), (33, 1), (120, 0), (4000, 1)]
     q_lens = [q for _, q in shape]
     seq_lens = [c + q for c, q in shape]
     per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per_seq) + 8
+    used = sum(per_seq) + 8
+    num_blocks = first_block + used
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=g, device=DEV).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=g, device=DEV).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g, device=DEV).to(torch.int32)
-    tables = torch.zeros(len(shape), max(per_seq), dtype=torch.int32, device=DEV)
+    k_cache = torch.zeros(cache_shape, dtype=dtype, device=DEV)
+    v_cache = torch.zeros(cache_shape, dtype=dtype, device=DEV)
+    k_cache[first_block:] = torch.randn((used, *cache_shape[1:]), generator=g, device=DEV)
+    v_cache[first_block:] = torch.randn((used, *cache_shape[1:]), generator=g, device=DEV)
+    perm = first_block + torch.randperm(used, generator=g, device=DEV).to(torch.int32)
+    tables = torch.zeros(len(shape), width or max(per_seq), dtype=torch.int32, device=DEV)
     used = 0
     for s, n in enumerate(per_seq):
         tables[s, :n] = perm[used : used + n]
@@ -64,6 +72,55 @@ def test_paged_attention_matches_reference(
 ):
     args = _mixed_batch(num_heads, num_kv_heads, head_dim, block_size, dtype)
     torch.testing.assert_close(ops.paged_attention(*args), ref.paged_attention(*args), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [None, 1, 5, 64])
+@pytest.mark.parametrize(
+    "shape",
+    [[(8191, 1)], [(1023, 1)], [(c, 1) for c in range(1, 8192, 128)]],
+    ids=["1x8k", "1x1k", "64xto8k"],
+)
+def test_decode_kernel_matches_reference(shape, num_splits, dtype):
+    from iterserve.kernels import attention_plan, triton_attention
+
+    args = _mixed_batch(32, 8, 128, 16, dtype, shape=shape)
+    if num_splits is None:
+        got = triton_attention.paged_attention(*args, max_query_len=1)
+    else:
+        tiles = attention_plan.tiles_for(args[0].element_size(), 128, 4)
+        plan = attention_plan.AttentionPlan(tiles, num_splits, True, False)
+        got = triton_attention.run_plan(plan, *args)
+    torch.testing.assert_close(got, ref.paged_attention(*args), **TOL[dtype])
+
+
+def test_decode_graphs_wide_table_matches_reference(ops):
+    """What a captured decode step launches: the block table as wide as the
+    model's longest sequence, the split count fixed by that width."""
+    shape = [(c, 1) for c in (5, 300, 2047, 4000, 1, 64, 65, 8191)]
+    args = _mixed_batch(32, 8, 128, 16, torch.bfloat16, shape=shape, width=512)
+    got = ops.paged_attention(*args, max_query_len=1, max_seq_len=512 * 16)
+    torch.testing.assert_close(got, ref.paged_attention(*args), **TOL[torch.bfloat16])
+
+
+def test_cache_over_two_billion_elements(ops):
+    """Block offsets past 2^31 elements must not wrap (int64 addressing)."""
+    per_block = 16 * 8 * 128
+    first = (1 << 31) // per_block + 8
+    if torch.cuda.mem_get_info()[0] < 24 << 30:
+        pytest.skip("needs 24 GiB free")
+    args = _mixed_batch(32, 8, 128, 16, torch.bfloat16, shape=[(4000, 1), (100, 200), (8, 1)],
+                        first_block=first)  # fmt: skip
+    assert args[1].numel() > 2**31
+    torch.testing.assert_close(
+        ops.paged_attention(*args), ref.paged_attention(*args), **TOL[torch.bfloat16]
+    )
+    q, k_cache, v_cache = args[:3]
+    slots = (first * 16 + torch.randperm(4096, device=DEV)[: q.shape[0]]).to(torch.int32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ops.store_kv(q[:, :8], q[:, :8], k_cache, v_cache, slots)
+    ref.store_kv(q[:, :8], q[:, :8], want_k, want_v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -6,11 +6,13 @@ shapes are kept tiny. Tolerances: fp32 atol/rtol 1e-5; fp16 atol 2e-3, rtol 1e-2
 (fp16 output rounding plus fp16 probabilities in the P @ V product).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from iterserve.kernels import attention_plan
 from iterserve.kernels import reference as ref
 
 triton_attention = pytest.importorskip("iterserve.kernels.triton_attention")
@@ -267,3 +269,115 @@ def test_chunked_prefill_then_decode_through_store_kv():
         )
         got = triton_attention.paged_attention(*args)
         torch.testing.assert_close(got.cpu(), want[start:end], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------ split-KV decode
+
+# Contexts on both sides of the 64-position tile edges and the split edges, a
+# sequence whose only position is this step's row, and a three-row piece.
+EDGES = [(63, 1), (64, 1), (65, 1), (0, 1), (127, 1), (128, 1), (300, 1), (10, 3)]
+
+
+def decode_plan(num_heads, num_kv_heads, num_splits, *, prefill=False):
+    tiles = attention_plan.tiles_for(2, 64, num_heads // num_kv_heads)
+    return attention_plan.AttentionPlan(
+        tiles=dataclasses.replace(tiles, decode_block_n=64),
+        num_splits=num_splits,
+        use_decode=True,
+        use_prefill=prefill,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_triton_decode_splits_match_reference(num_heads, num_kv_heads, num_splits, dtype):
+    b = make_batch(EDGES, num_heads, num_kv_heads, 64, 16, dtype, seed=11)
+    # With 8 query heads per KV head a tile holds two rows: the three-row piece
+    # goes to the prefill kernel.
+    plan = decode_plan(num_heads, num_kv_heads, num_splits, prefill=num_heads // num_kv_heads > 4)
+    got = triton_attention.run_plan(plan, *b.args())
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [None, 40])
+def test_triton_decode_long_single_sequence(num_splits, dtype):
+    """One sequence at 2k context: the plan splits it 8 ways; 40 splits leaves
+    most of them empty (split_len rounds up to whole tiles)."""
+    b = make_batch([(2047, 1)], 8, 2, 32, 16, dtype, seed=12)
+    if num_splits is None:
+        got = triton_attention.paged_attention(*b.args(), max_query_len=1)
+    else:
+        got = triton_attention.run_plan(decode_plan(8, 2, num_splits), *b.args())
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_mixed_batch_uses_both_kernels(num_heads, num_kv_heads, num_splits):
+    """Decode rows and short pieces in the decode kernel, long pieces in the
+    prefill kernel, each row written once."""
+    shape = MIXED + [(70, 2), (200, 1)]
+    b = make_batch(shape, num_heads, num_kv_heads, 64, 16, torch.float32, seed=13)
+    plan = decode_plan(num_heads, num_kv_heads, num_splits, prefill=True)
+    got = triton_attention.run_plan(plan, *b.args())
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[torch.float32])
+    # The default dispatch makes the same split from shapes (and the hint) alone.
+    got = triton_attention.paged_attention(*b.args(), max_query_len=19)
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[torch.float32])
+
+
+def test_triton_decode_with_a_fixed_wide_block_table():
+    """A CUDA graph's block table is as wide as the longest sequence the model
+    takes; the splits follow each sequence's own length, not the width."""
+    b = make_batch(DECODE, 8, 2, 64, 16, torch.float32, seed=14)
+    wide = torch.zeros(b.block_tables.shape[0], 64, dtype=torch.int32, device=DEVICE)
+    wide[:, : b.block_tables.shape[1]] = b.block_tables
+    b.block_tables = wide
+    got = triton_attention.paged_attention(*b.args(), max_query_len=1, max_seq_len=64 * 16)
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **TOL[torch.float32])
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def test_plan_splits_small_decode_batches_only():
+    llama8b = dict(num_heads=32, num_kv_heads=8, head_dim=128, num_sms=132)
+    one = attention_plan.plan_attention(
+        num_tokens=1, num_seqs=1, max_seq_len=8192, max_query_len=1, **llama8b
+    )
+    assert one.use_decode and not one.use_prefill
+    assert one.num_splits == 32
+    assert (one.tiles.decode_block_m, one.tiles.decode_block_q, one.tiles.decode_block_n) == (
+        16,
+        4,
+        64,
+    )
+    wide = attention_plan.plan_attention(
+        num_tokens=64, num_seqs=64, max_seq_len=8192, max_query_len=1, **llama8b
+    )
+    assert wide.num_splits == 1 and not wide.use_prefill
+    short = attention_plan.plan_attention(
+        num_tokens=1, num_seqs=1, max_seq_len=100, max_query_len=1, **llama8b
+    )
+    assert short.num_splits == 1  # a split reads at least MIN_SPLIT_LEN positions
+
+
+def test_plan_sends_long_pieces_to_the_prefill_kernel():
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=4096)
+    mixed = attention_plan.plan_attention(num_tokens=600, num_seqs=9, **kw)
+    assert mixed.use_decode and mixed.use_prefill and mixed.tiles.prefill_block_m == 64
+    # Without the hint the longest piece is bounded by num_tokens; with it,
+    # a batch of three-row pieces needs no prefill launch.
+    pieces = attention_plan.plan_attention(num_tokens=12, num_seqs=4, max_query_len=3, **kw)
+    assert pieces.use_decode and not pieces.use_prefill
+    prefill = attention_plan.plan_attention(num_tokens=512, num_seqs=1, **kw)
+    assert prefill.use_prefill and not prefill.use_decode and prefill.num_splits == 1
+    gqa16 = attention_plan.plan_attention(
+        num_tokens=2, num_seqs=2, num_heads=32, num_kv_heads=2, head_dim=64, max_seq_len=64
+    )
+    assert (gqa16.tiles.decode_block_m, gqa16.tiles.decode_block_q) == (16, 1)
+    assert gqa16.tiles.decode_block_n == 128  # 16-bit K/V tiles of 16 KB
+    fp32 = attention_plan.tiles_for(4, 128, 4)
+    assert (fp32.prefill_block_m, fp32.prefill_block_n, fp32.decode_num_warps) == (32, 32, 8)

@@ -147,3 +147,54 @@ def test_seeded_rows_ignore_their_batch_neighbours():
         batched.append(s_batched(logits, mixed).token_ids[1])
     assert alone == batched
     assert len(set(alone)) > 1
+
+
+def naive_penalties(logits, row):
+    """Steps 2-3 recomputed from the token lists, as a reference."""
+    p, out = row.params, logits.clone()
+    ids = row.token_ids
+    outputs = ids[row.num_prompt_tokens :]
+    for t in set(ids):
+        if p.repetition_penalty != 1.0:
+            v = out[0, t]
+            out[0, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t in set(outputs):
+        out[0, t] -= p.frequency_penalty * outputs.count(t) + p.presence_penalty
+    return out
+
+
+def test_device_token_counts_follow_the_sequence():
+    """Counts live on the device and advance with each drawn token; a row whose
+    tokens no longer match what was counted (a re-sent request) is rebuilt."""
+    params = SamplingParams(
+        temperature=1.0, repetition_penalty=1.7, presence_penalty=0.3, frequency_penalty=0.2
+    )
+    s = sampler()
+    row = Row(params, [3, 5, 5], 2, "p")
+    for step in range(12):
+        logits = random_logits(1, seed=step)
+        torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
+        row.token_ids.append(s(logits, [row]).token_ids[0])
+    s.forget("p")
+    row = Row(params, [9, 9, 1, 2, 2], 3, "p")
+    torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
+    # The same request id, other tokens of the same length: rebuilt, not trusted.
+    row.token_ids[-1] = 7
+    torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
+
+
+def test_top_k_without_a_sort_keeps_what_the_sort_keeps():
+    from iterserve.workers.sampler import _filter, _StepParams
+
+    logits = random_logits(5, seed=4)
+    params = [SamplingParams(top_k=k) for k in (1, 3, 0, 31, 40)]
+    rows = [Row(p, [1], 1, f"k{i}") for i, p in enumerate(params)]
+    s = sampler()
+    got = _filter(logits, params, _StepParams(s, rows, VOCAB))
+    for i, k in enumerate((1, 3, 0, 31, 40)):
+        if not 0 < k < VOCAB:
+            assert torch.equal(got[i], logits[i])
+            continue
+        kept = torch.isfinite(got[i]).nonzero().flatten().tolist()
+        assert sorted(kept) == sorted(logits[i].topk(k).indices.tolist())
+        assert torch.equal(got[i, kept], logits[i, kept])
