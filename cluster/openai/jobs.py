@@ -70,7 +70,10 @@ def sampling_params(
     if fields.get("top_k") == -1:  # vLLM's and Hugging Face's "off"
         fields["top_k"] = 0
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        if default_max_tokens is None:
+            max_tokens = room
+        else:  # a default never contradicts the request's own min_tokens
+            max_tokens = min(max(default_max_tokens, request.min_tokens or 0), room)
     fields.update(
         n=request.n,
         max_tokens=max_tokens,

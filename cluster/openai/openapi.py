@@ -62,7 +62,16 @@ def _number(lo: float, hi: float, *, lo_open: bool = False) -> dict:
     return {"type": "number", **low, "maximum": hi}
 
 
-_NULL = {"type": "null"}
+# What a refused field may hold: its "not used" values (fields.check_refused).
+_UNUSED = {
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"type": "string", "maxLength": 0},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+    ]
+}
 
 
 def field_constraints(
@@ -80,7 +89,7 @@ def field_constraints(
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
     # Fields this server refuses unless unused: null (or false, or empty).
     refused = {
-        name: _NULL
+        name: _UNUSED
         for name in (
             "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
             "structured_outputs", "truncate_prompt_tokens",
@@ -156,9 +165,9 @@ def field_constraints(
                 "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_VARIABLES)}},
             }
         ),
-        "chat_template": _NULL,
+        "chat_template": _UNUSED,
         "echo": {"type": "boolean", "const": False},
-        **{name: _NULL for name in ("functions", "function_call", "audio", "web_search_options")},
+        **{name: _UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     return completion, chat
 

@@ -114,6 +114,8 @@ def test_completions_take_max_completion_tokens_and_default_to_16(app, tok):
     assert r.json()["usage"]["completion_tokens"] == 3
     r = http.post(COMPLETIONS, json={**body, "max_completion_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    r = http.post(COMPLETIONS, json={**body, "min_tokens": 20})
+    assert r.json()["usage"]["completion_tokens"] == 20  # the default yields to min_tokens
     # Near the end of the context the default shrinks to the room left.
     near_end = {**body, "prompt": [5] * (app[1].info_["max_model_len"] - 6)}
     assert http.post(COMPLETIONS, json=near_end).json()["usage"]["completion_tokens"] == 6

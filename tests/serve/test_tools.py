@@ -223,3 +223,22 @@ def test_tags_the_tokenizer_counts_as_special_are_kept_for_the_parser(tmp_path):
     http, _ = inproc(path, tool_call_parser="hermes")
     message = ask(http, CALL).json()["choices"][0]["message"]
     assert message["content"] is None and len(message["tool_calls"]) == 1
+
+
+def test_the_demo_models_template_takes_a_tool_history():
+    # Its template knows no tools: it writes every role as <|role|> and content as
+    # text, so a tool turn and an assistant's call (content null) must still render.
+    from iterserve.models import DEMO_MODEL_PATH
+
+    http, engine = inproc(DEMO_MODEL_PATH)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    body = {"model": MODEL, "messages": history, "tools": [WEATHER], "tool_choice": "none"}
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    prompt = Tokenizer(DEMO_MODEL_PATH).decode(engine.opened[-1][0], skip_special_tokens=False)
+    assert prompt.endswith("<|assistant|>\n\n<|tool|>\nsunny\n<|assistant|>\n")
