@@ -70,8 +70,8 @@ def test_serve_subcommand_arguments():
     args = parser.parse_args(["--model", "/m", "--port", "9000", "--engine-replicas", "2"])
     assert (args.model, args.port, args.engine_replicas, args.host) == ("/m", 9000, 2, "127.0.0.1")
     assert args.func.__name__ == "serve_from_args"
-    assert (args.strict_fields, args.tool_call_parser, args.cors_allowed_origins) == (False, None, [])
-    assert args.metrics_require_api_key is True
+    assert not args.strict_fields and args.tool_call_parser is None
+    assert args.cors_allowed_origins == [] and args.metrics_require_api_key is True
 
 
 def test_serve_subcommand_compatibility_options():
