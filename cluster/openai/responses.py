@@ -72,6 +72,7 @@ class ResponseBuilder:
         self.include_usage_field = False  # stream_options.include_usage: usage on chunks
         self.continuous_usage = False
         self.prompt_tokens = 0
+        self._plain: dict[int, ChatText] = {}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         body = {
@@ -93,7 +94,9 @@ class ResponseBuilder:
         """The chunk for one delta, or None when it has nothing to tell."""
         logprobs = self.logprobs(delta.logprobs, text_offset) if choice.want_logprobs else None
         if self.chat:
-            body, reason = self._chat_delta(delta, chat_text or ChatText(None))
+            if chat_text is None:  # plain text; kept per choice, which carries its state
+                chat_text = self._plain.setdefault(choice.index, ChatText(None))
+            body, reason = self._chat_delta(delta, chat_text)
             if not body and reason is None and not delta.logprobs:
                 return None
             entry = {"index": choice.index, "delta": body}

@@ -122,7 +122,8 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    async def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A text as token ids; off the event loop when long."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -145,7 +146,7 @@ class OpenAIServing:
         prompts = []
         for item in prompt:
             if isinstance(item, str):
-                ids = await self._encode(item, "prompt", add_special_tokens)
+                ids = await self.encode(item, "prompt", add_special_tokens)
             else:
                 ids = list(item)
             if not ids:
@@ -161,7 +162,7 @@ class OpenAIServing:
     async def chat_prompt(self, request) -> list[int]:
         """The prompt's token ids of a chat request (or a /tokenize of messages)."""
         text = render_prompt(self.tokenizer, request)
-        return await self._encode(text, "messages", add_special_tokens=request.add_special_tokens)
+        return await self.encode(text, "messages", add_special_tokens=request.add_special_tokens)
 
     # -- endpoints --------------------------------------------------------------------
 

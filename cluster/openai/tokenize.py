@@ -60,7 +60,7 @@ async def tokenize(serving: OpenAIServing, body: bytes) -> JSONResponse:
             )
         ids = await serving.chat_prompt(request)
     else:
-        ids = await serving._encode(request.prompt, "prompt", request.add_special_tokens)
+        ids = await serving.encode(request.prompt, "prompt", request.add_special_tokens)
     info = await serving.engine_info()
     tokenizer = serving.tokenizer
     strs = [tokenizer.id_to_token(i) or "" for i in ids] if request.return_token_strs else None
