@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve import Application
 
@@ -279,7 +279,12 @@ class OpenAIIngress:
                     "refusing to serve without the key"
                 )
         self.settings = APISettings(
-            api_key=api_key, max_body_bytes=args.max_body_bytes, add_request_id_header=False
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            add_request_id_header=False,
+            metrics_require_api_key=args.metrics_require_api_key,
+            cors_allowed_origins=tuple(args.cors_allowed_origins),
+            cors_allow_credentials=args.cors_allow_credentials,
         )
         self.metrics_hub = metrics_hub_name(args.served_model_name(config))
         self.serving = OpenAIServing(
@@ -289,6 +294,8 @@ class OpenAIIngress:
             max_n=config.scheduler.max_n,
             max_logprobs=config.scheduler.max_logprobs,
             request_timeout_s=args.request_timeout_s,
+            strict_fields=args.strict_fields,
+            tool_call_parser=args.tool_call_parser,
         )
         freeze_startup_objects()  # a full collection would stall every stream it serves
 
@@ -331,6 +338,26 @@ class ServeArgs(BaseModel):
         gt=0,
         description="CPUs the HTTP ingress replica reserves (Ray only uses it to place it).",
     )
+    strict_fields: bool = Field(
+        False, description="Refuse request fields the server does not know (default: ignore)."
+    )
+    tool_call_parser: str | None = Field(
+        None, description="How tool calls are read from the output: hermes or llama3_json."
+    )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list, description="Origins browsers may call from (* for any)."
+    )
+    cors_allow_credentials: bool = Field(False, description="Let browsers send credentials.")
+    metrics_require_api_key: bool = Field(True, description="Whether /metrics needs the key.")
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, value):
+        from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+
+        if value is not None and value not in TOOL_CALL_PARSERS:
+            raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")
+        return value
 
     def engine_config(self) -> EngineConfig:
         config = dict(self.config)

@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
 SERVE_SHUTDOWN_S = 5.0  # what Serve gets to stop its deployments before Ray goes
@@ -58,6 +60,11 @@ def run_server(
     config: dict[str, Any] | None = None,
     ready_timeout_s: float = 900.0,
     block: bool = True,
+    strict_fields: bool = False,
+    tool_call_parser: str | None = None,
+    cors_allowed_origins: list[str] | None = None,
+    cors_allow_credentials: bool = False,
+    metrics_require_api_key: bool = True,
 ) -> str:
     """Serves the OpenAI-compatible API; returns the base URL.
 
@@ -73,6 +80,10 @@ def run_server(
     ready_timeout_s: how long to wait for the engines to load before giving up.
     block: serve until Ctrl-C / SIGTERM, then shut down (``False``: return at once,
         leaving Serve running; the caller shuts it down).
+    strict_fields: refuse request fields the server does not know (default: ignore them).
+    tool_call_parser: how tool calls are read from the output (``hermes``, ``llama3_json``).
+    cors_allowed_origins, cors_allow_credentials: origins browsers may call from.
+    metrics_require_api_key: whether /metrics needs the API key too.
     """
     from iterserve.cluster.serve_app import ServeArgs, build_app
 
@@ -86,6 +97,11 @@ def run_server(
         max_body_bytes=max_body_bytes,
         model_name=model_name,
         request_timeout_s=request_timeout_s,
+        strict_fields=strict_fields,
+        tool_call_parser=tool_call_parser,
+        cors_allowed_origins=cors_allowed_origins or [],
+        cors_allow_credentials=cors_allow_credentials,
+        metrics_require_api_key=metrics_require_api_key,
     )
     name = _check_before_starting(args)
 
@@ -183,8 +199,37 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--api-key-env", help="environment variable holding the API key (default: no auth)"
     )
     parser.add_argument("--served-model-name", help="name clients use as `model`")
+    parser.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse request fields the server does not know (default: accept and ignore)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="how tool calls are read from the model's output (needed for tool_choice auto)",
+    )
+    parser.add_argument(
+        "--cors-allowed-origins",
+        type=_origins,
+        default=[],
+        help="comma-separated origins browsers may call from, or * (default: no CORS)",
+    )
+    parser.add_argument(
+        "--cors-allow-credentials", action="store_true", help="let browsers send credentials"
+    )
+    parser.add_argument(
+        "--metrics-without-api-key",
+        dest="metrics_require_api_key",
+        action="store_false",
+        help="serve /metrics without the API key (for scrapers that have none)",
+    )
     parser.set_defaults(func=serve_from_args)
     return parser
+
+
+def _origins(text: str) -> list[str]:
+    return [origin.strip() for origin in text.split(",") if origin.strip()]
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
@@ -196,6 +241,11 @@ def serve_from_args(args: argparse.Namespace) -> None:
         num_engine_replicas=args.engine_replicas,
         api_key_env=args.api_key_env,
         model_name=args.served_model_name,
+        strict_fields=args.strict_fields,
+        tool_call_parser=args.tool_call_parser,
+        cors_allowed_origins=args.cors_allowed_origins,
+        cors_allow_credentials=args.cors_allow_credentials,
+        metrics_require_api_key=args.metrics_require_api_key,
     )
 
 

@@ -380,7 +380,7 @@ class Sequences:
         self.runner, self.step = runner, 0
         bs = runner.block_size
         params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-        new = [NewSequence(f"s{i}", i, [1] * (context + 1), context + 1, params)
+        new = [NewSequence(i, f"s{i}", i, [1] * (context + 1), context + 1, params)
                for i in range(count)]  # fmt: skip
         runner.execute(StepPlan(self.next_step(), new_seqs=new))
         self.next_block = 0
@@ -449,7 +449,7 @@ def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lens]
     slot0 = 1000
-    new = [NewSequence(f"p{i}", slot0 + i, p, len(p), params) for i, p in enumerate(prompts)]
+    new = [NewSequence(slot0 + i, f"p{i}", slot0 + i, p, len(p), params) for i, p in enumerate(prompts)]
     tables, nb = [], decode_blocks
     for p in prompts:
         n = -(-(len(p) + 2) // bs)
@@ -547,8 +547,8 @@ def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None)
 
 
 class Row:
-    def __init__(self, request_id, params, token_ids, num_prompt_tokens):
-        self.request_id, self.params = request_id, params
+    def __init__(self, seq_id, params, token_ids, num_prompt_tokens):
+        self.seq_id, self.params = seq_id, params
         self.token_ids, self.num_prompt_tokens = token_ids, num_prompt_tokens
 
 
@@ -564,7 +564,7 @@ def check_host(r: Report, dev, smoke: bool) -> None:
     num_seqs, context = 64, (256 if smoke else 2048)
     table = SequenceTable()
     params = SamplingParams(temperature=0.0)
-    new = [NewSequence(f"h{i}", i, [1] * (context + 1), context + 1, params)
+    new = [NewSequence(i, f"h{i}", i, [1] * (context + 1), context + 1, params)
            for i in range(num_seqs)]  # fmt: skip
     table.apply(StepPlan(0, new_seqs=new))
     per = -(-(context + 1) // 16)
@@ -589,7 +589,7 @@ def check_host(r: Report, dev, smoke: bool) -> None:
     logits = torch.randn(num_seqs, vocab, device=dev)
 
     def rows_with(p):
-        return [Row(f"x{i}", p, [1, 2, 3] * 50, 100) for i in range(num_seqs)]
+        return [Row(i, p, [1, 2, 3] * 50, 100) for i in range(num_seqs)]
 
     for name, p in {
         "greedy": SamplingParams(temperature=0.0),

@@ -23,6 +23,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+# Marks the end of the message to continue (continue_final_message); a private-use
+# character no tokenizer or template has a reason to produce or strip.
+_CONTINUE_MARK = "\U000f0000"
 
 
 class TokenizerError(ValueError):
@@ -102,6 +105,7 @@ class Tokenizer:
         self._add_eos = config.get("add_eos_token")
         self.chat_template = self._find_template(config.get("chat_template"))
         self._template: jinja2.Template | None = None
+        self._added: dict[int, tuple[str, bool]] | None = None
 
         gen = _load_json(self.path / "generation_config.json")
         eos = set(_ids(gen.get("eos_token_id")))
@@ -158,40 +162,87 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def added_tokens(self) -> dict[int, tuple[str, bool]]:
+        """Tokens added on top of the model's vocabulary: id -> (text, special)."""
+        if self._added is None:
+            decoder = self._tok.get_added_tokens_decoder()
+            self._added = {i: (t.content, t.special) for i, t in decoder.items()}
+        return self._added
+
+    @property
+    def special_tokens(self) -> frozenset[str]:
+        return frozenset(text for text, special in self.added_tokens.values() if special)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **variables: Any,
     ) -> str:
-        """The prompt text for ``messages``.
+        """The prompt text for ``messages``, as Hugging Face's ``apply_chat_template``
+        renders it: ``tools`` and ``documents`` (None when absent) and any extra
+        ``variables`` are the template's to use.
+
+        ``continue_final_message``: the prompt ends inside the last message, right
+        after its content, so the model continues it. The content is marked, the
+        chat rendered, and the text cut at the mark (the end-of-turn the template
+        writes after it is dropped).
 
         The template writes any BOS itself, so encode the result with
         ``add_special_tokens=False``.
         """
         if self.chat_template is None:
             raise TokenizerError(f"no chat template in {self.path}")
+        if continue_final_message:
+            if not messages:
+                raise TokenizerError("continue_final_message: there is no message to continue")
+            last = dict(messages[-1])
+            last["content"] = (last.get("content") or "") + _CONTINUE_MARK
+            messages = [*messages[:-1], last]
         try:
             if self._template is None:
                 self._template = _environment().from_string(self.chat_template)
-            return self._template.render(
+            text = self._template.render(
+                **variables,
                 messages=messages,
+                tools=tools,
+                documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 pad_token=self.pad_token or "",
                 unk_token=self.unk_token or "",
-                **variables,
             )
         except SecurityError as exc:
             raise TokenizerError(f"chat template is unsafe: {exc}") from None
         except TemplateError as exc:
             raise TokenizerError(f"chat template failed: {exc}") from None
+        except Exception as exc:  # a template's own bug (a str + None, ...) met these inputs
+            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        if continue_final_message:
+            cut = text.rfind(_CONTINUE_MARK)
+            if cut < 0:
+                raise TokenizerError(
+                    "continue_final_message: the chat template does not render the last "
+                    "message's content as it is, so it cannot be continued"
+                )
+            text = text[:cut]
+        return text
 
     def detokenizer(
-        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+        return IncrementalDetokenizer(
+            self, prompt_ids, skip_special_tokens, spaces_between_special_tokens
+        )
 
 
 class IncrementalDetokenizer:
@@ -208,10 +259,17 @@ class IncrementalDetokenizer:
     PROMPT_CONTEXT = 4
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # Kept special tokens written back to back, as their own texts: some decoders
+        # (SentencePiece's) put a space before a special token that follows another.
+        self._tight = not skip_special_tokens and not spaces_between_special_tokens
         self._ids = list(prompt_ids[-self.PROMPT_CONTEXT :]) if prompt_ids else []
         self._prefix = 0  # window start
         self._read = len(self._ids)  # everything before this is emitted
@@ -222,6 +280,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Appends one token; returns the text it completes (possibly "")."""
+        if self._tight and self._follows_added(token_id):
+            self._ids.append(token_id)
+            self._prefix, self._read = len(self._ids) - 1, len(self._ids)
+            delta = self._tokenizer.added_tokens[token_id][0]
+            self.text += delta
+            return delta
         self._ids.append(token_id)
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix)
@@ -236,6 +300,16 @@ class IncrementalDetokenizer:
             self._prefix = 0
         self.text += delta
         return delta
+
+    def _follows_added(self, token_id: int) -> bool:
+        # Only when everything before is emitted: an added token's text is whole.
+        added = self._tokenizer.added_tokens
+        return (
+            token_id in added
+            and self._read == len(self._ids)
+            and bool(self._ids)
+            and self._ids[-1] in added
+        )
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         return "".join(self.add(t) for t in token_ids)

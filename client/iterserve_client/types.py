@@ -151,12 +151,16 @@ class CompletionChunk(Completion):
 
 @dataclass
 class ChatMessage:
-    """A message of the conversation, sent or received."""
+    """A message of the conversation, sent or received. ``tool_calls`` are in
+    OpenAI's shape (``{"id", "type": "function", "function": {"name",
+    "arguments"}}``); a ``tool`` message answers one by ``tool_call_id``."""
 
     role: str = "assistant"
     content: str | None = None
     name: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> ChatMessage:
@@ -164,7 +168,8 @@ class ChatMessage:
 
     def to_dict(self) -> dict[str, Any]:
         body = {"role": self.role, "content": self.content}
-        body.update({k: v for k, v in (("name", self.name), ("refusal", self.refusal)) if v})
+        optional = ("name", "refusal", "tool_calls", "tool_call_id")
+        body.update({k: getattr(self, k) for k in optional if getattr(self, k)})
         return body
 
 
@@ -211,11 +216,13 @@ class ChatCompletion:
 
 @dataclass
 class ChoiceDelta:
-    """What a chat chunk adds to a message: the role once, then content pieces."""
+    """What a chat chunk adds to a message: the role once, then content pieces and
+    ``tool_calls`` entries (each with its ``index`` among the choice's calls)."""
 
     role: str | None = None
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> ChoiceDelta:

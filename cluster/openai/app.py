@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
@@ -29,10 +31,16 @@ from iterserve.cluster.openai.errors import (
     error_body,
     error_response,
 )
+from iterserve.cluster.openai.fields import IGNORED_FIELDS_HEADER
 from iterserve.cluster.openai.openapi import openapi_schema
 from iterserve.cluster.openai.serving import OpenAIServing
+from iterserve.cluster.openai.tokenize import detokenize, tokenize
 
 MODEL_INFO_WAIT_S = 2.0  # how long /v1/models waits for the engines' context length
+try:
+    VERSION = importlib.metadata.version("iterserve")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+    VERSION = "unknown"
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +50,31 @@ REQUEST_ID_KEY = "iterserve.request_id"
 @dataclass(frozen=True)
 class APISettings:
     """api_key: required as ``Authorization: Bearer <key>`` on every route but
-    /health; None leaves the API open. max_body_bytes: largest request body.
-    add_request_id_header: off behind Serve, whose proxy adds X-Request-Id itself."""
+    /health (and /metrics, unless ``metrics_require_api_key``); None leaves the API
+    open. max_body_bytes: largest request body. add_request_id_header: off behind
+    Serve, whose proxy adds X-Request-Id itself. cors_allowed_origins: origins a
+    browser may call from (``*``: any); empty: no CORS headers at all."""
 
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     add_request_id_header: bool = True
+    metrics_require_api_key: bool = True
+    cors_allowed_origins: tuple[str, ...] = ()
+    cors_allow_credentials: bool = False
+
+
+# OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
+UNSUPPORTED_ENDPOINTS = {
+    "/v1/responses": "the Responses API",
+    "/v1/embeddings": "embeddings",
+    "/v1/audio": "audio",
+    "/v1/images": "images",
+    "/v1/moderations": "moderations",
+    "/v1/files": "files",
+    "/v1/batches": "batches",
+    "/v1/assistants": "assistants",
+    "/v1/threads": "threads",
+}
 
 
 def _route_path(scope) -> str:
@@ -97,8 +124,11 @@ class Gate:
             await send(message)
 
         path = _route_path(scope)
+        open_paths = (
+            ("/health",) if self.settings.metrics_require_api_key else ("/health", "/metrics")
+        )
         try:
-            if path != "/health" and not self._authorized(scope):
+            if path not in open_paths and not self._authorized(scope):
                 error = APIError(
                     401,
                     "missing or invalid API key: send Authorization: Bearer <key>",
@@ -180,6 +210,32 @@ def build_api(
         body = await read_body(request, settings.max_body_bytes)
         return await serving.chat(body, _request_id(request))
 
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request) -> Response:
+        return await tokenize(serving, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> Response:
+        return await detokenize(serving, await read_body(request, settings.max_body_bytes))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    async def unsupported(request: Request) -> Response:
+        path = _route_path(request.scope)
+        what = next(v for k, v in UNSUPPORTED_ENDPOINTS.items() if path.startswith(k))
+        raise APIError(
+            404,
+            f"{what} ({request.method} {path}) is not supported by this server; it serves "
+            "/v1/chat/completions and /v1/completions",
+            code="unsupported_endpoint",
+        )
+
+    for prefix in UNSUPPORTED_ENDPOINTS:
+        for path in (prefix, prefix + "/{rest:path}"):
+            app.add_api_route(path, unsupported, methods=["GET", "POST", "DELETE"])
+
     async def model_card() -> dict:
         card = {"id": serving.model_name, "object": "model", "created": created}
         card["owned_by"] = "iterserve"
@@ -213,6 +269,8 @@ def build_api(
                     vocab_size=info["vocab_size"],
                     max_n=serving.max_n,
                     max_logprobs=serving.max_logprobs,
+                    tool_call_parser=serving.tool_call_parser,
+                    strict_fields=serving.fields.strict,
                 )
             )
         return schema_cache[0]
@@ -275,6 +333,18 @@ def build_api(
         return error_response(error, _request_id(request))
 
     app.add_middleware(Gate, settings=settings)
+    if settings.cors_allowed_origins:
+        # Outside the gate: a browser's preflight carries no credentials, so it is
+        # answered before the API key is checked.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_allowed_origins),
+            allow_credentials=settings.cors_allow_credentials,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", IGNORED_FIELDS_HEADER, "retry-after"],
+            max_age=600,
+        )
     return app
 
 

@@ -26,6 +26,9 @@ from iterserve.cluster.openai.errors import (
 from iterserve.cluster.openai.stream import StopMatcher
 from iterserve.scheduler.request import FinishReason
 
+# Reasons whose last token is the one that stopped the sequence (EOS or a stop token id).
+STOP_TOKEN_REASONS = frozenset({"eos", "stop_token"})
+
 
 class EngineStream(Protocol):
     """An accepted engine request: async-iterates batches of records."""
@@ -62,12 +65,24 @@ class Delta:
 
 
 class Choice:
-    """One output sequence: tokens in, text deltas out."""
+    """One output sequence: tokens in, text deltas out.
 
-    def __init__(self, index: int, detokenizer: Any, stops: Sequence[str], logprobs: bool):
+    The token that stopped the sequence (EOS, a stop token id) is counted but not
+    written, and a matched stop string is cut, unless ``include_stop_str``.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        detokenizer: Any,
+        stops: Sequence[str],
+        logprobs: bool,
+        include_stop_str: bool = False,
+    ):
         self.index = index
         self.detokenizer = detokenizer
-        self.matcher = StopMatcher(stops)
+        self.matcher = StopMatcher(stops, include_stop=include_stop_str)
+        self.include_stop_str = include_stop_str
         self.want_logprobs = logprobs
         self.num_tokens = 0
         self.text = ""
@@ -83,12 +98,17 @@ class Choice:
         for token_ids, logprobs, reason, error in records:
             if reason == "error":
                 raise EngineFailure(error or "the engine failed this request")
+            unwritten = -1  # position of the stopping token, when it is left out of the text
+            if reason in STOP_TOKEN_REASONS and not self.include_stop_str:
+                unwritten = len(token_ids) - 1
             for pos, token_id in enumerate(token_ids):
                 self.num_tokens += 1
                 delta.token_ids.append(token_id)
                 if self.want_logprobs and pos < len(logprobs):
                     logprob, top = logprobs[pos]
                     delta.logprobs.append((token_id, logprob, top))
+                if pos == unwritten:
+                    continue
                 if self._emit(delta, self.detokenizer.add(token_id)):
                     return delta
             if reason is not None:

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 description of the HTTP API, served at GET /openapi.json.
 
 The request bodies come from the pydantic models in :mod:`protocol` (field
-names, types, descriptions, ``additionalProperties: false``); the ranges that
+names, types, descriptions; ``additionalProperties`` false only with
+``strict_fields``, since unknown names are otherwise ignored); the ranges that
 :class:`~iterserve.scheduler.SamplingParams` and the handlers check are laid
 over them here, with the limits of the running engine (context length,
 vocabulary, ``max_n``, ``max_logprobs``). A body the schema accepts is served,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from iterserve.cluster.openai.chat import RESERVED_TEMPLATE_VARIABLES
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     PRIORITY_RANGE,
@@ -21,13 +23,19 @@ from iterserve.cluster.openai.protocol import (
     CompletionRequest,
 )
 from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
+from iterserve.cluster.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
 
 CROSS_FIELD_RULES = (
     "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "
     "(400, code context_length_exceeded); min_tokens <= max_tokens; stream_options only "
     "with stream: true; best_of equals n; top_logprobs needs logprobs: true; "
-    "max_completion_tokens overrides max_tokens."
+    "max_completion_tokens overrides max_tokens; tool_choice other than none needs tools; "
+    "tools with tool_choice auto (the default with tools) need a server started with a "
+    "tool-call parser; continue_final_message excludes add_generation_prompt: true; a "
+    "message's content may be null only for an assistant's tool_calls, whose arguments "
+    "are a JSON object (as text); chat_template_kwargs cannot set the template's own "
+    "variables."
 )
 _ERROR_STATUSES = {
     "400": "Invalid body or field (the message names it).",
@@ -54,17 +62,46 @@ def _number(lo: float, hi: float, *, lo_open: bool = False) -> dict:
     return {"type": "number", **low, "maximum": hi}
 
 
-def field_constraints(*, max_model_len: int, vocab_size: int, max_n: int, max_logprobs: int):
+# What a refused field may hold: its "not used" values (fields.check_refused).
+_UNUSED = {
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"type": "string", "maxLength": 0},
+        {"type": "array", "maxItems": 0},
+        {"type": "object", "maxProperties": 0},
+    ]
+}
+
+
+def field_constraints(
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    max_n: int,
+    max_logprobs: int,
+    tool_call_parser: str | None = None,
+):
     """The value schema of every field whose range the server checks."""
     token_id = _integer(0, vocab_size - 1)
     max_tokens = _integer(1, max_model_len - 1)  # every prompt holds at least one token
     token_list = {"type": "array", "items": token_id, "minItems": 1, "maxItems": max_model_len - 1}
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
+    # Fields this server refuses unless unused: null (or false, or empty).
+    refused = {
+        name: _UNUSED
+        for name in (
+            "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "structured_outputs", "truncate_prompt_tokens",
+        )
+    }  # fmt: skip
     common = {
+        **refused,
         "max_tokens": _nullable(max_tokens),
+        "max_completion_tokens": _nullable(max_tokens),
         "temperature": _nullable(_number(0.0, 2.0)),
         "top_p": _nullable(_number(0.0, 1.0, lo_open=True)),
-        "top_k": _nullable(_integer(0, 1 << 30)),
+        "top_k": _nullable(_integer(-1, 1 << 30)),
         "min_p": _nullable(_number(0.0, 1.0)),
         "presence_penalty": _nullable(_number(-2.0, 2.0)),
         "frequency_penalty": _nullable(_number(-2.0, 2.0)),
@@ -84,6 +121,12 @@ def field_constraints(*, max_model_len: int, vocab_size: int, max_n: int, max_lo
         "min_tokens": _nullable(_integer(0, max_model_len - 1)),
         "priority": _integer(*PRIORITY_RANGE),
         "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
+        "allowed_token_ids": _nullable({"type": "array", "maxItems": 0}),
+        "bad_words": _nullable({"type": "array", "maxItems": 0}),
+        "use_beam_search": {"type": "boolean", "const": False},
+        "response_format": _nullable(
+            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}
+        ),
     }
     completion = {
         **common,
@@ -112,21 +155,30 @@ def field_constraints(*, max_model_len: int, vocab_size: int, max_n: int, max_lo
             "items": {"$ref": "#/components/schemas/ChatMessage"},
             "minItems": 1,
         },
-        "max_completion_tokens": _nullable(max_tokens),
         "top_logprobs": _nullable(_integer(0, max_logprobs)),
-        "tools": _nullable({"type": "array", "maxItems": 0}),
-        "tool_choice": _nullable({"type": "string", "const": "none"}),
-        "chat_template": {"type": "null"},
+        "tool_choice": _nullable(
+            {"type": "string", "enum": ["none", "auto"] if tool_call_parser else ["none"]}
+        ),
+        "chat_template_kwargs": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_VARIABLES)}},
+            }
+        ),
+        "chat_template": _UNUSED,
+        "echo": {"type": "boolean", "const": False},
+        **{name: _UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     return completion, chat
 
 
-def _request_schemas(limits: dict[str, int]) -> dict[str, dict]:
+def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, dict]:
     """Component schemas: the pydantic models, with the checked ranges laid over."""
     template = "#/components/schemas/{model}"
     schemas: dict[str, dict] = {}
     overlays = field_constraints(**limits)
-    for model, overlay in zip((CompletionRequest, ChatCompletionRequest), overlays):
+    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    for model, overlay in zip(models, (*overlays, {}, {})):
         schema = copy.deepcopy(model.model_json_schema(ref_template=template))
         schemas.update(schema.pop("$defs", {}))
         unknown = set(overlay) - set(schema["properties"])
@@ -142,6 +194,19 @@ def _request_schemas(limits: dict[str, int]) -> dict[str, dict]:
         "enum": ["system", "user", "assistant"],
         "description": "Who speaks; the model's chat template refuses other roles.",
     }
+    text_part = schemas["ContentPart"]
+    text_part["properties"]["type"] = {"const": "text"}
+    text_part["properties"]["text"] = {"type": "string"}
+    text_part["required"] = ["type", "text"]
+    arguments = schemas["FunctionCall"]["properties"]["arguments"]
+    arguments["anyOf"] = [
+        {"type": "string", "contentMediaType": "application/json"},
+        {"type": "object"},
+    ]
+    # Unknown names are ignored, unless the server refuses them (strict_fields).
+    for schema in schemas.values():
+        if schema.get("type") == "object" and "properties" in schema:
+            schema["additionalProperties"] = not strict_fields
     return schemas
 
 
@@ -170,6 +235,21 @@ def _generation(summary: str, request: str) -> dict:
     }
 
 
+def _post(summary: str, request: str) -> dict:
+    error = {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})}
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": request,
+            "requestBody": {"required": True, **_json({"$ref": f"#/components/schemas/{request}"})},
+            "responses": {
+                "200": {"description": "OK", **_json({"type": "object"})},
+                "default": error,
+            },
+        }
+    }
+
+
 def _get(summary: str, operation_id: str, content: dict | None = None, **extra: Any) -> dict:
     ok = content or _json({"type": "object"})
     error = {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})}
@@ -184,13 +264,24 @@ def _get(summary: str, operation_id: str, content: dict | None = None, **extra: 
 
 
 def openapi_schema(
-    *, model_name: str, max_model_len: int, vocab_size: int, max_n: int, max_logprobs: int
+    *,
+    model_name: str,
+    max_model_len: int,
+    vocab_size: int,
+    max_n: int,
+    max_logprobs: int,
+    tool_call_parser: str | None = None,
+    strict_fields: bool = False,
 ) -> dict:
     """The whole API as an OpenAPI 3.1 document, for this server's model and limits."""
     limits = dict(
-        max_model_len=max_model_len, vocab_size=vocab_size, max_n=max_n, max_logprobs=max_logprobs
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        max_n=max_n,
+        max_logprobs=max_logprobs,
+        tool_call_parser=tool_call_parser,
     )
-    schemas = _request_schemas(limits)
+    schemas = _request_schemas(limits, strict_fields)
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         model = schemas[request]["properties"]["model"]
         schemas[request]["properties"]["model"] = {**model, "enum": [model_name]}
@@ -218,6 +309,9 @@ def openapi_schema(
         "/v1/models": _get("The served model", "listModels"),
         "/v1/models/{model_id}": _get("One model", "getModel", parameters=[model_id]),
         "/v1/stats": _get("Engine state summed over replicas", "getStats"),
+        "/tokenize": _post("Token ids of a prompt or of chat messages", "TokenizeRequest"),
+        "/detokenize": _post("The text of token ids", "DetokenizeRequest"),
+        "/version": _get("The server's version", "getVersion"),
         "/health": _get("200 when every engine replica serves, else 503", "health", security=[]),
         "/metrics": _get(
             "Prometheus metrics",

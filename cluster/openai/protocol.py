@@ -1,17 +1,18 @@
-"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+"""Request bodies of the OpenAI-compatible API, as pydantic models.
 
-Strict: an unknown field is refused with a 400 that names it, and values are not
-coerced (``"0.5"`` is not a number, ``true`` is not an integer). A few fields
-that OpenAI clients commonly send are accepted: ``user`` (ignored),
-``stream_options``, and ``logit_bias``/``tools``/``response_format`` only in their
-"not used" forms; anything that would change the output and is not implemented
-is refused rather than silently ignored. Ranges are checked by
-:class:`~iterserve.scheduler.SamplingParams`, whose messages name the field.
+Values are strict: ``"0.5"`` is not a number and ``true`` is not an integer.
+Names are lenient, as OpenAI's own API and vLLM are: a field this server does
+not know is accepted and ignored (:mod:`fields` lists it in a response header
+and logs it once), unless the server runs with ``strict_fields``. A field it
+knows but cannot honour yet is refused with a 400 that names it and says why
+(``REFUSED``), rather than silently ignored: the client asked for a different
+output. Ranges are checked by :class:`~iterserve.scheduler.SamplingParams`,
+whose messages name the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -20,30 +21,87 @@ from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 
 MAX_PROMPTS = 64  # prompts in one completions request
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+NEEDS_STRUCTURED = "needs structured outputs, which this server does not support yet"
+NEEDS_SAMPLER = "is not supported by this server yet"
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class RequestModel(BaseModel):
+    """Unknown names are kept aside (``model_extra``), for :mod:`fields` to report."""
+
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
-class StreamOptions(StrictModel):
+# What a client may send but this server cannot honour: field -> why. A field is
+# refused when it holds anything but its "not used" value (null, false, {} or []).
+REFUSED_COMMON = {
+    "logit_bias": NEEDS_SAMPLER,
+    "allowed_token_ids": NEEDS_SAMPLER,
+    "bad_words": NEEDS_SAMPLER,
+    "prompt_logprobs": NEEDS_SAMPLER,
+    "guided_json": NEEDS_STRUCTURED,
+    "guided_regex": NEEDS_STRUCTURED,
+    "guided_choice": NEEDS_STRUCTURED,
+    "guided_grammar": NEEDS_STRUCTURED,
+    "structured_outputs": NEEDS_STRUCTURED,
+    "use_beam_search": "beam search is not supported by this server",
+    "truncate_prompt_tokens": "prompt truncation is not supported by this server",
+}
+REFUSED_COMPLETION = {
+    **REFUSED_COMMON,
+    "echo": "echoing the prompt needs prompt logprobs, which this server does not support yet",
+    "suffix": "is not supported by this server",
+}
+REFUSED_CHAT = {
+    **REFUSED_COMMON,
+    "functions": "the legacy functions API is not supported; send tools instead",
+    "function_call": "the legacy functions API is not supported; send tool_choice instead",
+    "audio": "audio output is not supported by this server",
+    "web_search_options": "web search is not supported by this server",
+    "echo": "is not supported by this server",
+    "chat_template": "cannot be sent with the request; the model's own chat template is used",
+}
+# Accepted because clients send them, and ignored: none changes what is generated.
+_IGNORED = "Accepted and ignored."
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = Field(
         False, description="Send a last chunk with token usage (and no choices)."
     )
+    continuous_usage_stats: bool = Field(
+        False, description="With include_usage: every chunk carries the usage so far."
+    )
 
 
-class _Common(StrictModel):
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description='"text"; json_object and json_schema need structured outputs (not yet).'
+    )
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Common(RequestModel):
     """Fields shared by both generation endpoints."""
 
     model: str = Field(description="The served model name, as listed by GET /v1/models.")
     max_tokens: int | None = Field(
-        None, description="Most tokens to generate. Default: the room left in the context."
+        None,
+        description="Most tokens to generate. Default: chat, the room left in the context; "
+        "completions, 16 (or the room left, if less).",
     )
+    max_completion_tokens: int | None = Field(None, description="Same as max_tokens; wins.")
     temperature: float | None = Field(
         None, description="Sampling temperature in [0, 2]; 0 is greedy."
     )
     top_p: float | None = Field(None, description="Nucleus sampling mass in (0, 1].")
-    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 disables.")
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 or -1 disables.")
     min_p: float | None = Field(None, description="Drop tokens below min_p × the top probability.")
     presence_penalty: float | None = Field(None, description="In [-2, 2].")
     frequency_penalty: float | None = Field(None, description="In [-2, 2].")
@@ -58,22 +116,44 @@ class _Common(StrictModel):
         "that end the generation; the text returned stops before them.",
     )
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end the generation.")
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the matched stop string (or stop token's text) in the output."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     min_tokens: int | None = Field(None, description="Tokens to generate before EOS may end it.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(
+        True, description="False: no space between two special tokens in the text."
+    )
     priority: int = Field(0, description="Scheduling priority: lower values are served first.")
     stream: bool = Field(False, description="Stream Server-Sent Events ending in data: [DONE].")
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description="Accepted for compatibility and ignored.")
-    logit_bias: dict[str, Any] | None = Field(
-        None, description="Not supported: only null or an empty object is accepted."
+    response_format: ResponseFormat | None = None
+    return_tokens_as_token_ids: bool = Field(
+        False, description='With logprobs: tokens are written "token_id:<id>".'
     )
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
+    user: Any = Field(None, description=_IGNORED)
+    metadata: Any = Field(None, description=_IGNORED)
+    store: Any = Field(None, description=_IGNORED)
+    service_tier: Any = Field(None, description=_IGNORED)
+    request_id: Any = Field(None, description="Ignored: X-Request-Id names a request.")
+    cache_salt: Any = Field(None, description=_IGNORED)
+    kv_transfer_params: Any = Field(None, description=_IGNORED)
+    vllm_xargs: Any = Field(None, description=_IGNORED)
+    length_penalty: Any = Field(None, description="Ignored: it only applies to beam search.")
+    guided_decoding_backend: Any = Field(None, description=_IGNORED)
+    guided_whitespace_pattern: Any = Field(None, description=_IGNORED)
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported yet.")
+    allowed_token_ids: list[Any] | None = Field(None, description="Not supported yet.")
+    bad_words: list[Any] | None = Field(None, description="Not supported yet.")
+    prompt_logprobs: Any = Field(None, description="Not supported yet.")
+    guided_json: Any = Field(None, description="Not supported yet (structured outputs).")
+    guided_regex: Any = Field(None, description="Not supported yet (structured outputs).")
+    guided_choice: Any = Field(None, description="Not supported yet (structured outputs).")
+    guided_grammar: Any = Field(None, description="Not supported yet (structured outputs).")
+    structured_outputs: Any = Field(None, description="Not supported yet (structured outputs).")
+    use_beam_search: bool = Field(False, description="Only false: no beam search.")
+    truncate_prompt_tokens: Any = Field(None, description="Not supported: only null.")
 
     @field_validator("priority")
     @classmethod
@@ -88,6 +168,13 @@ class _Common(StrictModel):
     def _n_positive(cls, value):
         if value < 1:
             raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (off) or a positive count, got {value}")
         return value
 
     @field_validator("stop")
@@ -106,6 +193,12 @@ class _Common(StrictModel):
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def output_len(self) -> tuple[int | None, str]:
+        """The requested most tokens to generate, and the field it came from."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -113,110 +206,149 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
+    REFUSED: ClassVar[dict[str, str]] = REFUSED_COMPLETION
+
     prompt: Prompt = Field(
         description="A string, a list of strings, a list of token ids, or a list of such lists."
     )
     logprobs: int | None = Field(
         None, description="Return the log-probability of each token and of this many alternatives."
     )
-    echo: bool = Field(False, description="Not supported: only false is accepted.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's BOS to text prompts.")
+    echo: bool = Field(False, description="Not supported yet: only false is accepted.")
     best_of: int | None = Field(None, description="Only null or a value equal to n is accepted.")
     suffix: str | None = Field(None, description="Not supported: only null is accepted.")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported by this server")
-        return value
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported by this server")
-        return value
+class ContentPart(RequestModel):
+    type: str = Field(description='Only "text" parts are supported.')
+    text: str | None = None
 
 
-class TextPart(StrictModel):
-    type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str | dict[str, Any] = Field(description="The arguments, as a JSON object text.")
 
 
-class ChatMessage(StrictModel):
-    role: str = Field(description="system, user, assistant (or any role the chat template knows).")
-    content: str | list[TextPart] | None = Field(description="Text, or a list of text parts.")
+class ToolCall(RequestModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(RequestModel):
+    role: str = Field(
+        description="system, user, assistant, tool (or any role the chat template knows)."
+    )
+    content: str | list[ContentPart] | None = Field(
+        None, description="Text, or a list of text parts; null for an assistant's tool calls."
+    )
     name: str | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        if isinstance(self.content, list):
-            text = "\n".join(part.text for part in self.content)
-        else:
-            text = self.content or ""
-        message = {"role": self.role, "content": text}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="An assistant's earlier tool calls, rendered by the chat template."
+    )
+    tool_call_id: str | None = Field(None, description="Which call a tool message answers.")
+    reasoning_content: str | None = Field(None, description="Passed to the chat template.")
+    refusal: Any = Field(None, description=_IGNORED)
 
 
-class ResponseFormat(StrictModel):
-    type: Literal["text"] = Field(description="Only plain text output is supported.")
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(RequestModel):
+    type: Literal["function"] = Field(description="Only function tools.")
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
+    REFUSED: ClassVar[dict[str, str]] = REFUSED_CHAT
+
     messages: list[ChatMessage] = Field(
         description="The conversation, rendered with the model's own chat template."
     )
-    max_completion_tokens: int | None = Field(None, description="Same as max_tokens.")
     logprobs: bool = Field(False, description="Return the log-probability of each output token.")
     top_logprobs: int | None = Field(
         None, description="With logprobs: also this many most likely alternatives per token."
     )
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = Field(None, description="Not supported: only null or [] is accepted.")
-    tool_choice: Literal["none"] | None = Field(None, description='Only "none" is accepted.')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
+    tools: list[Tool] | None = Field(
+        None, description="Functions the model may call, shown to it by the chat template."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"none", or "auto" (the default with tools): the output is parsed for '
+        "calls; required and a named function need structured outputs (not yet).",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one tool call per choice."
+    )
+    add_generation_prompt: bool | None = Field(
+        None, description="Open the assistant's turn at the end of the prompt (default true)."
+    )
+    continue_final_message: bool = Field(
+        False, description="Continue the last message instead of starting a new one."
+    )
+    add_special_tokens: bool = Field(
+        False, description="Add the tokenizer's BOS on top of what the template writes."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template."
+    )
+    documents: list[dict[str, Any]] | None = Field(
+        None, description="Passed to the chat template (retrieval templates)."
+    )
+    reasoning_effort: str | None = Field(None, description="Passed to the chat template.")
     chat_template: Any = Field(
         None, description="Refused: the server only renders the model's own chat template."
     )
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tools are not supported by this server")
-        return value
-
-    @field_validator("chat_template")
-    @classmethod
-    def _no_template(cls, value):
-        if value is not None:
-            raise ValueError(
-                "a chat template cannot be supplied with the request; "
-                "the model's own template is used"
-            )
-        return value
+    modalities: list[Literal["text"]] | None = Field(None, description='Only ["text"].')
+    functions: Any = Field(None, description="Refused: send tools.")
+    function_call: Any = Field(None, description="Refused: send tool_choice.")
+    audio: Any = Field(None, description="Refused: no audio output.")
+    web_search_options: Any = Field(None, description="Refused: no web search.")
+    echo: bool = Field(False, description="Not supported: only false.")
+    prediction: Any = Field(None, description=_IGNORED)
+    verbosity: Any = Field(None, description=_IGNORED)
+    prompt_cache_key: Any = Field(None, description=_IGNORED)
+    safety_identifier: Any = Field(None, description=_IGNORED)
+    include_reasoning: Any = Field(None, description=_IGNORED)
+    mm_processor_kwargs: Any = Field(None, description=_IGNORED)
+    media_io_kwargs: Any = Field(None, description=_IGNORED)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 _UNION_HINTS = {  # what a union-typed field accepts, said once instead of per member
     "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
     "stop": "must be a string or a list of strings",
-    "content": "must be a string or a list of text parts",
+    "content": "must be a string, a list of text parts or null",
+    "tool_choice": 'must be "none", "auto", "required" or {"type": "function", '
+    '"function": {"name": ...}}',
+    "arguments": "must be a JSON object as text",
 }
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    """A pydantic error as a 400 naming the field (all unknown fields at once)."""
+    """A pydantic error as a 400 naming the field."""
     errors = exc.errors(include_url=False, include_input=False)
-    unknown = [".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
-        return bad_request(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
     first = errors[0]
     loc = [str(p) for p in first["loc"]]
-    path = [p for p in loc if p not in _TYPE_TAGS and "[" not in p]
+    # Union members and tagged types add path items of their own ("str", "list[...]",
+    # "literal['none','auto']", "NamedToolChoice"): keep the field names and indices.
+    path = [p for p in loc if p not in _TYPE_TAGS and "[" not in p and not p[:1].isupper()]
     name = ".".join(path)
     field = next((p for p in reversed(path) if not p.isdigit()), "")
     if len(path) < len(loc) and field in _UNION_HINTS:

@@ -8,36 +8,35 @@ scheduler. The engine sees only token ids and a checked ``SamplingParams``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import re
-import uuid
 from collections import defaultdict
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from iterserve.cluster.openai.chat import render_prompt, tool_parser_factory
 from iterserve.cluster.openai.errors import APIError, bad_request, unavailable
-from iterserve.cluster.openai.generation import Choice, EngineClient, Generation, Job
+from iterserve.cluster.openai.fields import (
+    IGNORED_FIELDS_HEADER,
+    FieldPolicy,
+    check_refused,
+    header_value,
+)
+from iterserve.cluster.openai.generation import EngineClient, Generation
+from iterserve.cluster.openai.jobs import Limits, build_jobs
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
-    StrictModel,
+    RequestModel,
     validation_error,
 )
-from iterserve.cluster.openai.responses import ResponseBuilder
+from iterserve.cluster.openai.responses import ChatText, ResponseBuilder
 from iterserve.cluster.openai.stream import SSE_DONE, sse
-from iterserve.scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 
 _LONG_TEXT = 100_000  # characters; longer texts are tokenized off the event loop
-_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-# Request fields passed to SamplingParams as they are (when set).
-_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "min_tokens", "seed",
-)  # fmt: skip
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _json_number(text: str) -> int | float:
@@ -47,11 +46,15 @@ def _json_number(text: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
-def engine_id_prefix(request_id: str) -> str:
-    """Engine requests are named ``<request id>-<choice index>`` so logs and
-    stats can be traced back; a request id that is not a short plain token is
-    replaced rather than sent to the scheduler."""
-    return request_id if _PLAIN_ID.fullmatch(request_id) else uuid.uuid4().hex
+def load_json(body: bytes) -> dict:
+    """A request body as a JSON object, or the 400 that says why it is not one."""
+    try:
+        data = json.loads(body, parse_float=_json_number)
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
 
 
 class OpenAIServing:
@@ -66,6 +69,8 @@ class OpenAIServing:
         max_n: int,
         max_logprobs: int,
         request_timeout_s: float | None,
+        strict_fields: bool = False,
+        tool_call_parser: str | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -73,6 +78,8 @@ class OpenAIServing:
         self.max_n = max_n
         self.max_logprobs = max_logprobs
         self.request_timeout_s = request_timeout_s
+        self.fields = FieldPolicy(strict_fields)
+        self.tool_call_parser = tool_call_parser
         self._info: dict | None = None
 
     async def engine_info(self) -> dict:
@@ -85,30 +92,38 @@ class OpenAIServing:
 
     # -- parsing ----------------------------------------------------------------------
 
-    def parse(self, model_cls: type[StrictModel], body: bytes):
-        try:
-            data = json.loads(body, parse_float=_json_number)
-        except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
+    def parse(self, model_cls: type[RequestModel], body: bytes):
+        return self.validate(model_cls, load_json(body))
+
+    def validate(self, model_cls: type[RequestModel], data: dict):
+        """The validated request and the headers its answer carries (the names it
+        sent that this server ignored)."""
         try:
             request = model_cls.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        if request.model != self.model_name:
+        ignored = self.fields.ignored(request)
+        self.check_model(request.model, required=model_cls.model_fields["model"].is_required())
+        if hasattr(request, "REFUSED"):
+            check_refused(request)
+        if getattr(request, "stream_options", None) is not None and not request.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        headers = {IGNORED_FIELDS_HEADER: header_value(ignored)} if ignored else {}
+        return request, headers
+
+    def check_model(self, model: str | None, required: bool = True) -> None:
+        if model is None and not required:
+            return
+        if model != self.model_name:
             raise APIError(
                 404,
-                f"The model '{request.model}' does not exist; this server serves "
-                f"'{self.model_name}'",
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                 param="model",
                 code="model_not_found",
             )
-        if request.stream_options is not None and not request.stream:
-            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-        return request
 
-    async def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A text as token ids; off the event loop when long."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -117,7 +132,9 @@ class OpenAIServing:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def _completion_prompts(self, prompt: Any, vocab_size: int) -> list[list[int]]:
+    async def _completion_prompts(
+        self, prompt: Any, vocab_size: int, add_special_tokens: bool = True
+    ) -> list[list[int]]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -128,7 +145,10 @@ class OpenAIServing:
             raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
         prompts = []
         for item in prompt:
-            ids = await self._encode(item, "prompt") if isinstance(item, str) else list(item)
+            if isinstance(item, str):
+                ids = await self.encode(item, "prompt", add_special_tokens)
+            else:
+                ids = list(item)
             if not ids:
                 raise bad_request("prompt: must not be empty", "prompt")
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -139,123 +159,81 @@ class OpenAIServing:
             prompts.append(ids)
         return prompts
 
-    async def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        if not request.messages:
-            raise bad_request("messages: must not be empty", "messages")
-        if self.tokenizer.chat_template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", "messages")
-        messages = [m.as_template_input() for m in request.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # the template rejected these messages (raise_exception, ...)
-            raise bad_request(f"messages: {exc}", "messages") from None
-        return await self._encode(text, "messages", add_special_tokens=False)
-
-    # -- sampling parameters ----------------------------------------------------------
-
-    def _params(
-        self, request, max_tokens: int | None, prompt_len: int, info: dict, logprobs: int | None
-    ) -> SamplingParams:
-        max_model_len = info["max_model_len"]
-        room = max_model_len - prompt_len
-        if room < 1:  # the prompt alone fills the context: say so before any other field
-            completion_len = max_tokens if max_tokens is not None and max_tokens >= 1 else 1
-            raise _context_error(request, max_model_len, prompt_len, completion_len)
-        # The configured caps first, so the message states the range that applies here.
-        if request.n > self.max_n:
-            raise SamplingParamsError("n", f"must be in [1, {self.max_n}], got {request.n}")
-        if logprobs is not None and logprobs > self.max_logprobs:
-            message = f"must be in [0, {self.max_logprobs}], got {logprobs}"
-            raise SamplingParamsError("logprobs", message)
-        fields = {
-            name: getattr(request, name)
-            for name in _SAMPLING_FIELDS
-            if getattr(request, name) is not None
-        }
-        fields.update(
-            n=request.n,
-            max_tokens=max(room, 1) if max_tokens is None else max_tokens,
-            ignore_eos=request.ignore_eos,
-            logprobs=logprobs,
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-        )
-        params = SamplingParams(**fields)
-        params.check_limits(
-            max_n=self.max_n, max_logprobs=self.max_logprobs, vocab_size=info["vocab_size"]
-        )
-        if params.max_tokens > room:
-            raise _context_error(request, max_model_len, prompt_len, params.max_tokens)
-        return params
-
-    def _jobs(self, request, prompts, max_tokens, info, logprobs, request_id, renames) -> list[Job]:
-        stops = request.stop_strings()
-        prefix = engine_id_prefix(request_id)
-        jobs = []
-        try:
-            for p, prompt in enumerate(prompts):
-                params = self._params(request, max_tokens, len(prompt), info, logprobs)
-                for j in range(request.n):
-                    # Choice j of every prompt uses seed + j: the same prompt and seed
-                    # give the same choices alone or in a batch. It wraps past MAX_SEED,
-                    # so every seed the API accepts works with every n.
-                    seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
-                    one = dataclasses.asdict(dataclasses.replace(params, n=1, seed=seed))
-                    index = p * request.n + j
-                    choice = Choice(
-                        index, self.tokenizer.detokenizer(prompt), stops, logprobs is not None
-                    )
-                    jobs.append(Job(f"{prefix}-{index}", prompt, one, request.priority, choice))
-        except SamplingParamsError as exc:
-            field = renames.get(exc.field, exc.field)
-            message = str(exc).removeprefix(f"{exc.field}: ")
-            raise bad_request(f"{field}: {message}", field) from None
-        return jobs
+    async def chat_prompt(self, request) -> list[int]:
+        """The prompt's token ids of a chat request (or a /tokenize of messages)."""
+        text = render_prompt(self.tokenizer, request)
+        return await self.encode(text, "messages", add_special_tokens=request.add_special_tokens)
 
     # -- endpoints --------------------------------------------------------------------
 
     async def completions(self, body: bytes, request_id: str) -> Response:
-        request = self.parse(CompletionRequest, body)
+        request, headers = self.parse(CompletionRequest, body)
         if request.best_of not in (None, request.n):
             raise bad_request("best_of: only null or a value equal to n is supported", "best_of")
         info = await self.engine_info()
-        prompts = await self._completion_prompts(request.prompt, info["vocab_size"])
-        jobs = self._jobs(
-            request, prompts, request.max_tokens, info, request.logprobs, request_id, {}
+        prompts = await self._completion_prompts(
+            request.prompt, info["vocab_size"], request.add_special_tokens
         )
-        builder = ResponseBuilder(
-            chat=False, request_id=request_id, model=self.model_name, tokenizer=self.tokenizer
+        jobs = build_jobs(
+            request, prompts, self.tokenizer, self._limits(info),
+            logprobs=request.logprobs, request_id=request_id, renames={},
+            default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+        )  # fmt: skip
+        builder = self._builder(request, chat=False, request_id=request_id)
+        return await self._respond(
+            request, jobs, sum(map(len, prompts)), builder, request_id, headers
         )
-        return await self._respond(request, jobs, sum(map(len, prompts)), builder, request_id)
 
     async def chat(self, body: bytes, request_id: str) -> Response:
-        request = self.parse(ChatCompletionRequest, body)
+        request, headers = self.parse(ChatCompletionRequest, body)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-        max_tokens, renames = request.max_tokens, {"logprobs": "top_logprobs"}
-        if request.max_completion_tokens is not None:
-            max_tokens = request.max_completion_tokens
-            renames["max_tokens"] = "max_completion_tokens"
+        parser = tool_parser_factory(request, self.tool_call_parser)
         info = await self.engine_info()
-        prompt = await self._chat_prompt(request)
+        prompt = await self.chat_prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        jobs = self._jobs(request, [prompt], max_tokens, info, logprobs, request_id, renames)
-        builder = ResponseBuilder(
-            chat=True, request_id=request_id, model=self.model_name, tokenizer=self.tokenizer
-        )
-        return await self._respond(request, jobs, len(prompt), builder, request_id)
+        skip = request.skip_special_tokens
+        if set(getattr(parser, "tags", ())) & self.tokenizer.special_tokens:
+            skip = False  # the parser reads tags that this tokenizer counts as special
+        jobs = build_jobs(
+            request, [prompt], self.tokenizer, self._limits(info),
+            logprobs=logprobs, request_id=request_id, renames={"logprobs": "top_logprobs"},
+            skip_special_tokens=skip,
+        )  # fmt: skip
+        builder = self._builder(request, chat=True, request_id=request_id)
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        texts = {job.choice.index: ChatText(parser and parser(), max_calls) for job in jobs}
+        return await self._respond(request, jobs, len(prompt), builder, request_id, headers, texts)
 
-    async def _respond(self, request, jobs, prompt_tokens, builder, request_id) -> Response:
+    def _limits(self, info: dict) -> Limits:
+        return Limits(self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"])
+
+    def _builder(self, request, *, chat: bool, request_id: str) -> ResponseBuilder:
+        return ResponseBuilder(
+            chat=chat,
+            request_id=request_id,
+            model=self.model_name,
+            tokenizer=self.tokenizer,
+            tokens_as_ids=request.return_tokens_as_token_ids,
+        )
+
+    async def _respond(
+        self, request, jobs, prompt_tokens, builder, request_id, headers, texts=None
+    ) -> Response:
         generation = Generation(self.engine, jobs, self.request_timeout_s)
         await generation.open()  # refusals raise here, before any byte is sent
         if request.stream:
-            builder.include_usage_field = bool(
-                request.stream_options and request.stream_options.include_usage
+            options = request.stream_options
+            builder.include_usage_field = bool(options and options.include_usage)
+            builder.continuous_usage = bool(
+                builder.include_usage_field and options.continuous_usage_stats
             )
+            builder.prompt_tokens = prompt_tokens
             return _GenerationStream(
                 generation,
-                self._stream(generation, builder, prompt_tokens, request_id),
+                self._stream(generation, builder, prompt_tokens, request_id, texts or {}),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                headers={"Cache-Control": "no-cache", **headers},
             )
         logprobs: dict[int, list] = defaultdict(list)
         try:
@@ -264,17 +242,16 @@ class OpenAIServing:
         finally:
             generation.close()
         choices = [job.choice for job in jobs]
-        return JSONResponse(builder.response(choices, logprobs, prompt_tokens))
+        body = builder.response(choices, logprobs, prompt_tokens, (texts or {}).get)
+        return JSONResponse(body, headers=headers)
 
-    async def _stream(self, generation: Generation, builder, prompt_tokens, request_id):
+    async def _stream(self, generation: Generation, builder, prompt_tokens, request_id, texts):
         try:
-            if builder.chat:
-                for job in generation.jobs:
-                    yield sse(builder.role_chunk(job.choice.index))
             async for choice, delta in generation.deltas():
-                if delta.text or delta.finish_reason or delta.logprobs:
-                    offset = len(choice.text) - len(delta.text)
-                    yield sse(builder.chunk(choice, delta, offset))
+                offset = len(choice.text) - len(delta.text)
+                chunk = builder.chunk(choice, delta, offset, texts.get(choice.index))
+                if chunk is not None:
+                    yield sse(chunk)
             if builder.include_usage_field:
                 completion_tokens = sum(job.choice.num_tokens for job in generation.jobs)
                 yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
@@ -284,19 +261,6 @@ class OpenAIServing:
             # Runs when the client leaves too (the generator is cancelled or closed).
             generation.close()
         yield SSE_DONE
-
-
-def _context_error(request, max_model_len: int, prompt_len: int, completion_len: int) -> APIError:
-    where = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
-    return APIError(
-        400,
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {prompt_len + completion_len} tokens ({prompt_len} in the {where}, "
-        f"{completion_len} in the completion). Please reduce the length of the "
-        f"{where} or completion.",
-        param=where,
-        code="context_length_exceeded",
-    )
 
 
 class _GenerationStream(StreamingResponse):

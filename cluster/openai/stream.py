@@ -23,17 +23,27 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class StopMatcher:
-    """Finds the first stop string in a text that arrives in pieces."""
+    """Finds the first stop string in a text that arrives in pieces.
 
-    def __init__(self, stops: Sequence[str]):
+    ``include_stop``: the stop string is part of the text, so nothing is held
+    back; the text is cut right after the first stop string to complete.
+    """
+
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self.pending = ""
+        self.tail = ""  # include_stop: the end of the emitted text, where a stop may start
+        self.tail_len = max((len(s) for s in self.stops), default=1) - 1
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Adds text; returns ``(text safe to emit, matched)``. After a match the
-        emitted text ends just before the stop string and the matcher is spent."""
+        emitted text ends just before the stop string (just after it with
+        ``include_stop``) and the matcher is spent."""
         if not self.stops:
             return delta, False
+        if self.include_stop:
+            return self._feed_including(delta)
         self.pending += delta
         found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         keep = len(self.pending) - self._held_len()
@@ -46,6 +56,16 @@ class StopMatcher:
         # as in "ba" with stops "a" and "bab"): hold from there.
         text, self.pending = self.pending[:keep], self.pending[keep:]
         return text, False
+
+    def _feed_including(self, delta: str) -> tuple[str, bool]:
+        # No stop was complete before this delta, so the first one to complete ends
+        # inside it; it may start in the tail.
+        window = self.tail + delta
+        ends = [i + len(s) for s in self.stops if (i := window.find(s)) >= 0]
+        if ends:
+            return window[len(self.tail) : min(ends)], True
+        self.tail = window[-self.tail_len :] if self.tail_len else ""
+        return delta, False
 
     def _held_len(self) -> int:
         # The longest suffix of pending that is a proper prefix of some stop string.

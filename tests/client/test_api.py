@@ -78,6 +78,25 @@ async def test_chat_accepts_dicts_and_messages(make_client, stub):
     assert out.choices[0].finish_reason == "stop" and out.choices[0].logprobs is None
 
 
+async def test_tool_calls_come_back_on_the_message_and_go_out_in_the_history(make_client, stub):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    reply = {**CHAT, "choices": [{"index": 0, "finish_reason": "tool_calls",
+                                  "message": {"role": "assistant", "content": None,
+                                              "tool_calls": [call]}}]}  # fmt: skip
+    stub.add(json_reply(200, reply), json_reply(200, CHAT))
+    client = make_client()
+    out = await resolve(client.chat.completions.create(model="m", messages=[], tools=[]))
+    message = out.choices[0].message
+    assert message.tool_calls == [call] and out.choices[0].finish_reason == "tool_calls"
+    answer = ChatMessage(role="tool", content="sunny", tool_call_id="call_1")
+    await resolve(client.chat.completions.create(model="m", messages=[message, answer]))
+    assert stub.requests[1].body["messages"] == [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+
+
 async def test_base_url_with_v1_suffix(make_client, stub):
     stub.add(json_reply(200, {"object": "list", "data": [{"id": "m", "object": "model"}]}))
     models = await resolve(make_client(stub.url + "/v1/").models())

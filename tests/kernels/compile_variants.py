@@ -116,7 +116,7 @@ def exercise() -> None:
             new = []
             for slot, (cached, n) in enumerate(pieces):
                 tokens = [1] * (cached + n)
-                new.append(NewSequence(f"s{slot}", slot, tokens, len(tokens), params))
+                new.append(NewSequence(slot, f"s{slot}", slot, tokens, len(tokens), params))
             table.apply(StepPlan(0, new_seqs=new))
             for slot, (cached, n) in enumerate(pieces):
                 seq = table.get(slot)

@@ -2,7 +2,8 @@
 problem, and without reaching a scheduler (the engine's step and counters stay put).
 
 Runs on a fake-executor app with an API key, max_model_len 128, max_n 16,
-max_logprobs 20 and a 2 MiB body limit (so the large bodies below reach validation).
+max_logprobs 20, a 2 MiB body limit (so the large bodies below reach validation)
+and strict_fields (so unknown fields are refused rather than ignored).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def adv_url(serve_url, tokenizer_dir, vocab_size):
         config=config,
         api_key=API_KEY,
         max_body_bytes=BODY_LIMIT,
+        strict_fields=True,
     )
     undeploy(APP)
 
@@ -95,7 +97,7 @@ BODIES = [
     ("max-tokens-0", C, body(max_tokens=0), 400, ["max_tokens", "got 0"]),
     ("max-tokens-negative", C, body(max_tokens=-1), 400, ["max_tokens", "got -1"]),
     ("n-0", C, body(n=0), 400, ["n", "got 0"]),
-    ("top-k-negative", C, body(top_k=-1), 400, ["top_k", "got -1"]),
+    ("top-k-negative", C, body(top_k=-2), 400, ["top_k", "got -2"]),
     ("temperature-negative", C, body(temperature=-0.5), 400, ["temperature", "-0.5"]),
     ("seed-negative", C, body(seed=-1), 400, ["seed", "got -1"]),
     ("logprobs-negative", C, body(logprobs=-1), 400, ["logprobs", "got -1"]),

@@ -13,6 +13,7 @@ prompt that alone fills the context is then the one expected refusal (400,
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import httpx
@@ -21,7 +22,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from iterserve.cluster.openai.protocol import ChatMessage
+from iterserve.cluster.openai.chat import render_prompt
+from iterserve.cluster.openai.protocol import ChatCompletionRequest
+from iterserve.cluster.openai.serving import load_json
 from iterserve.workers.tokenizer import Tokenizer
 from tests.reliability.conftest import idle_replicas
 from tests.serve.conftest import API_KEY, AUTH, deploy, engine_replicas, fake_engine, undeploy
@@ -41,7 +44,8 @@ def fuzz_url(serve_url, tokenizer_dir, vocab_size):
         num_kv_blocks=1024,
         executor_options={"max_model_len": MAX_MODEL_LEN},
     )
-    yield deploy(serve_url, APP, model=str(tokenizer_dir), config=config, api_key=API_KEY)
+    app = dict(model=str(tokenizer_dir), config=config, api_key=API_KEY, tool_call_parser="hermes")
+    yield deploy(serve_url, APP, **app)
     undeploy(APP)
 
 
@@ -51,15 +55,41 @@ def tok(tokenizer_dir):
 
 
 def prompt_lens(body: dict, chat: bool, tok: Tokenizer) -> list[int]:
-    if chat:
-        messages = [ChatMessage.model_validate(m).as_template_input() for m in body["messages"]]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        return [len(tok.encode(text, False))]
+    if chat:  # rendered as the server renders it, template options included
+        request = ChatCompletionRequest.model_validate(load_json(json.dumps(body).encode()))
+        text = render_prompt(tok, request)
+        return [len(tok.encode(text, body.get("add_special_tokens", False)))]
     prompt = body["prompt"]
     # Token ids may be integral floats (42.0): JSON Schema and the server take them.
     flat = isinstance(prompt, str) or isinstance(prompt[0], (int, float))
     prompts = [prompt] if flat else prompt
-    return [len(tok.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+    special = body.get("add_special_tokens", True)
+    return [len(tok.encode(p, special)) if isinstance(p, str) else len(p) for p in prompts]
+
+
+def _json_object_text(text) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (TypeError, ValueError):
+        return False
+
+
+def fit_chat_rules(body: dict) -> None:
+    """The chat-only rules: tool_choice needs tools, continue_final_message excludes
+    add_generation_prompt, content is null only beside tool calls, whose
+    arguments are JSON objects."""
+    if not body.get("tools") and body.get("tool_choice") not in (None, "none"):
+        body["tool_choice"] = None
+    if body.get("continue_final_message") and body.get("add_generation_prompt"):
+        body["add_generation_prompt"] = None
+    for message in body["messages"]:
+        calls = message.get("tool_calls") or []
+        if message.get("content") is None and not calls:
+            message["content"] = ""
+        for call in calls:
+            arguments = call["function"]["arguments"]
+            if isinstance(arguments, str) and not _json_object_text(arguments):
+                call["function"]["arguments"] = "{}"
 
 
 def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
@@ -71,10 +101,14 @@ def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
         body["logprobs"] = True
     if not chat and body.get("best_of") is not None:
         body["best_of"] = body.get("n", 1)
+    if chat:
+        fit_chat_rules(body)
+    elif body.get("add_special_tokens") is False and 0 in prompt_lens(body, chat, tok):
+        body["add_special_tokens"] = True  # an empty text prompt has no token without BOS
     room = MAX_MODEL_LEN - max(prompt_lens(body, chat, tok))
     if room < 1:
         return False
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
+    key = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     if body.get(key) is not None:
         body[key] = min(body[key], room)
     if body.get("min_tokens") is not None:

@@ -139,3 +139,33 @@ def sse_events(lines) -> list:
     data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     assert data and data[-1] == "[DONE]", data[-3:]
     return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.fixture(scope="session")
+def tools_tokenizer_dir(tmp_path_factory) -> Path:
+    """A tokenizer whose chat template renders tools (see tests/serve/echo.py)."""
+    from tests.serve.echo import build_tools_tokenizer
+
+    return build_tools_tokenizer(tmp_path_factory.mktemp("serve") / "tiny-tools")
+
+
+def inproc(tokenizer_dir: Path, settings: dict | None = None, **serving_options):
+    """The HTTP API over the in-process echo engine, without Ray: a starlette
+    TestClient and the engine (whose ``opened`` lists every request it got)."""
+    from starlette.testclient import TestClient
+
+    from iterserve.cluster.openai.app import APISettings, build_api
+    from iterserve.cluster.openai.serving import OpenAIServing
+    from iterserve.workers.tokenizer import Tokenizer
+    from tests.serve.echo import EchoEngine
+
+    tokenizer = Tokenizer(tokenizer_dir)
+    engine = EchoEngine(tokenizer)
+    options = dict(model_name=MODEL, max_n=4, max_logprobs=5, request_timeout_s=30)
+    serving = OpenAIServing(engine, tokenizer, **{**options, **serving_options})
+
+    async def metrics_body() -> bytes:
+        return b"# no metrics here\n"
+
+    app = build_api(serving, APISettings(**(settings or {})), metrics_body)
+    return TestClient(app), engine

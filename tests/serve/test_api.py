@@ -74,15 +74,19 @@ def test_completion_is_the_engines_tokens_as_text(http, tok, predict):
     }
 
 
-def test_eos_finishes_with_stop_and_default_max_tokens_fill_the_context(http, predict):
+def test_eos_finishes_with_stop_and_the_default_max_tokens(http, tok, predict):
     body = post(http, "/v1/completions", {"prompt": "hello"}, "c2").json()
     text, tokens, reason = predict("c2-0", max_tokens=100)
     assert reason == "eos" and len(tokens) == 12
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["choices"][0]["text"] == text
+    assert body["choices"][0]["text"] == text  # EOS itself writes nothing
+    # Completions default to OpenAI's 16 tokens; chat fills the context, as vLLM does.
     body = post(http, "/v1/completions", {"prompt": [7, 8, 9], "ignore_eos": True}, "c3").json()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["completion_tokens"] == 128 - 3  # max_model_len - prompt
+    assert body["usage"]["completion_tokens"] == 16
+    messages = [{"role": "user", "content": "hi"}]
+    body = post(http, "/v1/chat/completions", {"messages": messages, "ignore_eos": True}).json()
+    assert body["usage"]["total_tokens"] == 128  # max_model_len
 
 
 def test_streamed_completion_matches_the_prediction(http, predict):
@@ -108,14 +112,22 @@ def test_chat_renders_the_template_and_answers(http, tok, predict):
     assert body["usage"]["prompt_tokens"] == len(prompt)
 
 
-def test_chat_stream_opens_with_the_role_and_ends_with_done(http, predict):
+def test_chat_stream_opens_with_the_role_and_the_first_token_and_ends_with_done(http, tok, predict):
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     _, events = stream(http, "/v1/chat/completions", {**body, "max_tokens": 6}, "h2")
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text, tokens, _ = predict("h2-0", max_tokens=6)
+    first = events[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and text.startswith(first["content"])
     assert all(e["object"] == "chat.completion.chunk" for e in events)
-    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
-    assert text == predict("h2-0", max_tokens=6)[0]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_unknown_fields_pass_the_proxy_and_come_back_named(http):
+    body = {"prompt": "hi", "max_tokens": 2, "min_tokens_per_second": 5}
+    r = post(http, "/v1/completions", {**body, "stream_options": None})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-iterserve-ignored-fields"] == "min_tokens_per_second"
 
 
 def test_n_choices_and_batched_prompts_are_separate_engine_requests(http, predict):

@@ -33,6 +33,8 @@ def test_the_example_config_names_the_builder_and_valid_args():
         ({"max_body_bytes": 10}, "max_body_bytes"),
         ({"unknown": 1}, "unknown"),
         ({"request_timeout_s": -1}, "request_timeout_s"),
+        ({"tool_call_parser": "mistral"}, "tool_call_parser"),
+        ({"cors_allowed_origins": "https://a.example"}, "cors_allowed_origins"),
     ],
 )
 def test_bad_builder_args_are_refused_by_name(args, word):
@@ -68,6 +70,28 @@ def test_serve_subcommand_arguments():
     args = parser.parse_args(["--model", "/m", "--port", "9000", "--engine-replicas", "2"])
     assert (args.model, args.port, args.engine_replicas, args.host) == ("/m", 9000, 2, "127.0.0.1")
     assert args.func.__name__ == "serve_from_args"
+    assert not args.strict_fields and args.tool_call_parser is None
+    assert args.cors_allowed_origins == [] and args.metrics_require_api_key is True
+
+
+def test_serve_subcommand_compatibility_options():
+    import argparse
+
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--strict-fields",
+            "--tool-call-parser", "llama3_json",
+            "--cors-allowed-origins", "https://a.example, https://b.example",
+            "--cors-allow-credentials",
+            "--metrics-without-api-key",
+        ]
+    )  # fmt: skip
+    assert args.strict_fields and args.tool_call_parser == "llama3_json"
+    assert args.cors_allowed_origins == ["https://a.example", "https://b.example"]
+    assert args.cors_allow_credentials and args.metrics_require_api_key is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "nope"])
 
 
 def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, tmp_path):

@@ -53,7 +53,7 @@ def random_step(rng: random.Random, decode: bool = False):
     scheduled, new, next_block = [], [], 0
     for slot in range(rng.randint(1, 12)):
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(1, 60))]
-        new.append(NewSequence(f"r{slot}", slot, prompt, len(prompt), params))
+        new.append(NewSequence(slot, f"r{slot}", slot, prompt, len(prompt), params))
         start = len(prompt) - 1 if decode else rng.randrange(len(prompt))
         n = rng.randint(1, len(prompt) - start)
         blocks = list(range(next_block, next_block + -(-(start + n) // BS) + rng.randint(0, 2)))

@@ -1,0 +1,154 @@
+"""From a validated request to engine jobs: checked sampling parameters for each
+prompt, then one job (engine request and choice) per choice.
+
+This is where a request field becomes an engine setting; a field the engine
+learns to honour (a logit bias, a grammar) is added to ``sampling_params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from typing import Any
+
+from iterserve.cluster.openai.errors import APIError, bad_request
+from iterserve.cluster.openai.generation import Choice, Job
+from iterserve.scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+# Request fields passed to SamplingParams as they are (when set).
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "seed",
+)  # fmt: skip
+
+
+def engine_id_prefix(request_id: str) -> str:
+    """Engine requests are named ``<request id>-<choice index>`` so logs and
+    stats can be traced back; a request id that is not a short plain token is
+    replaced rather than sent to the scheduler."""
+    return request_id if _PLAIN_ID.fullmatch(request_id) else uuid.uuid4().hex
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the engines' configuration allows (``max_n``, ``max_logprobs``) and
+    their facts (``max_model_len``, ``vocab_size``)."""
+
+    max_n: int
+    max_logprobs: int
+    max_model_len: int
+    vocab_size: int
+
+
+def sampling_params(
+    request,
+    max_tokens: int | None,
+    prompt_len: int,
+    limits: Limits,
+    logprobs: int | None,
+    default_max_tokens: int | None = None,
+) -> SamplingParams:
+    """``default_max_tokens`` applies when the request sets none; None: the room
+    left in the context."""
+    room = limits.max_model_len - prompt_len
+    if room < 1:  # the prompt alone fills the context: say so before any other field
+        completion_len = max_tokens if max_tokens is not None and max_tokens >= 1 else 1
+        raise context_error(request, limits.max_model_len, prompt_len, completion_len)
+    # The configured caps first, so the message states the range that applies here.
+    if request.n > limits.max_n:
+        raise SamplingParamsError("n", f"must be in [1, {limits.max_n}], got {request.n}")
+    if logprobs is not None and logprobs > limits.max_logprobs:
+        message = f"must be in [0, {limits.max_logprobs}], got {logprobs}"
+        raise SamplingParamsError("logprobs", message)
+    fields = {
+        name: getattr(request, name)
+        for name in _SAMPLING_FIELDS
+        if getattr(request, name) is not None
+    }
+    if fields.get("top_k") == -1:  # vLLM's and Hugging Face's "off"
+        fields["top_k"] = 0
+    if max_tokens is None:
+        if default_max_tokens is None:
+            max_tokens = room
+        else:  # a default never contradicts the request's own min_tokens
+            max_tokens = min(max(default_max_tokens, request.min_tokens or 0), room)
+    fields.update(
+        n=request.n,
+        max_tokens=max_tokens,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+    )
+    params = SamplingParams(**fields)
+    params.check_limits(
+        max_n=limits.max_n, max_logprobs=limits.max_logprobs, vocab_size=limits.vocab_size
+    )
+    if params.max_tokens > room:
+        raise context_error(request, limits.max_model_len, prompt_len, params.max_tokens)
+    return params
+
+
+def build_jobs(
+    request,
+    prompts: list[list[int]],
+    tokenizer: Any,
+    limits: Limits,
+    *,
+    logprobs: int | None,
+    request_id: str,
+    renames: dict[str, str],
+    default_max_tokens: int | None = None,
+    skip_special_tokens: bool | None = None,
+) -> list[Job]:
+    """One job per choice of every prompt. ``renames`` maps a SamplingParams field to
+    the request field a client sent (``logprobs`` is chat's ``top_logprobs``)."""
+    stops = request.stop_strings()
+    max_tokens, field = request.output_len()
+    renames = {**renames, "max_tokens": field}
+    if skip_special_tokens is None:
+        skip_special_tokens = request.skip_special_tokens
+    prefix = engine_id_prefix(request_id)
+    jobs = []
+    try:
+        for p, prompt in enumerate(prompts):
+            params = sampling_params(
+                request, max_tokens, len(prompt), limits, logprobs, default_max_tokens
+            )
+            for j in range(request.n):
+                # Choice j of every prompt uses seed + j: the same prompt and seed
+                # give the same choices alone or in a batch. It wraps past MAX_SEED,
+                # so every seed the API accepts works with every n.
+                seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
+                one = dataclasses.asdict(dataclasses.replace(params, n=1, seed=seed))
+                index = p * request.n + j
+                detokenizer = tokenizer.detokenizer(
+                    prompt, skip_special_tokens, request.spaces_between_special_tokens
+                )
+                choice = Choice(
+                    index,
+                    detokenizer,
+                    stops,
+                    logprobs is not None,
+                    include_stop_str=request.include_stop_str_in_output,
+                )
+                jobs.append(Job(f"{prefix}-{index}", prompt, one, request.priority, choice))
+    except SamplingParamsError as exc:
+        field = renames.get(exc.field, exc.field)
+        message = str(exc).removeprefix(f"{exc.field}: ")
+        raise bad_request(f"{field}: {message}", field) from None
+    return jobs
+
+
+def context_error(request, max_model_len: int, prompt_len: int, completion_len: int) -> APIError:
+    where = "messages" if hasattr(request, "messages") else "prompt"
+    return APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_len + completion_len} tokens ({prompt_len} in the {where}, "
+        f"{completion_len} in the completion). Please reduce the length of the "
+        f"{where} or completion.",
+        param=where,
+        code="context_length_exceeded",
+    )

@@ -1,0 +1,221 @@
+"""The clients people point at OpenAI-compatible servers, against the real server.
+
+The app runs the echo executor (tests/serve/echo.py): the "model" answers with the
+last user message, so a test makes it call a tool by writing the call. The server
+reads calls with the hermes parser and allows one browser origin.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from iterserve.workers.tokenizer import Tokenizer
+from tests.serve.conftest import API_KEY, AUTH, deploy, engine_replicas, fake_engine, undeploy
+from tests.serve.conftest import wait_idle as _wait_idle
+
+APP = "clients"
+MODEL = "tiny-tools"  # the tokenizer directory's name
+ORIGIN = "https://app.example"
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def url(serve_url, tools_tokenizer_dir):
+    tok = Tokenizer(tools_tokenizer_dir)
+    options = {
+        "user_id": tok.token_to_id("<|user|>"),
+        "end_id": tok.token_to_id("<|end|>"),
+        "max_model_len": 1024,
+    }
+    config = fake_engine(
+        tok.vocab_size,
+        executor="tests.serve.echo:echo_executor",
+        executor_options=options,
+        num_kv_blocks=2048,
+    )
+    yield deploy(
+        serve_url,
+        APP,
+        model=str(tools_tokenizer_dir),
+        config=config,
+        api_key=API_KEY,
+        tool_call_parser="hermes",
+        cors_allowed_origins=[ORIGIN],
+    )
+    undeploy(APP)
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def chat_model(url):
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        base_url=f"{url}/v1", api_key=API_KEY, model=MODEL, max_retries=0, temperature=0
+    )
+
+
+def say(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_openai_tools_with_auto_choice_come_back_as_tool_calls(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=say(f"Checking.{CALL}"), tools=[WEATHER], tool_choice="auto"
+    )
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    plain = client.chat.completions.create(model=MODEL, messages=say("Sunny."), tools=[WEATHER])
+    assert plain.choices[0].message.content == "Sunny." and not plain.choices[0].message.tool_calls
+
+
+def test_openai_tool_choice_none_required_and_named(client):
+    none = client.chat.completions.create(
+        model=MODEL, messages=say(CALL), tools=[WEATHER], tool_choice="none"
+    )
+    assert none.choices[0].message.content == CALL and none.choices[0].finish_reason == "stop"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, words in (("required", "'required'"), (named, "naming a function")):
+        with pytest.raises(openai.BadRequestError, match="needs structured outputs") as info:
+            client.chat.completions.create(
+                model=MODEL, messages=say("hi"), tools=[WEATHER], tool_choice=choice
+            )
+        assert words in str(info.value)
+
+
+def test_openai_streams_tool_calls_as_deltas(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=say(f"One moment.{CALL}"), tools=[WEATHER], stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert calls == {0: {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "One moment."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_sends_vllm_fields_and_unknown_ones_in_extra_body(client):
+    extra = {"skip_special_tokens": False, "include_stop_str_in_output": True, "top_k": -1}
+    extra["some_future_option"] = {"x": 1}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=say("hello world"), stop=["world"], extra_body=extra
+    )
+    assert raw.headers["x-iterserve-ignored-fields"] == "some_future_option"
+    assert raw.parse().choices[0].message.content == "hello world"
+
+
+def test_openai_streams_with_continuous_usage_stats(client):
+    # What a widely used benchmark tool sends on every request.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=say("hello world"), stream=True, stream_options=options
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 2
+
+
+def test_openai_structured_outputs_are_refused_clearly_for_now(client):
+    class City(BaseModel):
+        name: str
+
+    with pytest.raises(openai.BadRequestError, match="json_schema needs structured outputs"):
+        client.chat.completions.parse(model=MODEL, messages=say("hi"), response_format=City)
+    with pytest.raises(openai.BadRequestError, match="json_object needs structured outputs"):
+        client.chat.completions.create(
+            model=MODEL, messages=say("hi"), response_format={"type": "json_object"}
+        )
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt="hi", echo=True, logprobs=1, max_tokens=0)
+
+
+def test_openai_responses_api_is_answered_as_unsupported(client):
+    with pytest.raises(openai.NotFoundError, match="Responses API"):
+        client.responses.create(model=MODEL, input="hi")
+
+
+def test_langchain_invoke_and_stream(chat_model):
+    assert chat_model.invoke("hello world").content == "hello world"
+    chunks = list(chat_model.stream("hello there"))
+    assert "".join(c.content for c in chunks) == "hello there"
+
+
+def test_langchain_bind_tools_reads_the_call(chat_model):
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    with_tools = chat_model.bind_tools([get_weather])
+    message = with_tools.invoke(CALL)
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    total = None
+    for chunk in with_tools.stream(CALL):
+        total = chunk if total is None else total + chunk
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+
+def test_langchain_structured_output_is_refused_clearly_for_now(chat_model):
+    class City(BaseModel):
+        name: str
+
+    for method, words in (
+        ("json_schema", "structured outputs"),
+        ("function_calling", "tool_choice"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words):
+            chat_model.with_structured_output(City, method=method).invoke("hi")
+
+
+def test_tokenize_and_a_cors_preflight_through_the_proxy(url):
+    r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "hello"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["count"] >= 1
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    r = httpx.options(f"{url}/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert httpx.get(f"{url}/version", headers=AUTH).json()["version"]
+
+
+async def test_no_request_left_anything_behind(url):
+    async with httpx.AsyncClient(base_url=url, headers=AUTH) as client:
+        stats = await _wait_idle(client)
+    assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
+    await engine_replicas(APP, "check_integrity")
