@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from iterserve.cluster.metrics_hub import CONTENT_TYPE
 from iterserve.cluster.openai.errors import (
+    RETRY_AFTER_BUSY_S,
     RETRY_AFTER_UNAVAILABLE_S,
     APIError,
     error_body,
@@ -53,7 +54,9 @@ class APISettings:
     /health (and /metrics, unless ``metrics_require_api_key``); None leaves the API
     open. max_body_bytes: largest request body. add_request_id_header: off behind
     Serve, whose proxy adds X-Request-Id itself. cors_allowed_origins: origins a
-    browser may call from (``*``: any); empty: no CORS headers at all."""
+    browser may call from (``*``: any); empty: no CORS headers at all.
+    max_ongoing_requests: requests served at once; beyond it a 503 with Retry-After
+    (``/health`` and ``/metrics`` are always answered); None: no bound."""
 
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
@@ -61,6 +64,7 @@ class APISettings:
     metrics_require_api_key: bool = True
     cors_allowed_origins: tuple[str, ...] = ()
     cors_allow_credentials: bool = False
+    max_ongoing_requests: int | None = None
 
 
 # OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
@@ -94,6 +98,7 @@ class Gate:
     def __init__(self, app, settings: APISettings):
         self.app = app
         self.settings = settings
+        self.ongoing = 0
 
     def _authorized(self, scope) -> bool:
         if self.settings.api_key is None:
@@ -127,6 +132,8 @@ class Gate:
         open_paths = (
             ("/health",) if self.settings.metrics_require_api_key else ("/health", "/metrics")
         )
+        bound = self.settings.max_ongoing_requests
+        counted = path not in ("/health", "/metrics")
         try:
             if path not in open_paths and not self._authorized(scope):
                 error = APIError(
@@ -136,8 +143,20 @@ class Gate:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await error_response(error, request_id)(scope, receive, send_with_id)
+            elif counted and bound is not None and self.ongoing >= bound:
+                error = APIError(
+                    503,
+                    f"the server is at capacity ({bound} requests at once); retry later",
+                    code="server_busy",
+                    headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
+                )
+                await error_response(error, request_id)(scope, receive, send_with_id)
             else:
-                await self.app(scope, receive, send_with_id)
+                self.ongoing += counted
+                try:
+                    await self.app(scope, receive, send_with_id)
+                finally:
+                    self.ongoing -= counted
         except ClientDisconnect:
             pass  # the client left while sending its body: nobody to answer
         except Exception:
@@ -181,6 +200,28 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Runs ``work``, cancelling it (and so aborting its engine requests) when the
+    client hangs up first: a whole response is only sent at the end, so nothing
+    else would notice. A streamed response watches for that itself."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
 def _request_id(request: Request) -> str:
     return request.scope.get(REQUEST_ID_KEY, "")
 
@@ -203,12 +244,12 @@ def build_api(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request, settings.max_body_bytes)
-        return await serving.completions(body, _request_id(request))
+        return await until_disconnect(request, serving.completions(body, _request_id(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, settings.max_body_bytes)
-        return await serving.chat(body, _request_id(request))
+        return await until_disconnect(request, serving.chat(body, _request_id(request)))
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> Response:

@@ -81,16 +81,35 @@ def fake_engine(vocab_size: int, **overrides) -> dict:
     return config
 
 
-def deploy(serve_url: str, name: str, **args) -> str:
-    """Runs the app under /<name>; returns its base URL. Waits until the engines answer."""
+def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> str:
+    """Runs the app; returns its base URL once the engines answer. As ``iterserve
+    serve`` runs it, the ingress answers HTTP itself, on a port of its own;
+    ``behind_proxy`` puts it under /<name> of Serve's proxy instead."""
     from ray import serve
 
     from iterserve.cluster.serve_app import build_app
 
+    url = f"{serve_url}/{name}"
+    if not behind_proxy:
+        args.setdefault("http_port", _free_port())
+        url = f"http://127.0.0.1:{args['http_port']}"
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     engine = serve.get_deployment_handle("EngineServer", name)
     engine.broadcast("info").results(timeout_s=120)
-    return f"{serve_url}/{name}"
+    _wait_answering(url)
+    return url
+
+
+def _wait_answering(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+            return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,298 @@
+"""The engine channel: one stream socket between an ingress and an engine replica.
+
+Requests go in and tokens come out on it, not through Ray: Ray's per-item
+streaming between Serve actors cost more CPU per token than the model's
+forward on a CPU. An engine replica listens on a Unix socket (for ingresses on
+its node) and on TCP (for the others); an ingress connects with the token the
+replica handed out through Serve (``EngineServer.endpoint``) and its own id.
+Then, on each connection::
+
+    ingress -> engine   [ADD, key, label, prompt_token_ids, params, priority]
+                        [ABORT, key]
+    engine -> ingress   [ACCEPTED, key] | [REFUSED, key, kind, message]
+                        [OUTPUTS, [[key, token_ids, logprobs, finish_reason, error], ...]]
+
+``OUTPUTS`` carries everything one step produced for that ingress's requests,
+in one frame: the per-token cost is a few list entries, not a message. The
+``key`` names a request on its connection (the ingress makes it unique); the
+``label`` is the client's own request id, for logs. Frames are a 4-byte
+big-endian length and a msgpack array of plain types (no extension types).
+A connection that closes aborts every request it added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from iterserve.cluster.outputs import Record
+from iterserve.cluster.step_channel import HEADER, ChannelClosed
+
+logger = logging.getLogger(__name__)
+
+HELLO, ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(6)
+MAX_FRAME_BYTES = 64 << 20
+TOKEN_BYTES = 32
+HELLO_TIMEOUT_S = 10.0
+# An ingress that stops reading its outputs must not grow the engine without bound.
+MAX_UNSENT_BYTES = 256 << 20
+
+
+def encode(message: list) -> bytes:
+    payload = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(payload)) + payload
+
+
+def _no_ext(code, data):
+    raise ValueError("msgpack extension types are not accepted")
+
+
+async def read_message(reader: asyncio.StreamReader) -> list:
+    try:
+        (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if not 0 < length <= MAX_FRAME_BYTES:
+            raise ChannelClosed(f"a frame of {length} bytes")
+        payload = await reader.readexactly(length)
+    except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        raise ChannelClosed("the engine channel was closed") from None
+    try:
+        message = msgpack.unpackb(payload, raw=False, ext_hook=_no_ext, strict_map_key=True)
+    except Exception as exc:
+        raise ChannelClosed(f"not a message: {type(exc).__name__}: {exc}") from None
+    if type(message) is not list or not message or type(message[0]) is not int:
+        raise ChannelClosed("a message is an array [kind, ...]")
+    return message
+
+
+# -- the engine's end ----------------------------------------------------------------
+
+
+class EngineEndpoint:
+    """An engine replica's end of every ingress's channel. ``core`` is its
+    ``EngineCore``; each connection is one of the core's consumers, whose
+    outputs the core hands to :meth:`_send` once per step."""
+
+    def __init__(self, core: Any, host: str):
+        self.core = core
+        self.host = host
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.tmpdir = tempfile.mkdtemp(prefix="iterserve-engine-")  # mode 0700
+        self.servers: list[asyncio.AbstractServer] = []
+        self.address: dict = {}
+        self.next_consumer = 0
+
+    async def start(self) -> dict:
+        path = os.path.join(self.tmpdir, "engine.sock")
+        self.servers.append(await asyncio.start_unix_server(self._serve, path=path))
+        tcp = await asyncio.start_server(self._serve, host=self.host, port=0)
+        self.servers.append(tcp)
+        port = tcp.sockets[0].getsockname()[1]
+        self.address = {"unix": path, "tcp": [self.host, port], "token": self.token.hex()}
+        return self.address
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = await asyncio.wait_for(read_message(reader), HELLO_TIMEOUT_S)
+            token = hello[1] if len(hello) > 2 and hello[0] == HELLO else b""
+            if not isinstance(token, bytes) or not hmac.compare_digest(token, self.token):
+                raise ChannelClosed("a connection without the token")
+        except (ChannelClosed, asyncio.TimeoutError) as exc:
+            logger.warning("engine channel refused: %s", exc)
+            writer.close()
+            return
+        self.next_consumer += 1
+        consumer = f"{hello[2]}#{self.next_consumer}"
+        outputs = self.core.outputs
+        outputs.attach(consumer, lambda records: self._send(writer, records))
+        try:
+            while True:
+                await self._handle(consumer, writer, await read_message(reader))
+        except ChannelClosed:
+            pass
+        except Exception:
+            logger.exception("engine channel %s failed", consumer)
+        finally:
+            for key in outputs.detach(consumer):
+                await self.core.abort(key)  # nobody reads them any more
+            writer.close()
+
+    async def _handle(self, consumer: str, writer: asyncio.StreamWriter, message: list) -> None:
+        kind = message[0]
+        if kind == ADD and len(message) == 6:
+            _, key, label, prompt, params, priority = message
+            if not isinstance(key, str) or not isinstance(params, dict):
+                raise ChannelClosed("a malformed ADD")
+            refusal = await self.core.add_request(consumer, key, prompt, params, priority, label)
+            reply = [ACCEPTED, key] if refusal is None else [REFUSED, key, *refusal]
+            writer.write(encode(reply))
+        elif kind == ABORT and len(message) == 2:
+            await self.core.abort(message[1])
+        else:
+            raise ChannelClosed(f"an unknown message kind {kind!r}")
+
+    @staticmethod
+    def _send(writer: asyncio.StreamWriter, records: list[Record]) -> None:
+        if writer.is_closing():
+            return
+        writer.write(encode([OUTPUTS, records]))
+        if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
+            logger.error("an ingress stopped reading its outputs: closing its channel")
+            writer.close()
+
+
+# -- the ingress's end ---------------------------------------------------------------
+
+
+class RequestStream:
+    """One request's outputs on an ingress: batches of ``(token_ids, logprobs,
+    finish_reason, error)`` records, everything that arrived since the last
+    batch. ``cancel`` aborts the request (when it has not finished)."""
+
+    def __init__(self, connection: EngineConnection, key: str):
+        self.connection = connection
+        self.key = key
+        self.records: list[tuple] = []
+        self.wake = asyncio.Event()
+        self.done = False  # a finishing record arrived, or the stream was cancelled
+
+    def feed(self, record: tuple) -> None:
+        self.records.append(record)
+        self.wake.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[tuple]:
+        while not self.records:
+            if self.done:
+                raise StopAsyncIteration
+            self.wake.clear()
+            await self.wake.wait()
+        batch, self.records = self.records, []
+        if batch[-1][2] is not None:  # finished (or failed): nothing follows
+            self.done = True
+            self.connection.streams.pop(self.key, None)
+        return batch
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self.connection.streams.pop(self.key, None)
+            self.connection.send([ABORT, self.key])
+        self.wake.set()
+
+
+class EngineConnection:
+    """An ingress's connection to one engine replica: it adds requests, and a
+    reader task hands each step's outputs to their requests' streams."""
+
+    def __init__(self, replica: str, reader, writer, on_close: Callable[[EngineConnection], None]):
+        self.replica = replica
+        self.reader, self.writer = reader, writer
+        self.streams: dict[str, RequestStream] = {}
+        self.pending: dict[str, asyncio.Future] = {}  # ADDs waiting for their answer
+        self.closed = False
+        self.on_close = on_close
+        self.task = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def connect(cls, endpoint: dict, ingress_id: str, local: bool, on_close) -> EngineConnection:
+        if local:
+            reader, writer = await asyncio.open_unix_connection(endpoint["unix"])
+        else:
+            host, port = endpoint["tcp"]
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(encode([HELLO, bytes.fromhex(endpoint["token"]), ingress_id]))
+        return cls(endpoint["replica"], reader, writer, on_close)
+
+    @property
+    def load(self) -> int:
+        return len(self.streams) + len(self.pending)
+
+    def send(self, message: list) -> None:
+        if not self.closed:
+            self.writer.write(encode(message))
+
+    async def add(self, key, label, prompt, params, priority) -> RequestStream:
+        """Queues a request on this replica; raises ``ChannelClosed`` if the replica
+        is gone, or returns ``(kind, message)`` refusals as ``RefusedError``."""
+        if self.closed:
+            raise ChannelClosed(f"the channel to engine replica {self.replica} is closed")
+        stream = self.streams[key] = RequestStream(self, key)
+        answer = self.pending[key] = asyncio.get_running_loop().create_future()
+        self.send([ADD, key, label, prompt, params, priority])
+        try:
+            refusal = await answer
+        except BaseException:
+            self.pending.pop(key, None)
+            stream.cancel()  # a caller cancelled while waiting: abort if it was added
+            raise
+        if refusal is not None:
+            self.streams.pop(key, None)
+            raise RefusedError(*refusal)
+        return stream
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await read_message(self.reader)
+                kind = message[0]
+                if kind == OUTPUTS:
+                    streams = self.streams
+                    for key, *record in message[1]:
+                        stream = streams.get(key)
+                        if stream is not None:
+                            stream.feed(record)
+                elif kind in (ACCEPTED, REFUSED):
+                    answer = self.pending.pop(message[1], None)
+                    if answer is not None and not answer.done():
+                        answer.set_result(None if kind == ACCEPTED else message[2:4])
+        except ChannelClosed:
+            pass
+        except Exception:
+            logger.exception("the channel to engine replica %s failed", self.replica)
+        finally:
+            self._fail(f"engine replica {self.replica} went away")
+
+    def _fail(self, message: str) -> None:
+        self.closed = True
+        self.writer.close()
+        for answer in self.pending.values():
+            if not answer.done():
+                answer.set_result(["unavailable", message])
+        self.pending.clear()
+        for stream in list(self.streams.values()):
+            stream.feed(([], [], "error", message))
+        self.streams.clear()
+        self.on_close(self)
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+class RefusedError(Exception):
+    """The engine refused a request: ``kind`` as ``EngineCore.add_request`` says it."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message

@@ -1,0 +1,134 @@
+"""One data-parallel engine copy as a Serve deployment: a scheduler actor.
+
+Each ``EngineServer`` replica runs an ``EngineCore`` on its own event loop and
+owns that core's worker actors. Serve starts, places, health-checks and
+replaces the replicas; requests and their tokens reach a replica over the
+engine channels its ingresses open (:mod:`engine_channel`), never through
+Serve's request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import ray
+from ray import serve
+
+from iterserve.cluster import resources
+from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.engine_channel import EngineEndpoint
+from iterserve.cluster.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+def _replica_name() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (direct construction in tests)
+        return uuid.uuid4().hex[:8]
+
+
+def _replica_rank() -> int:
+    """This replica's index among the engine copies: the ``engine`` metric label."""
+    try:
+        rank = serve.get_replica_context().rank
+        return int(getattr(rank, "rank", rank))
+    except Exception:  # outside a Serve replica, or a Serve without ranks
+        return 0
+
+
+@serve.deployment(
+    ray_actor_options={"num_cpus": resources.SCHEDULER_CPUS}, health_check_period_s=10
+)
+class EngineServer:
+    """One data-parallel engine copy: an ``EngineCore`` running in this replica."""
+
+    def __init__(self, config: EngineConfig, model_name: str, metrics_hub: str):
+        self.core = EngineCore(
+            config, model_name=model_name, engine_index=_replica_rank(), metrics_hub=metrics_hub
+        )
+        self.replica = _replica_name()
+        self.channels: EngineEndpoint | None = None
+        # Start-up (worker placement, model load) runs in the background so the
+        # replica answers health checks while loading; every call awaits it.
+        self.started = asyncio.get_running_loop().create_task(self._start())
+
+    async def _start(self) -> dict:
+        info = await self.core.start()
+        self.channels = EngineEndpoint(self.core, ray.util.get_node_ip_address())
+        await self.channels.start()
+        return info
+
+    async def _ready(self) -> dict:
+        return await asyncio.shield(self.started)
+
+    def endpoint(self) -> dict | None:
+        """Where ingresses connect (and the token they present), once the engine is
+        up; None while it loads."""
+        if self.channels is None or not self.started.done():
+            return None
+        context = ray.get_runtime_context()
+        return {**self.channels.address, "replica": self.replica, "node_id": context.get_node_id()}
+
+    async def info(self) -> dict:
+        return {**await self._ready(), "replica": self.replica}
+
+    def _start_failure(self) -> str | None:
+        if self.started.done() and self.started.exception() is not None:
+            return f"the engine failed to start: {self.started.exception()}"
+        return None
+
+    async def stats(self) -> dict:
+        """The scheduler's stats; a replica still loading (or failed) answers at once."""
+        failure = self._start_failure()
+        if failure or not self.started.done():
+            status = {"replica": self.replica, "ready": False, "counters": {}}
+            return {**status, "healthy": failure is None, "message": failure or "starting"}
+        return {**await self.core.stats(), "replica": self.replica, "ready": True}
+
+    async def health(self) -> dict:
+        """``{"healthy", "ready", "message", "replica"}``. A replica still loading its
+        model is healthy (Serve must not replace it) but not ready."""
+        status = {"healthy": True, "ready": False, "message": "starting", "replica": self.replica}
+        if self._start_failure():
+            status.update(healthy=False, message=self._start_failure())
+        elif self.started.done():
+            healthy, message = await self.core.health()
+            status.update(healthy=healthy, ready=healthy, message=message)
+        return status
+
+    async def check_integrity(self) -> None:
+        await self._ready()
+        await self.core.check_integrity()
+
+    async def worker_pids(self) -> list[int]:
+        """The worker actors' process ids, in rank order (fault-injection tests)."""
+        await self._ready()
+        return await self.core.worker_pids()
+
+    async def placement(self) -> dict:
+        """Where this replica and its ranks run: node and placement group ids."""
+        await self._ready()
+        context = ray.get_runtime_context()
+        return {
+            "NodeID": context.get_node_id(),
+            "placement_group": context.get_placement_group_id(),
+            "workers": await self.core.worker_nodes(),
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health check: raising makes Serve replace this replica."""
+        status = await self.health()
+        if not status["healthy"]:
+            raise RuntimeError(status["message"])
+
+    async def __del__(self) -> None:
+        if self.channels is not None:
+            self.channels.close()
+        if self.started.done() and self.started.exception() is None:
+            await self.core.shutdown()
+        else:
+            self.started.cancel()

@@ -1,0 +1,116 @@
+"""The HTTP front as a Serve deployment: every route of the OpenAI-compatible API.
+
+With ``http_port`` set (what ``iterserve serve``, the example configs and the
+Helm chart do), each ``OpenAIIngress`` replica answers HTTP itself, on its own
+event loop, and Serve's proxy is not started: a streamed token then crosses
+two processes (rank → engine replica → ingress → client) instead of four, and
+no Ray message is sent per token at all. Several replicas on one node share
+the port (``SO_REUSEPORT``). Without ``http_port`` the same ASGI app sits
+behind Serve's proxy, as any Serve ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+from ray import serve
+
+from iterserve.cluster import resources
+from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.engine_client import ChannelEngineClient
+from iterserve.cluster.gc_pauses import freeze_startup_objects
+from iterserve.cluster.metrics_hub import get_or_create_hub, render
+from iterserve.cluster.openai.app import APISettings, build_api
+from iterserve.cluster.openai.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+LISTEN_BACKLOG = 2048
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP listener that other replicas on this node may share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+@serve.deployment(ray_actor_options={"num_cpus": resources.INGRESS_CPUS})
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP front: every route of the OpenAI-compatible API."""
+
+    def __init__(self, engine, config: EngineConfig, args):
+        from iterserve.cluster.serve_app import metrics_hub_name
+        from iterserve.workers.tokenizer import Tokenizer
+
+        self.server = None  # uvicorn's, when this replica answers HTTP itself
+        api_key = args.api_key
+        if api_key is None and args.api_key_env is not None:
+            # The key is read here, on the ingress's node, and never travels in configs.
+            api_key = os.environ.get(args.api_key_env) or None
+            if api_key is None:
+                raise RuntimeError(
+                    f"api_key_env names {args.api_key_env}, which is not set on this node; "
+                    "refusing to serve without the key"
+                )
+        direct = args.http_port is not None
+        self.settings = APISettings(
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            # Serve's proxy sets X-Request-Id itself; answering directly, the app does.
+            add_request_id_header=direct,
+            metrics_require_api_key=args.metrics_require_api_key,
+            cors_allowed_origins=tuple(args.cors_allowed_origins),
+            cors_allow_credentials=args.cors_allow_credentials,
+            max_ongoing_requests=args.max_ongoing_requests(config) if direct else None,
+        )
+        self.metrics_hub = metrics_hub_name(args.served_model_name(config))
+        self.engines = ChannelEngineClient(engine)
+        self.serving = OpenAIServing(
+            self.engines,
+            Tokenizer(config.model_path),
+            model_name=args.served_model_name(config),
+            max_n=config.scheduler.max_n,
+            max_logprobs=config.scheduler.max_logprobs,
+            request_timeout_s=args.request_timeout_s,
+            strict_fields=args.strict_fields,
+            tool_call_parser=args.tool_call_parser,
+        )
+        self.asgi = build_api(self.serving, self.settings, self.metrics_body)
+        if direct:
+            sock = listening_socket(args.http_host, args.http_port)
+            self.server_task = asyncio.get_running_loop().create_task(self._serve_http(sock))
+        freeze_startup_objects()  # a full collection would stall every stream it serves
+
+    async def _serve_http(self, sock: socket.socket) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_keep_alive=30
+        )
+        self.server = uvicorn.Server(config)
+        try:
+            await self.server.serve(sockets=[sock])
+        except Exception:
+            logger.exception("the ingress's HTTP server stopped")
+            raise
+
+    def __serve_build_asgi_app__(self):
+        return self.asgi
+
+    async def metrics_body(self) -> bytes:
+        hub = get_or_create_hub(self.metrics_hub)
+        return render(await hub.collect.remote())
+
+    async def __del__(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        self.engines.close()
