@@ -70,7 +70,7 @@ def run_server(
 
     model: checkpoint directory (``None``: the bundled demo model).
     config_file: YAML or JSON file of EngineConfig keys (policy, max_num_seqs, ...).
-    host, port: where Serve's HTTP proxy listens (``0.0.0.0`` to accept remote clients).
+    host, port: where the ingress answers HTTP (``0.0.0.0`` to accept remote clients).
     num_engine_replicas: data-parallel engine copies behind the one ingress.
     api_key_env: name of the environment variable that holds the API key; unset: no auth.
     max_body_bytes: largest request body; larger ones get 413.
@@ -102,6 +102,8 @@ def run_server(
         cors_allowed_origins=cors_allowed_origins or [],
         cors_allow_credentials=cors_allow_credentials,
         metrics_require_api_key=metrics_require_api_key,
+        http_host=host,
+        http_port=port,
     )
     name = _check_before_starting(args)
 
@@ -121,7 +123,8 @@ def run_server(
                 # Ray's core replaces the handler with one that logs, then aborts
                 # the process three seconds later, whatever shutdown is doing.
                 signal.signal(signal.SIGTERM, _interrupt)
-        serve.start(http_options={"host": host, "port": port})
+        # The ingress answers HTTP on host:port itself: no proxy in the token path.
+        serve.start(proxy_location="Disabled")
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         engines.broadcast("info").results(timeout_s=ready_timeout_s)

@@ -180,7 +180,8 @@ def test_iterserve_serve_comes_up_with_no_config_and_leaves_nothing_behind(tmp_p
 def test_serve_run_of_the_example_config_on_a_cluster_started_with_ray_start(tmp_path):
     config = yaml.safe_load((ROOT / "deploy" / "serve-config.example.yaml").read_text())
     port, ray_port = _free_port(), _free_port()
-    config["http_options"]["port"] = port  # the example's 8000 may be taken here
+    (app,) = config["applications"]
+    app["args"]["http_port"] = port  # the example's 8000 may be taken here
     config_path = tmp_path / "serve-config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     # This cluster's sessions, apart from the suite's Ray (a short path: Ray's Unix

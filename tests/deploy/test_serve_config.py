@@ -24,7 +24,10 @@ else:  # pragma: no cover
     tomllib = pytest.importorskip("tomli")
 
 IMPORT_PATH = "iterserve.cluster.serve_app:build_app"
-APP_ARGS = {"model", "config", "num_engine_replicas", "api_key_env", "max_body_bytes"}
+APP_ARGS = {
+    "model", "config", "num_engine_replicas", "api_key_env", "max_body_bytes", "http_host",
+    "http_port", "request_timeout_s",
+}  # fmt: skip
 EXAMPLE = REPO_ROOT / "deploy" / "serve-config.yaml"
 
 
@@ -69,8 +72,12 @@ def _check_engine_config(config: dict[str, Any]) -> None:
 
 
 def _the_app(serve_config: dict[str, Any]) -> dict[str, Any]:
-    assert serve_config["http_options"]["port"] == 8000
+    """The one application; it answers on port 8000, itself or through Serve's proxy."""
     (app,) = serve_config["applications"]
+    if serve_config.get("proxy_location") == "Disabled":
+        assert app["args"]["http_port"] == 8000
+    else:
+        assert serve_config["http_options"]["port"] == 8000
     return app
 
 

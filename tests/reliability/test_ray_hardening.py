@@ -39,7 +39,9 @@ def test_run_server_starts_ray_without_dashboard_and_serve_on_the_given_host(mon
     assert calls["ray"]["address"] == "local"  # a fresh single-node Ray, never a cluster's
     assert calls["ray"]["include_dashboard"] is False
     assert calls["ray"]["_system_config"] == {"worker_niceness": 0}
-    assert calls["serve"]["http_options"] == {"host": host, "port": 8123}
+    # No proxy: the ingress answers HTTP on host:port itself (the session's test below
+    # checks where a proxy listens, the quick-start test where the ingress does).
+    assert calls["serve"] == {"proxy_location": "Disabled"}
     # A start-up that fails stops what it started.
     assert calls["serve_shutdown"] and calls["ray_shutdown"]
 
