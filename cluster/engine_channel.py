@@ -88,6 +88,7 @@ class EngineEndpoint:
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.tmpdir = tempfile.mkdtemp(prefix="iterserve-engine-")  # mode 0700
         self.servers: list[asyncio.AbstractServer] = []
+        self.writers: set[asyncio.StreamWriter] = set()  # every open connection
         self.address: dict = {}
         self.next_consumer = 0
 
@@ -101,8 +102,12 @@ class EngineEndpoint:
         return self.address
 
     def close(self) -> None:
+        """Stops listening and closes every connection: their ingresses end the
+        requests on them with an error."""
         for server in self.servers:
             server.close()
+        for writer in list(self.writers):
+            writer.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -120,6 +125,7 @@ class EngineEndpoint:
             return
         self.next_consumer += 1
         consumer = f"{hello[2]}#{self.next_consumer}"
+        self.writers.add(writer)
         outputs = self.core.outputs
         outputs.attach(consumer, lambda records: self._send(writer, records))
         try:
@@ -130,6 +136,7 @@ class EngineEndpoint:
         except Exception:
             logger.exception("engine channel %s failed", consumer)
         finally:
+            self.writers.discard(writer)
             for key in outputs.detach(consumer):
                 await self.core.abort(key)  # nobody reads them any more
             writer.close()

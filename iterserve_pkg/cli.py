@@ -77,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     ceiling.add_argument("--json", help="also write the result to this file")
     ceiling.set_defaults(func=_bench_ceiling)
 
-    from iterserve.bench import loadgen, policies
+    from iterserve.bench import compare, loadgen, policies
 
     loadgen.register(benches)
     policies.register(benches)
+    compare.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"

@@ -1,0 +1,132 @@
+"""The engine channel on its own (no Ray): requests in, each step's outputs out in
+one frame, aborts, refusals, the token, and either end going away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from iterserve.cluster.engine_channel import (
+    HELLO,
+    EngineConnection,
+    EngineEndpoint,
+    RefusedError,
+    encode,
+)
+from iterserve.cluster.outputs import OutputBuffers
+
+
+class StubCore:
+    """What the endpoint needs of an EngineCore."""
+
+    def __init__(self):
+        self.outputs = OutputBuffers()
+        self.added: list[tuple] = []
+        self.aborted: list[str] = []
+
+    async def add_request(self, consumer, key, prompt, params, priority, label):
+        if params.get("refuse"):
+            return ("queue_full", "the waiting queue is full")
+        self.outputs.own(key, consumer)
+        self.added.append((key, label, prompt, priority))
+        return None
+
+    async def abort(self, key):
+        self.aborted.append(key)
+        self.outputs.push((key, [], [], "abort", None))
+
+    def publish(self, *records):
+        for record in records:
+            self.outputs.push(record)
+
+
+async def _connected(local: bool = True):
+    core = StubCore()
+    endpoint = EngineEndpoint(core, "127.0.0.1")
+    address = await endpoint.start()
+    gone = []
+    connection = await EngineConnection.connect(
+        {**address, "replica": "r0"}, "ingress-a", local, gone.append
+    )
+    return core, endpoint, connection, gone
+
+
+async def _batches(stream, count: int) -> list:
+    return [await asyncio.wait_for(stream.__anext__(), 5) for _ in range(count)]
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
+async def test_requests_get_their_own_tokens_in_order(local):
+    core, endpoint, connection, _ = await _connected(local)
+    try:
+        a = await connection.add("k1", "client-1", [5, 6], {"max_tokens": 4}, 0)
+        b = await connection.add("k2", "client-2", [7], {"max_tokens": 4}, 1)
+        assert [entry[:2] for entry in core.added] == [("k1", "client-1"), ("k2", "client-2")]
+        core.publish(("k1", [10], [], None, None), ("k2", [20], [], None, None))
+        core.publish(("k1", [11, 12], [], "length", None))
+        core.publish(("k2", [21], [], "eos", None))
+        first, second = await _batches(a, 1), await _batches(b, 1)
+        assert first == [[[[10], [], None, None], [[11, 12], [], "length", None]]]
+        assert second == [[[[20], [], None, None], [[21], [], "eos", None]]]
+        with pytest.raises(StopAsyncIteration):
+            await a.__anext__()
+        assert connection.load == 0
+    finally:
+        connection.close()
+        endpoint.close()
+
+
+async def test_a_refusal_names_its_kind_and_a_cancel_aborts_on_the_engine():
+    core, endpoint, connection, _ = await _connected()
+    try:
+        with pytest.raises(RefusedError) as refused:
+            await connection.add("k1", "c", [1], {"refuse": True}, 0)
+        assert refused.value.kind == "queue_full"
+        stream = await connection.add("k2", "c", [1], {}, 0)
+        stream.cancel()
+        for _ in range(50):
+            if core.aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert core.aborted == ["k2"]
+    finally:
+        connection.close()
+        endpoint.close()
+
+
+async def test_an_ingress_that_goes_away_aborts_its_requests():
+    core, endpoint, connection, _ = await _connected()
+    try:
+        await connection.add("k1", "c", [1], {}, 0)
+        await connection.add("k2", "c", [1], {}, 0)
+        connection.writer.close()
+        for _ in range(50):
+            if len(core.aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(core.aborted) == ["k1", "k2"]
+    finally:
+        endpoint.close()
+
+
+async def test_an_engine_that_goes_away_ends_every_stream_with_an_error():
+    core, endpoint, connection, gone = await _connected()
+    stream = await connection.add("k1", "c", [1], {}, 0)
+    endpoint.close()  # as a replica that stops
+    (batch,) = await _batches(stream, 1)
+    assert batch[-1][2] == "error" and "went away" in batch[-1][3]
+    assert gone == [connection]
+    with pytest.raises(Exception, match="closed"):
+        await connection.add("k2", "c", [1], {}, 0)
+
+
+async def test_a_connection_without_the_token_is_dropped():
+    core = StubCore()
+    endpoint = EngineEndpoint(core, "127.0.0.1")
+    address = await endpoint.start()
+    reader, writer = await asyncio.open_unix_connection(address["unix"])
+    writer.write(encode([HELLO, b"x" * 32, "intruder"]))
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unanswered
+    assert not core.outputs.sinks
+    endpoint.close()
