@@ -86,7 +86,10 @@ class EngineConfig:
         None, "the ranks' torch threads; unset: as many as reserved CPUs", minimum=1, helm=False
     )
     ray_metrics: bool = knob(
-        True, "also export the engine's metrics through Ray's metrics agent", helm=False
+        False,
+        "also export the engine's metrics through Ray's metrics agent (the dashboards read "
+        "the ingress's /metrics; the mirror costs the scheduler CPU on every token)",
+        helm=False,
     )
     executor: str = knob(
         "model",

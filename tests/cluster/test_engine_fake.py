@@ -174,13 +174,13 @@ async def test_metrics_record_every_request_and_step():
         await engine.shutdown()
 
 
-async def test_metrics_are_visible_on_rays_own_metrics_path():
+async def test_metrics_are_visible_on_rays_own_metrics_path_when_asked():
     import urllib.request
 
     import ray
 
     port = ray._private.worker._global_node.metrics_export_port
-    engine = await start_engine(fake_config())
+    engine = await start_engine(fake_config(ray_metrics=True))
     try:
         await collect(engine, [1, 2], SamplingParams(max_tokens=3, temperature=0))
         found = []
