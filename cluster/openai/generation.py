@@ -158,6 +158,7 @@ class Generation:
         self.streams: list[EngineStream] = []
         self.tasks: list[asyncio.Task] = []
         self.open_streams: set[int] = set()
+        self.expired = False  # the request timeout fired
 
     def _remaining(self) -> float | None:
         if self.deadline is None:
@@ -186,7 +187,28 @@ class Generation:
         self.open_streams = set(range(len(self.streams)))
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
-        """Deltas of every choice as they come. Raises APIError (timeout, engine failure)."""
+        """Deltas of every choice as they come. Raises APIError (timeout, engine failure).
+
+        The request timeout is one timer for the whole generation: when it fires it
+        cancels the streams, which ends them unfinished. One engine request (the
+        common case) is read in this task; several are merged through a queue."""
+        loop = asyncio.get_running_loop()
+        timer = None if self.deadline is None else loop.call_at(self.deadline, self._expire)
+        try:
+            if len(self.streams) == 1:
+                async for records in self.streams[0]:
+                    delta = self._consume(0, records)
+                    if delta is not None:
+                        yield delta
+                self._ended(0, None)
+            else:
+                async for delta in self._merged():
+                    yield delta
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    async def _merged(self) -> AsyncIterator[tuple[Choice, Delta]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: EngineStream) -> None:
@@ -200,27 +222,42 @@ class Generation:
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         while self.open_streams:
-            try:
-                i, records, exc = await asyncio.wait_for(queue.get(), self._remaining())
-            except asyncio.TimeoutError:
-                raise timed_out(self.timeout_s) from None
-            if i not in self.open_streams:
-                continue  # after a stop string: the stream was cancelled
-            choice = self.jobs[i].choice
+            i, records, exc = await queue.get()
             if records is None:
-                self.open_streams.discard(i)
-                if exc is not None or not choice.finished:
-                    raise unavailable(f"the engine lost the request: {exc or 'stream ended'}")
+                self._ended(i, exc)
                 continue
-            try:
-                delta = choice.consume(records)
-            except EngineFailure as failure:
-                raise unavailable(str(failure)) from None
-            if choice.stopped_by_string:
-                self._cancel(i)  # aborts the engine request
-            elif choice.finished:
-                self.open_streams.discard(i)
-            yield choice, delta
+            delta = self._consume(i, records)
+            if delta is not None:
+                yield delta
+
+    def _consume(self, i: int, records: list[tuple]) -> tuple[Choice, Delta] | None:
+        if i not in self.open_streams:
+            return None  # after a stop string: the stream was cancelled
+        choice = self.jobs[i].choice
+        try:
+            delta = choice.consume(records)
+        except EngineFailure as failure:
+            raise unavailable(str(failure)) from None
+        if choice.stopped_by_string:
+            self._cancel(i)  # aborts the engine request
+        elif choice.finished:
+            self.open_streams.discard(i)
+        return choice, delta
+
+    def _ended(self, i: int, exc: BaseException | None) -> None:
+        """Stream ``i`` has no more records; unless its choice finished, that is the
+        timeout's doing or a lost engine request."""
+        if self.expired:
+            raise timed_out(self.timeout_s)
+        was_open = i in self.open_streams
+        self.open_streams.discard(i)
+        if was_open and (exc is not None or not self.jobs[i].choice.finished):
+            raise unavailable(f"the engine lost the request: {exc or 'stream ended'}")
+
+    def _expire(self) -> None:
+        self.expired = True
+        for i in list(self.open_streams):
+            self.streams[i].cancel()
 
     def _cancel(self, i: int) -> None:
         self.open_streams.discard(i)
