@@ -24,7 +24,7 @@ def _bench_scheduler(args: argparse.Namespace) -> None:
 
 
 def _bench_forward(args: argparse.Namespace) -> None:
-    from iterserve.workers.bench_forward import bench_forward
+    from iterserve.bench.forward import bench_forward
 
     _write(bench_forward(args.model, num_threads=args.threads), args.json)
 

@@ -1,8 +1,8 @@
-"""bench_forward runs end to end and reports every figure (small settings)."""
+"""bench forward runs end to end and reports every figure (small settings)."""
 
 from __future__ import annotations
 
-from iterserve.workers.bench_forward import RANDOM_LLAMA, bench_forward, write_random_llama
+from iterserve.bench.forward import RANDOM_LLAMA, bench_forward, write_random_llama
 
 
 def test_bench_forward_reports_throughputs(checkpoint_dir):
