@@ -31,6 +31,7 @@ import ray
 
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
+from iterserve.cluster.intake import checked_request
 from iterserve.cluster.metrics import EngineMetrics
 from iterserve.cluster.outputs import OutputBuffers, Record
 from iterserve.cluster.recorder import MetricsRecorder
@@ -39,9 +40,7 @@ from iterserve.scheduler import (
     FinishReason,
     PromptTooLongError,
     QueueFullError,
-    Request,
     RequestOutput,
-    SamplingParams,
     SamplingParamsError,
     ScheduledStep,
     Scheduler,
@@ -271,24 +270,14 @@ class EngineCore:
         if self.dead_reason is not None:
             return ("engine_dead", self.dead_reason)
         try:
-            sampling = SamplingParams(**params)
-            sampling.check_limits(
-                max_n=self.config.scheduler.max_n,
-                max_logprobs=self.config.scheduler.max_logprobs,
-                vocab_size=self.vocab_size,
-            )
-            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be in [0, {self.vocab_size - 1}], got {bad[0]}"
-                )
-            request = Request(
+            request = checked_request(
                 request_id,
-                list(prompt_token_ids),
-                sampling,
-                arrival_time=time.monotonic(),
+                prompt_token_ids,
+                params,
                 priority=priority,
                 label=label,
+                limits=self.config.scheduler,
+                vocab_size=self.vocab_size,
             )
             self.scheduler.add_request(request)
         except QueueFullError as exc:
