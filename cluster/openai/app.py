@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, auth, body limit, request ids, error mapping.
+"""The FastAPI application: its routes, the body limit and the error mapping
+(the gate in front of it: gate.py; the operational routes: operations.py).
 
 Request bodies are read and parsed by hand, not by FastAPI's body injection:
 the size limit is enforced while reading, and validation errors become 400s in
@@ -9,31 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.metadata
-import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from iterserve.cluster.metrics_hub import CONTENT_TYPE
-from iterserve.cluster.openai.errors import (
-    RETRY_AFTER_BUSY_S,
-    RETRY_AFTER_UNAVAILABLE_S,
-    APIError,
-    error_body,
-    error_response,
-)
+from iterserve.cluster.openai.errors import APIError, error_response
 from iterserve.cluster.openai.fields import IGNORED_FIELDS_HEADER
+from iterserve.cluster.openai.gate import APISettings, Gate, request_id, route_path
 from iterserve.cluster.openai.openapi import openapi_schema
+from iterserve.cluster.openai.operations import add_operations_routes
 from iterserve.cluster.openai.serving import OpenAIServing
 from iterserve.cluster.openai.tokenize import detokenize, tokenize
 
@@ -42,29 +34,6 @@ try:
     VERSION = importlib.metadata.version("iterserve")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
     VERSION = "unknown"
-
-logger = logging.getLogger(__name__)
-
-REQUEST_ID_KEY = "iterserve.request_id"
-
-
-@dataclass(frozen=True)
-class APISettings:
-    """api_key: required as ``Authorization: Bearer <key>`` on every route but
-    /health (and /metrics, unless ``metrics_require_api_key``); None leaves the API
-    open. max_body_bytes: largest request body. add_request_id_header: off behind
-    Serve, whose proxy adds X-Request-Id itself. cors_allowed_origins: origins a
-    browser may call from (``*``: any); empty: no CORS headers at all.
-    max_ongoing_requests: requests served at once; beyond it a 503 with Retry-After
-    (``/health`` and ``/metrics`` are always answered); None: no bound."""
-
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    add_request_id_header: bool = True
-    metrics_require_api_key: bool = True
-    cors_allowed_origins: tuple[str, ...] = ()
-    cors_allow_credentials: bool = False
-    max_ongoing_requests: int | None = None
 
 
 # OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
@@ -79,91 +48,6 @@ UNSUPPORTED_ENDPOINTS = {
     "/v1/assistants": "assistants",
     "/v1/threads": "threads",
 }
-
-
-def _route_path(scope) -> str:
-    # Under a Serve route prefix the path still carries the prefix (root_path).
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
-        return path[len(root) :] or "/"
-    return path
-
-
-class Gate:
-    """ASGI middleware around every request: takes the request id from
-    ``X-Request-Id`` (Serve's proxy sets it: the client's own, or a fresh one) or
-    makes one, and returns it in a header; checks the API key; turns an
-    unexpected exception into a 500 naming the request id."""
-
-    def __init__(self, app, settings: APISettings):
-        self.app = app
-        self.settings = settings
-        self.ongoing = 0
-
-    def _authorized(self, scope) -> bool:
-        if self.settings.api_key is None:
-            return True
-        values = [v for k, v in scope.get("headers", []) if k == b"authorization"]
-        if len(values) != 1:  # none, or several that proxies and this check may read apart
-            return False
-        scheme, _, token = values[0].decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.settings.api_key.encode()
-        )
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
-        request_id = request_id or str(uuid.uuid4())
-        scope[REQUEST_ID_KEY] = request_id
-        status = [500, False]  # status code, response started
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                status[:] = [message["status"], True]
-                if self.settings.add_request_id_header:
-                    extra = (b"x-request-id", request_id.encode("latin-1"))
-                    message = {**message, "headers": [*message.get("headers", []), extra]}
-            await send(message)
-
-        path = _route_path(scope)
-        open_paths = (
-            ("/health",) if self.settings.metrics_require_api_key else ("/health", "/metrics")
-        )
-        bound = self.settings.max_ongoing_requests
-        counted = path not in ("/health", "/metrics")
-        try:
-            if path not in open_paths and not self._authorized(scope):
-                error = APIError(
-                    401,
-                    "missing or invalid API key: send Authorization: Bearer <key>",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await error_response(error, request_id)(scope, receive, send_with_id)
-            elif counted and bound is not None and self.ongoing >= bound:
-                error = APIError(
-                    503,
-                    f"the server is at capacity ({bound} requests at once); retry later",
-                    code="server_busy",
-                    headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
-                )
-                await error_response(error, request_id)(scope, receive, send_with_id)
-            else:
-                self.ongoing += counted
-                try:
-                    await self.app(scope, receive, send_with_id)
-                finally:
-                    self.ongoing -= counted
-        except ClientDisconnect:
-            pass  # the client left while sending its body: nobody to answer
-        except Exception:
-            logger.exception("request %s failed", request_id)
-            if not status[1]:
-                error = APIError(500, "internal error; see the server log", code="internal_error")
-                await error_response(error, request_id)(scope, receive, send_with_id)
 
 
 def check_content_type(request: Request) -> None:
@@ -222,10 +106,6 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
     return task.result()
 
 
-def _request_id(request: Request) -> str:
-    return request.scope.get(REQUEST_ID_KEY, "")
-
-
 def build_api(
     serving: OpenAIServing,
     settings: APISettings,
@@ -238,33 +118,60 @@ def build_api(
     app = FastAPI(
         title="iterserve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
     )
-    created = int(time.time())
-    schema_cache: list[dict] = []
+    add_generation_routes(app, serving, settings.max_body_bytes)
+    add_model_routes(app, serving)
+    add_operations_routes(app, serving, metrics_body)
+    add_error_handlers(app)
+    app.add_middleware(Gate, settings=settings)
+    if settings.cors_allowed_origins:
+        # Outside the gate: a browser's preflight carries no credentials, so it is
+        # answered before the API key is checked.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_allowed_origins),
+            allow_credentials=settings.cors_allow_credentials,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id", IGNORED_FIELDS_HEADER, "retry-after"],
+            max_age=600,
+        )
+    return app
+
+
+def add_generation_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
+    """POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request, settings.max_body_bytes)
-        return await until_disconnect(request, serving.completions(body, _request_id(request)))
+        body = await read_body(request, max_body_bytes)
+        return await until_disconnect(request, serving.completions(body, request_id(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, settings.max_body_bytes)
-        return await until_disconnect(request, serving.chat(body, _request_id(request)))
+        body = await read_body(request, max_body_bytes)
+        return await until_disconnect(request, serving.chat(body, request_id(request)))
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> Response:
-        return await tokenize(serving, await read_body(request, settings.max_body_bytes))
+        return await tokenize(serving, await read_body(request, max_body_bytes))
 
     @app.post("/detokenize")
     async def detokenize_ids(request: Request) -> Response:
-        return await detokenize(serving, await read_body(request, settings.max_body_bytes))
+        return await detokenize(serving, await read_body(request, max_body_bytes))
+
+
+def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """GET /v1/models, /v1/models/{id}, /openapi.json and /version, and a 404 naming
+    what is missing for the OpenAI endpoints this server does not serve."""
+    created = int(time.time())
+    schema_cache: list[dict] = []
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
     async def unsupported(request: Request) -> Response:
-        path = _route_path(request.scope)
+        path = route_path(request.scope)
         what = next(v for k, v in UNSUPPORTED_ENDPOINTS.items() if path.startswith(k))
         raise APIError(
             404,
@@ -316,52 +223,20 @@ def build_api(
             )
         return schema_cache[0]
 
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        try:
-            replicas = await serving.engine.health()
-        except Exception as exc:  # no replica reachable
-            replicas = [{"healthy": False, "message": f"{type(exc).__name__}: {exc}"}]
-        sick = [r for r in replicas if not (r["healthy"] and r.get("ready", True))]
-        if replicas and not sick:
-            return JSONResponse({"status": "ok", "num_engine_replicas": len(replicas)})
-        detail = "; ".join(r["message"] for r in sick) or "no engine replica is running"
-        message = f"{len(sick) or 1} of {len(replicas) or 1} engine replicas not serving: {detail}"
-        return JSONResponse(
-            error_body(503, message, None, "engine_unhealthy", _request_id(request)),
-            status_code=503,
-            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
-        )
 
-    async def replica_stats() -> list[dict]:
-        try:
-            return await serving.engine.stats()
-        except Exception as exc:
-            message = f"engine stats unavailable: {exc}"
-            raise APIError(503, message, code="engine_unavailable") from None
-
-    @app.get("/v1/stats")
-    async def stats() -> dict:
-        return aggregate_stats(await replica_stats(), serving.model_name)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        try:
-            body = await metrics_body()
-        except Exception as exc:
-            raise APIError(503, f"metrics unavailable: {exc}", code="engine_unavailable") from None
-        return Response(body, media_type=CONTENT_TYPE)
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's error shape, with the request id."""
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc, _request_id(request))
+        return error_response(exc, request_id(request))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(p) for p in first.get("loc", ()))
         error = APIError(400, f"{param}: {first.get('msg')}", param=param or None)
-        return error_response(error, _request_id(request))
+        return error_response(error, request_id(request))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
@@ -371,46 +246,4 @@ def build_api(
         }
         message = messages.get(exc.status_code, str(exc.detail))
         error = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-        return error_response(error, _request_id(request))
-
-    app.add_middleware(Gate, settings=settings)
-    if settings.cors_allowed_origins:
-        # Outside the gate: a browser's preflight carries no credentials, so it is
-        # answered before the API key is checked.
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(settings.cors_allowed_origins),
-            allow_credentials=settings.cors_allow_credentials,
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["*"],
-            expose_headers=["x-request-id", IGNORED_FIELDS_HEADER, "retry-after"],
-            max_age=600,
-        )
-    return app
-
-
-_SUMMED_STATS = (
-    "num_running", "num_waiting", "num_preempted", "slots_used", "slots_total",
-    "kv_blocks_used", "kv_blocks_total", "num_preemptions",
-)  # fmt: skip
-
-
-def _ratio(used: int, total: int) -> float:
-    return used / total if total else 0.0
-
-
-def aggregate_stats(replicas: list[dict], model: str) -> dict:
-    """The engine replicas' stats summed into one view, each replica's kept too."""
-    total = {key: sum(r.get(key, 0) for r in replicas) for key in _SUMMED_STATS}
-    policies = sorted({r.get("policy") for r in replicas})
-    return {
-        "object": "engine.stats",
-        "model": model,
-        "num_engine_replicas": len(replicas),
-        "policy": policies[0] if len(policies) == 1 else policies,
-        **total,
-        "slot_utilization": _ratio(total["slots_used"], total["slots_total"]),
-        "kv_usage": _ratio(total["kv_blocks_used"], total["kv_blocks_total"]),
-        "healthy": all(r.get("healthy", False) for r in replicas),
-        "replicas": replicas,
-    }
+        return error_response(error, request_id(request))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
-from iterserve.cluster.openai.app import APISettings, Gate
+from iterserve.cluster.openai.gate import APISettings, Gate
 
 
 async def failing_app(scope, receive, send):

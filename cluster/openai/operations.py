@@ -1,0 +1,83 @@
+"""The operational routes: GET /health, /v1/stats and /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from iterserve.cluster.metrics_hub import CONTENT_TYPE
+from iterserve.cluster.openai.errors import RETRY_AFTER_UNAVAILABLE_S, APIError, error_body
+from iterserve.cluster.openai.gate import request_id
+from iterserve.cluster.openai.serving import OpenAIServing
+
+
+def add_operations_routes(
+    app: FastAPI, serving: OpenAIServing, metrics_body: Callable[[], Awaitable[bytes]]
+) -> None:
+    """``metrics_body`` renders GET /metrics (every engine replica's metrics in one
+    exposition)."""
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        try:
+            replicas = await serving.engine.health()
+        except Exception as exc:  # no replica reachable
+            replicas = [{"healthy": False, "message": f"{type(exc).__name__}: {exc}"}]
+        sick = [r for r in replicas if not (r["healthy"] and r.get("ready", True))]
+        if replicas and not sick:
+            return JSONResponse({"status": "ok", "num_engine_replicas": len(replicas)})
+        detail = "; ".join(r["message"] for r in sick) or "no engine replica is running"
+        message = f"{len(sick) or 1} of {len(replicas) or 1} engine replicas not serving: {detail}"
+        return JSONResponse(
+            error_body(503, message, None, "engine_unhealthy", request_id(request)),
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+        )
+
+    async def replica_stats() -> list[dict]:
+        try:
+            return await serving.engine.stats()
+        except Exception as exc:
+            message = f"engine stats unavailable: {exc}"
+            raise APIError(503, message, code="engine_unavailable") from None
+
+    @app.get("/v1/stats")
+    async def stats() -> dict:
+        return aggregate_stats(await replica_stats(), serving.model_name)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            body = await metrics_body()
+        except Exception as exc:
+            raise APIError(503, f"metrics unavailable: {exc}", code="engine_unavailable") from None
+        return Response(body, media_type=CONTENT_TYPE)
+
+
+_SUMMED_STATS = (
+    "num_running", "num_waiting", "num_preempted", "slots_used", "slots_total",
+    "kv_blocks_used", "kv_blocks_total", "num_preemptions",
+)  # fmt: skip
+
+
+def _ratio(used: int, total: int) -> float:
+    return used / total if total else 0.0
+
+
+def aggregate_stats(replicas: list[dict], model: str) -> dict:
+    """The engine replicas' stats summed into one view, each replica's kept too."""
+    total = {key: sum(r.get(key, 0) for r in replicas) for key in _SUMMED_STATS}
+    policies = sorted({r.get("policy") for r in replicas})
+    return {
+        "object": "engine.stats",
+        "model": model,
+        "num_engine_replicas": len(replicas),
+        "policy": policies[0] if len(policies) == 1 else policies,
+        **total,
+        "slot_utilization": _ratio(total["slots_used"], total["slots_total"]),
+        "kv_usage": _ratio(total["kv_blocks_used"], total["kv_blocks_total"]),
+        "healthy": all(r.get("healthy", False) for r in replicas),
+        "replicas": replicas,
+    }
