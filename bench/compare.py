@@ -269,4 +269,3 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", help="bar charts of the medians")
     p.set_defaults(func=main)
     return p
-

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.workers.runner import ModelRunner
@@ -87,7 +88,7 @@ class _Plans:
 
     def entry(self, slot: int, n: int, sample: bool) -> ScheduledSeq:
         start = self.computed.get(slot, 0)
-        need = -(-(start + n) // self.bs) - self.blocks.get(slot, 0)
+        need = blocks_for(start + n, self.bs) - self.blocks.get(slot, 0)
         new = list(range(self.next_block, self.next_block + need))
         self.next_block += need
         self.blocks[slot] = self.blocks.get(slot, 0) + need
@@ -151,7 +152,9 @@ def _bench(model_path, device, batch_sizes, context, prefill_len, steps, block_s
 def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps, block_size):
     batch = max(batch_sizes)
     decode_len = context + 1 + (steps + 1) * len(batch_sizes)
-    num_blocks = batch * -(-decode_len // block_size) + (steps + 1) * -(-prefill_len // block_size)
+    num_blocks = batch * blocks_for(decode_len, block_size) + (steps + 1) * blocks_for(
+        prefill_len, block_size
+    )
     runner = ModelRunner(path, num_kv_blocks=num_blocks, block_size=block_size, device=device)
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)

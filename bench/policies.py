@@ -42,23 +42,27 @@ def engine_config(policy: str, spec: Spec, model: str, torch_threads: int) -> En
     """The same slots, KV cache and threads for every policy; only the batching differs.
     Whole-prompt policies get twice max_model_len as their budget, so a step can always
     take the longest prompt; chunked gets a small budget so every step stays short."""
-    return EngineConfig.from_dict(dict(
-        model=model,
-        dtype="float32",
-        device="cpu",
-        kernel_backend="torch",
-        policy=policy,
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.chunk_budget if policy == "chunked" else 2 * spec.max_model_len,
-        max_model_len=spec.max_model_len,
-        # Every slot can hold a full-length sequence: no policy ever preempts.
-        num_kv_blocks=spec.max_num_seqs * (spec.max_model_len // 16 + 2),
-        block_size=16,
-        batch_timeout_s=spec.batch_timeout_s,
-        batch_wait_s=spec.batch_wait_s,
-        torch_threads=torch_threads,
-        num_cpus_per_worker=1.0,
-    ))
+    return EngineConfig.from_dict(
+        dict(
+            model=model,
+            dtype="float32",
+            device="cpu",
+            kernel_backend="torch",
+            policy=policy,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.chunk_budget
+            if policy == "chunked"
+            else 2 * spec.max_model_len,
+            max_model_len=spec.max_model_len,
+            # Every slot can hold a full-length sequence: no policy ever preempts.
+            num_kv_blocks=spec.max_num_seqs * (spec.max_model_len // 16 + 2),
+            block_size=16,
+            batch_timeout_s=spec.batch_timeout_s,
+            batch_wait_s=spec.batch_wait_s,
+            torch_threads=torch_threads,
+            num_cpus_per_worker=1.0,
+        )
+    )
 
 
 async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict:

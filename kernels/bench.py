@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.scheduler.blocks import blocks_for
+
 from .registry import get_ops
 
 
@@ -70,7 +72,7 @@ def bench_attention_bandwidth(
         raise ValueError(f"query_len must be in 1..context_len, got {query_len}")
     ops = get_ops(backend, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = -(-context_len // block_size)
+    blocks_per_seq = blocks_for(context_len, block_size)
     num_blocks = num_seqs * blocks_per_seq
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from iterserve.scheduler.blocks import blocks_for
+
 from . import checks
 
 # Paged attention materialises [num_heads, rows, kv_len] fp32 scores; longer
@@ -91,7 +93,7 @@ def paged_attention(
             continue
         if seq_len < q_len:
             raise ValueError(f"seq_lens[{s}]={seq_len} is shorter than its {q_len} query rows")
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = blocks_for(seq_len, block_size)
         if num_blocks > block_tables.shape[1]:
             raise ValueError(
                 f"seq_lens[{s}]={seq_len} needs {num_blocks} blocks, but block_tables "
@@ -163,7 +165,7 @@ def _attend_decode_group(query, k_cache, v_cache, block_tables, seqs, starts, le
     group = num_heads // num_kv_heads
     dev = query.device
     n = len(seqs)
-    num_blocks = -(-max(lens[s] for s in seqs) // block_size)
+    num_blocks = blocks_for(max(lens[s] for s in seqs), block_size)
     length = num_blocks * block_size
     blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].long()
     # Columns past a sequence's own blocks may hold anything; they are masked below

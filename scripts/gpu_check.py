@@ -163,10 +163,12 @@ def attention_case(torch, dev, dtype, shape, *, heads=32, kv_heads=8, head_dim=1
                    block_size=16, width=None, high_blocks=0, seed=0):  # fmt: skip
     """A batch of (cached, new) pieces over a shuffled paged cache. ``high_blocks``
     puts every used block past that many unused ones (offsets beyond 2^31)."""
+    from iterserve.scheduler.blocks import blocks_for
+
     g = torch.Generator(device=dev).manual_seed(seed)
     q_lens = [q for _, q in shape]
     seq_lens = [c + q for c, q in shape]
-    per_seq = [-(-n // block_size) for n in seq_lens]
+    per_seq = [blocks_for(n, block_size) for n in seq_lens]
     used = sum(per_seq)
     num_blocks = high_blocks + used + 4
     cache_shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -374,6 +376,7 @@ class Sequences:
     contents do not change the time), each decoding one token per step."""
 
     def __init__(self, runner, count: int, context: int):
+        from iterserve.scheduler.blocks import blocks_for
         from iterserve.scheduler.messages import NewSequence, StepPlan
         from iterserve.scheduler.sampling import SamplingParams
 
@@ -386,7 +389,7 @@ class Sequences:
         self.next_block = 0
         for i in range(count):
             seq = runner.table.get(i)
-            need = -(-(context + 1) // bs)
+            need = blocks_for(context + 1, bs)
             seq.block_ids = list(range(self.next_block, self.next_block + need))
             self.next_block += need
             seq.num_computed_tokens = context
@@ -415,6 +418,7 @@ def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None)
     import torch
 
     from iterserve.kernels import get_ops
+    from iterserve.scheduler.blocks import blocks_for
     from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
     from iterserve.scheduler.sampling import SamplingParams
     from iterserve.workers.batch import layout_batch
@@ -433,8 +437,8 @@ def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None)
     # (3 warm-up + `steps`, eager and replayed, at each batch size); the logits
     # check's two prompts take theirs from the top.
     growth = len(batches) * 2 * (3 + steps)
-    decode_blocks = max(batches) * -(-(context + 1 + growth) // bs)
-    prompt_blocks = sum(-(-(n + 2) // bs) for n in lens)
+    decode_blocks = max(batches) * blocks_for(context + 1 + growth, bs)
+    prompt_blocks = sum(blocks_for(n + 2, bs) for n in lens)
     blocks = decode_blocks + prompt_blocks
     start = time.perf_counter()
     runner = ModelRunner.from_config(config, dtype=dtype, device=dev, num_kv_blocks=blocks,
@@ -449,10 +453,12 @@ def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lens]
     slot0 = 1000
-    new = [NewSequence(slot0 + i, f"p{i}", slot0 + i, p, len(p), params) for i, p in enumerate(prompts)]
+    new = [
+        NewSequence(slot0 + i, f"p{i}", slot0 + i, p, len(p), params) for i, p in enumerate(prompts)
+    ]
     tables, nb = [], decode_blocks
     for p in prompts:
-        n = -(-(len(p) + 2) // bs)
+        n = blocks_for(len(p) + 2, bs)
         tables.append(list(range(nb, nb + n)))
         nb += n
     entries = [ScheduledSeq(slot0 + i, 0, len(p), tables[i], sample=True)
@@ -555,6 +561,7 @@ class Row:
 def check_host(r: Report, dev, smoke: bool) -> None:
     import torch
 
+    from iterserve.scheduler.blocks import blocks_for
     from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
     from iterserve.scheduler.sampling import SamplingParams
     from iterserve.scheduler.seq_table import SequenceTable
@@ -567,7 +574,7 @@ def check_host(r: Report, dev, smoke: bool) -> None:
     new = [NewSequence(i, f"h{i}", i, [1] * (context + 1), context + 1, params)
            for i in range(num_seqs)]  # fmt: skip
     table.apply(StepPlan(0, new_seqs=new))
-    per = -(-(context + 1) // 16)
+    per = blocks_for(context + 1, 16)
     for i in range(num_seqs):
         seq = table.get(i)
         seq.block_ids = list(range(i * per, (i + 1) * per))

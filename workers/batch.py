@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
 from iterserve.workers.model import AttentionInputs
@@ -106,29 +107,8 @@ def layout_batch(
     for entry in plan.scheduled:
         seq = table.get(entry.slot_idx)
         end = entry.start_pos + entry.num_tokens
-        if any(not 0 <= b < scratch_block for b in entry.new_block_ids):
-            raise PlanMismatchError(
-                f"slot {entry.slot_idx} ({seq.request_id}): block ids {entry.new_block_ids} "
-                f"outside the cache's {scratch_block} blocks"
-            )
-        if entry.num_tokens <= 0:
-            raise PlanMismatchError(f"slot {entry.slot_idx}: num_tokens must be positive")
-        if end > max_position:
-            raise PlanMismatchError(
-                f"slot {entry.slot_idx} ({seq.request_id}): position {end - 1} is beyond the "
-                f"model's {max_position} positions"
-            )
-        needed = -(-end // block_size)
-        if needed > len(seq.block_ids):
-            raise PlanMismatchError(
-                f"slot {entry.slot_idx} ({seq.request_id}): {end} tokens need {needed} blocks, "
-                f"the worker has {len(seq.block_ids)}"
-            )
-        if entry.sample and end != len(seq.token_ids):
-            raise PlanMismatchError(
-                f"slot {entry.slot_idx} ({seq.request_id}): sampling after position {end - 1}, "
-                f"but the sequence has {len(seq.token_ids)} tokens"
-            )
+        needed = blocks_for(end, block_size)
+        _check_entry(entry, seq, end, needed, scratch_block, max_position)
         ids.extend(seq.token_ids[entry.start_pos : end])
         q_lens.append(entry.num_tokens)
         first_pos.append(entry.start_pos)
@@ -153,36 +133,10 @@ def layout_batch(
     tables.extend([[]] * num_padding)
     needed_blocks.extend([0] * num_padding)  # the table row stays all scratch
 
-    num_seqs = len(q_lens)
-    num_rows = len(ids)
-    width = max(max(needed_blocks, default=1), 1)
-    block_tables = torch.full((num_seqs, width), scratch_block, dtype=INDEX_DTYPE)
-    if sum(needed_blocks):
-        # Row-major boolean assignment: each row's first `needed` columns, in order.
-        used = torch.arange(width)[None, :] < torch.tensor(needed_blocks)[:, None]
-        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))
-        block_tables[used] = torch.tensor(list(flat), dtype=INDEX_DTYPE)
-
-    if num_rows == num_seqs:  # decode rows only (padding included): one row per sequence
-        starts = torch.arange(num_seqs + 1)
-        positions = torch.tensor(first_pos)
-        slots = [
-            (t[p // block_size] if n else scratch_block) * block_size + p % block_size
-            for t, n, p in zip(tables, needed_blocks, first_pos, strict=True)
-        ]
-        slot_mapping = torch.tensor(slots)
-    else:
-        q_lens_t = torch.tensor(q_lens)
-        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q_lens_t, 0, out=starts[1:])
-        seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
-        # row r of sequence s sits at first_pos[s] + (r - starts[s])
-        positions = torch.arange(num_rows) + torch.repeat_interleave(
-            torch.tensor(first_pos) - starts[:-1], q_lens_t
-        )
-        # Padding rows sit at position 0 of the scratch block, so this also sends them there.
-        block_ids = block_tables[seq_of_row, positions // block_size].long()
-        slot_mapping = block_ids * block_size + positions % block_size
+    block_tables = _block_tables(tables, needed_blocks, scratch_block)
+    positions, slot_mapping, starts = _positions_and_slots(
+        q_lens, first_pos, tables, needed_blocks, block_tables, block_size, scratch_block
+    )
     return HostBatch(
         input_ids=torch.tensor(ids, dtype=INDEX_DTYPE),
         positions=positions.to(INDEX_DTYPE),
@@ -195,6 +149,71 @@ def layout_batch(
         max_query_len=max(q_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
+
+
+def _check_entry(
+    entry: ScheduledSeq, seq, end: int, needed: int, scratch_block: int, max_position: int
+) -> None:
+    """A plan entry this worker cannot run as written is a plan mismatch, never a
+    wrong answer."""
+    name = f"slot {entry.slot_idx} ({seq.request_id})"
+    if any(not 0 <= b < scratch_block for b in entry.new_block_ids):
+        raise PlanMismatchError(
+            f"{name}: block ids {entry.new_block_ids} outside the cache's {scratch_block} blocks"
+        )
+    if entry.num_tokens <= 0:
+        raise PlanMismatchError(f"slot {entry.slot_idx}: num_tokens must be positive")
+    if end > max_position:
+        raise PlanMismatchError(
+            f"{name}: position {end - 1} is beyond the model's {max_position} positions"
+        )
+    if needed > len(seq.block_ids):
+        raise PlanMismatchError(
+            f"{name}: {end} tokens need {needed} blocks, the worker has {len(seq.block_ids)}"
+        )
+    if entry.sample and end != len(seq.token_ids):
+        raise PlanMismatchError(
+            f"{name}: sampling after position {end - 1}, "
+            f"but the sequence has {len(seq.token_ids)} tokens"
+        )
+
+
+def _block_tables(tables: list[list[int]], needed_blocks: list[int], scratch_block: int):
+    """One row per sequence: its first ``needed`` block ids, then the scratch block."""
+    width = max(max(needed_blocks, default=1), 1)
+    block_tables = torch.full((len(tables), width), scratch_block, dtype=INDEX_DTYPE)
+    if sum(needed_blocks):
+        # Row-major boolean assignment: each row's first `needed` columns, in order.
+        used = torch.arange(width)[None, :] < torch.tensor(needed_blocks)[:, None]
+        flat = itertools.chain.from_iterable(t[:n] for t, n in zip(tables, needed_blocks))
+        block_tables[used] = torch.tensor(list(flat), dtype=INDEX_DTYPE)
+    return block_tables
+
+
+def _positions_and_slots(
+    q_lens, first_pos, tables, needed_blocks, block_tables, block_size, scratch_block
+):
+    """Each row's position and KV slot, and where each sequence's rows start."""
+    num_seqs, num_rows = len(q_lens), sum(q_lens)
+    if num_rows == num_seqs:  # decode rows only (padding included): one row per sequence
+        starts = torch.arange(num_seqs + 1)
+        positions = torch.tensor(first_pos)
+        slots = [
+            (t[p // block_size] if n else scratch_block) * block_size + p % block_size
+            for t, n, p in zip(tables, needed_blocks, first_pos, strict=True)
+        ]
+        return positions, torch.tensor(slots), starts
+    q_lens_t = torch.tensor(q_lens)
+    starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens_t, 0, out=starts[1:])
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)
+    # row r of sequence s sits at first_pos[s] + (r - starts[s])
+    positions = torch.arange(num_rows) + torch.repeat_interleave(
+        torch.tensor(first_pos) - starts[:-1], q_lens_t
+    )
+    # Padding rows sit at position 0 of the scratch block, so this also sends them there.
+    block_ids = block_tables[seq_of_row, positions // block_size].long()
+    return positions, block_ids * block_size + positions % block_size, starts
 
 
 def flat_batch(host: HostBatch, tensors: Sequence[torch.Tensor]) -> FlatBatch:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from iterserve.scheduler.blocks import blocks_for
 from iterserve.workers.batch import INDEX_DTYPE, HostBatch, segment_offsets
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AttentionInputs, LlamaModel
@@ -149,7 +150,7 @@ class DecodeGraphs:
         self.model, self.kv_cache = model, kv_cache
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.block_size = kv_cache.block_size
-        self.width = -(-max_seq_len // self.block_size)
+        self.width = blocks_for(max_seq_len, self.block_size)
         self.pad_token_id = pad_token_id
         self.capture_cls = capture
         device = kv_cache.keys[0].device
