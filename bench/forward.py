@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
 from iterserve.scheduler.sampling import SamplingParams
+from iterserve.workers.host_memory import keep_freed_memory
 from iterserve.workers.runner import ModelRunner
 
 # Used when no demo checkpoint is installed: small enough for a laptop CPU,
@@ -117,6 +118,7 @@ def bench_forward(
     ``num_threads`` sets torch's intra-op threads for the run (restored after);
     on a CPU shared with other work, 1 avoids threads spinning at barriers.
     """
+    keep_freed_memory()  # as a rank does
     saved_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)

@@ -17,6 +17,7 @@ from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
+from iterserve.workers.host_memory import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 PING_STEP = -1  # a plan with this step number only checks that the workers answer
@@ -63,6 +64,7 @@ class EngineWorker:
                 "rank %d runs at nice %d: any process at nice 0 on this node takes the CPU "
                 "from it first; start Ray with RAY_worker_niceness=0", rank, niceness
             )
+        keep_freed_memory()
         if config.torch_threads:
             import torch
 
