@@ -50,7 +50,11 @@ class EngineConfig:
     )
     device: str = knob("auto", "`auto` (CUDA when present), `cpu` or `cuda`", helm=False)
     kernel_backend: str = knob(
-        "auto", "`auto` (Triton on CUDA, torch on CPU), `triton` or `torch`", helm=False
+        "auto",
+        "`auto` (Triton on CUDA; `cpu` elsewhere: torch ops, decode attention compiled by "
+        "numba), `triton`, `cpu` or `torch`",
+        choices=("auto", "triton", "cpu", "torch"),
+        helm=False,
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_memory_fraction: float = knob(

@@ -69,6 +69,18 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are the Triton backend's kernel-choice
     hints; this one reads the lengths themselves and ignores them.
     """
+    return attend_pieces(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, _attend_decodes
+    )
+
+
+def attend_pieces(
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, attend_decodes
+) -> torch.Tensor:
+    """:func:`paged_attention`'s body: each multi-row piece attended here, every
+    one-row (decode) sequence handed to ``attend_decodes(query, k_cache, v_cache,
+    block_tables, seqs, starts, lens, scale, out)`` at once, which writes their rows
+    of ``out``. Another backend brings its own decode kernel."""
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
@@ -128,7 +140,7 @@ def paged_attention(
             o = o.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
             out[q_begin + c0 : q_begin + c1] = o.reshape(rows, num_heads, head_dim).to(out.dtype)
     if decodes:
-        _attend_decodes(query, k_cache, v_cache, block_tables, decodes, starts, lens, scale, out)
+        attend_decodes(query, k_cache, v_cache, block_tables, decodes, starts, lens, scale, out)
     return out
 
 

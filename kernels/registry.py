@@ -1,7 +1,8 @@
-"""Backend selection: Triton kernels on CUDA, torch references elsewhere.
+"""Backend selection: Triton kernels on CUDA; on CPU the torch references with
+decode attention compiled by numba (``cpu``), or the references alone (``torch``).
 
 The Triton modules are imported only when the triton backend is requested, so
-importing this package or using the torch backend never imports triton.
+importing this package or using the torch or cpu backend never imports triton.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True)
 class KernelOps:
     """The five serving ops of one backend; every backend has the same signatures."""
 
-    name: str  # "triton" | "torch"
+    name: str  # "triton" | "cpu" | "torch"
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
@@ -34,11 +35,18 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def numba_available() -> bool:
+    """Whether numba is installed (checked without importing it)."""
+    return importlib.util.find_spec("numba") is not None
+
+
 @functools.cache
 def _load(name: str) -> KernelOps:
-    if name == "torch":
+    if name in ("torch", "cpu"):
         mod = importlib.import_module(f"{__package__}.reference")
         ops, attn, cache = mod, mod, mod
+        if name == "cpu":
+            attn = importlib.import_module(f"{__package__}.cpu_attention")
     else:
         ops = importlib.import_module(f"{__package__}.triton_ops")
         attn = importlib.import_module(f"{__package__}.triton_attention")
@@ -54,10 +62,11 @@ def _load(name: str) -> KernelOps:
 
 
 def get_ops(backend: str = "auto", device: torch.device | str | None = None) -> KernelOps:
-    """Return the ops of ``backend`` ("auto", "triton" or "torch").
+    """Return the ops of ``backend`` ("auto", "triton", "cpu" or "torch").
 
     "auto" picks triton when ``device`` is a CUDA device (``None`` means CUDA
-    if available) and triton is installed, and the torch references otherwise.
+    if available) and triton is installed; otherwise "cpu" when numba is
+    installed, else the torch references.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -66,7 +75,12 @@ def get_ops(backend: str = "auto", device: torch.device | str | None = None) -> 
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         else:
             device_type = torch.device(device).type
-        backend = "triton" if device_type == "cuda" and triton_available() else "torch"
+        if device_type == "cuda" and triton_available():
+            backend = "triton"
+        else:
+            backend = "cpu" if numba_available() else "torch"
     elif backend == "triton" and not triton_available():
         raise ValueError("backend 'triton' requested but triton is not installed")
+    elif backend == "cpu" and not numba_available():
+        raise ValueError("backend 'cpu' requested but numba is not installed")
     return _load(backend)

@@ -11,7 +11,7 @@ from iterserve.kernels import KernelOps, build_cos_sin_cache, get_ops
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "cpu", "triton"]
 
 
 def t(*shape, dtype=torch.float32):
@@ -118,9 +118,9 @@ def test_get_ops_selects_backend():
     assert isinstance(get_ops("torch"), KernelOps)
     assert get_ops("torch").name == "torch"
     assert get_ops("triton").name == "triton"
-    assert get_ops("auto", device="cpu").name == "torch"
+    assert get_ops("auto", device="cpu").name == "cpu"  # numba is a dependency
     assert get_ops("auto", device=torch.device("cuda", 0)).name == "triton"
-    assert get_ops("auto").name == ("triton" if torch.cuda.is_available() else "torch")
+    assert get_ops("auto").name == ("triton" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="backend"):
         get_ops("cuda")
     ops = get_ops("torch")
@@ -128,14 +128,14 @@ def test_get_ops_selects_backend():
         ops.name = "other"  # frozen
 
 
-def test_torch_backend_does_not_import_triton():
+def test_cpu_backend_does_not_import_triton():
     code = (
         "import sys, torch\n"
         "from iterserve.kernels import get_ops\n"
         "ops = get_ops('auto', device='cpu')\n"
         "x = torch.randn(2, 8)\n"
         "ops.silu_mul(x); ops.rms_norm(x, torch.ones(8), 1e-6)\n"
-        "assert ops.name == 'torch'\n"
+        "assert ops.name == 'cpu'\n"
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

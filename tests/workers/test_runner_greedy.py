@@ -41,6 +41,16 @@ def test_eight_sequences_batched(name, checkpoint_dir, hf_reference):
     assert driver.run() == expected(hf_reference(name), ps)
 
 
+def test_cpu_backend_matches_transformers(checkpoint_dir, hf_reference):
+    """The default backend off CUDA (decode attention compiled by numba) keeps greedy exact."""
+    ps = prompts()
+    driver = PlanDriver(make_runner(checkpoint_dir("llama"), kernel_backend="cpu"))
+    assert driver.runner.ops.name == "cpu"
+    for i, p in enumerate(ps):
+        driver.add(f"r{i}", p)
+    assert driver.run(chunk=7) == expected(hf_reference("llama"), ps)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_prefill_in_pieces(chunk, checkpoint_dir, hf_reference):
     ps = prompts()
