@@ -165,6 +165,11 @@ class Scheduler:
                 entry = (sampled.logprob, list(sampled.top_logprobs))
                 request.output_logprobs.append(entry)
                 out.new_logprobs.append(entry)
+        for prompt in result.prompt_logprobs:  # before the first token's entry, once
+            request = live.get(prompt.seq_id)
+            if request is not None:
+                out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
+                out.new_logprobs.insert(0, prompt)
         for finished in result.finished:
             request = live.get(finished.seq_id)
             if request is None:

@@ -149,7 +149,10 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
+    # (logprob, [(token_id, logprob)]) per new token. The output of the step that
+    # completed a prompt whose logprobs were asked for starts with its PromptLogprobs
+    # (scheduler.messages), so that they travel wherever the token logprobs go.
+    new_logprobs: list = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
