@@ -122,7 +122,9 @@ def test_constrained_rows_follow_their_grammar_beside_free_ones(tok):
 
 def test_a_choice_grammar_picks_one_of_its_strings(tok):
     driver = PlanDriver(runner())
-    driver.add("c", tok.encode("The answer is"), params(StructuredOutput("ebnf", 'root ::= "up" | "down"')))
+    driver.add(
+        "c", tok.encode("The answer is"), params(StructuredOutput("ebnf", 'root ::= "up" | "down"'))
+    )
     assert tok.decode(driver.run()["c"]) in ("up", "down")
 
 
@@ -171,7 +173,9 @@ def test_a_rank_fills_the_next_mask_from_its_own_token_when_scheduled_ahead(tok)
     output, step = [], 1
     while True:
         result = r.execute(
-            StepPlan(step, scheduled=[ScheduledSeq(0, n + len(output), 1, [], True)], lookahead=True)
+            StepPlan(
+                step, scheduled=[ScheduledSeq(0, n + len(output), 1, [], True)], lookahead=True
+            )
         )
         output += [t.token_id for t in result.sampled]
         step += 1
