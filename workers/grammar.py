@@ -269,3 +269,33 @@ def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Te
     shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
     allowed = ((mask[:, :, None] >> shifts) & 1).bool().reshape(k, -1)[:, :vocab]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def serve_checks(tokenizer_path: str, vocab_size: int) -> None:
+    """Answers checks on stdin and stdout, one JSON line each way: a request
+    ``{"kind", "spec"}`` gets ``{"error": ""}`` when the spec compiles, else the
+    message. The first line out is ``{"ready": true}``, once xgrammar is loaded."""
+    import json
+    import sys
+
+    checker = GrammarChecker(Tokenizer(tokenizer_path), vocab_size)
+    out = sys.stdout
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            checker.check(StructuredOutput(request["kind"], request["spec"]))
+            error = ""
+        except GrammarError as exc:
+            error = str(exc)
+        except Exception as exc:  # a malformed line or spec: its own answer, never an exit
+            error = f"{type(exc).__name__}: {exc}"
+        out.write(json.dumps({"error": error}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve_checks(sys.argv[1], int(sys.argv[2]))
