@@ -15,7 +15,7 @@ MAX_LOGIT_BIAS = 1024  # biased tokens per request
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_BAD_WORDS = 256  # token sequences, each at most MAX_BAD_WORD_LEN tokens
-MAX_BAD_WORD_LEN = 64
+MAX_BAD_WORD_LEN = 512
 # A grammar's spec (a JSON schema, a regex, an EBNF grammar) is the longest text a
 # step plan carries; the codec's string limit is this size.
 MAX_GRAMMAR_BYTES = 1 << 20

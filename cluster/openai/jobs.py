@@ -46,6 +46,9 @@ class Limits:
 
 
 MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2  # each word tokenizes two ways at most
+# Characters of a bad word: tokenized, a character is at most 4 bytes, so a word
+# always fits the engine's MAX_BAD_WORD_LEN tokens.
+MAX_BAD_WORD_CHARS = 64
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
@@ -83,6 +86,9 @@ def bad_word_ids(words: list[str], tokenizer: Any) -> tuple[tuple[int, ...], ...
     for word in words:
         if not word.strip():
             raise bad_request("bad_words: each must be a non-empty word", "bad_words")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            message = f"bad_words: each must be at most {MAX_BAD_WORD_CHARS} characters"
+            raise bad_request(f"{message}, got {len(word)}", "bad_words")
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
             if ids and ids not in sequences:

@@ -16,6 +16,7 @@ import copy
 from typing import Any
 
 from iterserve.cluster.openai.chat import RESERVED_TEMPLATE_VARIABLES
+from iterserve.cluster.openai.jobs import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     PRIORITY_RANGE,
@@ -24,18 +25,30 @@ from iterserve.cluster.openai.protocol import (
 )
 from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 from iterserve.cluster.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
+from iterserve.scheduler.sampling import (
+    LOGIT_BIAS_RANGE,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+)
 
 CROSS_FIELD_RULES = (
     "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "
-    "(400, code context_length_exceeded); min_tokens <= max_tokens; stream_options only "
-    "with stream: true; best_of equals n; top_logprobs needs logprobs: true; "
-    "max_completion_tokens overrides max_tokens; tool_choice other than none needs tools; "
-    "tools with tool_choice auto (the default with tools) need a server started with a "
-    "tool-call parser; continue_final_message excludes add_generation_prompt: true; a "
-    "message's content may be null only for an assistant's tool_calls, whose arguments "
-    "are a JSON object (as text); chat_template_kwargs cannot set the template's own "
-    "variables."
+    "(400, code context_length_exceeded); min_tokens <= max_tokens; max_tokens 0 only with "
+    "echo; stream_options only with stream: true; best_of equals n; top_logprobs needs "
+    "logprobs: true; max_completion_tokens overrides max_tokens; tool_choice other than none "
+    "needs tools, and a named function must be one of them; tools with tool_choice auto (the "
+    "default with tools) need a server started with a tool-call parser; "
+    "continue_final_message excludes add_generation_prompt: true; a message's content may be "
+    "null only for an assistant's tool_calls, whose arguments are a JSON object (as text); "
+    "chat_template_kwargs cannot set the template's own variables; logit_bias keys are token "
+    "ids of the vocabulary. Structured outputs: at most one of response_format (json_object "
+    "or json_schema), guided_json, guided_regex, guided_choice, guided_grammar, "
+    "structured_outputs (one of its json, regex, choice, grammar, json_object) and "
+    "tool_choice required or a named function; its grammar must compile within a few "
+    "seconds (400 otherwise), and it excludes ignore_eos, min_tokens, allowed_token_ids "
+    "and bad_words."
 )
 _ERROR_STATUSES = {
     "400": "Invalid body or field (the message names it).",
@@ -87,16 +100,9 @@ def field_constraints(
     max_tokens = _integer(1, max_model_len - 1)  # every prompt holds at least one token
     token_list = {"type": "array", "items": token_id, "minItems": 1, "maxItems": max_model_len - 1}
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
-    # Fields this server refuses unless unused: null (or false, or empty).
-    refused = {
-        name: _UNUSED
-        for name in (
-            "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "structured_outputs", "truncate_prompt_tokens",
-        )
-    }  # fmt: skip
     common = {
-        **refused,
+        "truncate_prompt_tokens": _UNUSED,  # refused unless unused
+        **_extension_constraints(token_id, max_logprobs),
         "max_tokens": _nullable(max_tokens),
         "max_completion_tokens": _nullable(max_tokens),
         "temperature": _nullable(_number(0.0, 2.0)),
@@ -120,16 +126,13 @@ def field_constraints(
         ),
         "min_tokens": _nullable(_integer(0, max_model_len - 1)),
         "priority": _integer(*PRIORITY_RANGE),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
-        "allowed_token_ids": _nullable({"type": "array", "maxItems": 0}),
-        "bad_words": _nullable({"type": "array", "maxItems": 0}),
         "use_beam_search": {"type": "boolean", "const": False},
-        "response_format": _nullable(
-            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}
-        ),
     }
     completion = {
         **common,
+        # 0 computes the prompt alone: only with echo (a rule across fields).
+        "max_tokens": _nullable(_integer(0, max_model_len - 1)),
+        "max_completion_tokens": _nullable(_integer(0, max_model_len - 1)),
         "prompt": {
             "anyOf": [
                 {"type": "string"},
@@ -144,7 +147,6 @@ def field_constraints(
             ]
         },
         "logprobs": _nullable(_integer(0, max_logprobs)),
-        "echo": {"type": "boolean", "const": False},
         "best_of": _nullable(_integer(1, max_n)),
         "suffix": _nullable({"type": "string", "maxLength": 0}),
     }
@@ -157,8 +159,18 @@ def field_constraints(
         },
         "top_logprobs": _nullable(_integer(0, max_logprobs)),
         "tool_choice": _nullable(
-            {"type": "string", "enum": ["none", "auto"] if tool_call_parser else ["none"]}
-        ),
+            {
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "enum": ["none", "auto", "required"]
+                        if tool_call_parser
+                        else ["none", "required"],
+                    },
+                    {"$ref": "#/components/schemas/NamedToolChoice"},
+                ]
+            }
+        ),  # fmt: skip
         "chat_template_kwargs": _nullable(
             {
                 "type": "object",
@@ -170,6 +182,70 @@ def field_constraints(
         **{name: _UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     return completion, chat
+
+
+_NON_BLANK = {"type": "string", "pattern": "\\S"}
+_REGEX = {"type": "string", "pattern": "^[^\\x00]+$"}  # a NUL is refused
+_CHOICE = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+_SCHEMA = {
+    "anyOf": [{"type": "object"}, {"type": "string", "contentMediaType": "application/json"}]
+}
+
+
+def _extension_constraints(token_id: dict, max_logprobs: int) -> dict[str, dict]:
+    """vLLM's engine-side fields and the ways of constraining the output."""
+    return {
+        "logit_bias": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+                "additionalProperties": _number(*LOGIT_BIAS_RANGE),
+                "maxProperties": MAX_LOGIT_BIAS,
+            }
+        ),
+        "allowed_token_ids": _nullable(
+            {"type": "array", "items": token_id, "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS}
+        ),
+        "bad_words": _nullable(
+            {
+                "type": "array",
+                "items": {**_NON_BLANK, "maxLength": MAX_BAD_WORD_CHARS},
+                "maxItems": MAX_BAD_WORDS,
+            }
+        ),
+        "prompt_logprobs": _nullable(_integer(0, max_logprobs)),
+        "guided_json": _nullable(_SCHEMA),
+        "guided_regex": _nullable(_REGEX),
+        "guided_choice": _nullable(_CHOICE),
+        "guided_grammar": _nullable(_NON_BLANK),
+        "response_format": _nullable(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"type": {"enum": ["text", "json_object"]}},
+                        "required": ["type"],
+                    },
+                    {
+                        "type": "object",
+                        "properties": {
+                            "type": {"const": "json_schema"},
+                            "json_schema": {"$ref": "#/components/schemas/JsonSchemaFormat"},
+                        },
+                        "required": ["type", "json_schema"],
+                    },
+                ]
+            }
+        ),
+    }
+
+
+def _structured_outputs_schema(schema: dict) -> None:
+    props = schema["properties"]
+    for name, value in (("json", _SCHEMA), ("regex", _REGEX), ("choice", _CHOICE),
+                        ("grammar", _NON_BLANK)):  # fmt: skip
+        props[name] = {**_nullable(value), "description": props[name].get("description", "")}
+    props["structural_tag"] = {**_UNUSED, "description": props["structural_tag"]["description"]}
 
 
 def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, dict]:
@@ -194,6 +270,7 @@ def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, d
         "enum": ["system", "user", "assistant"],
         "description": "Who speaks; the model's chat template refuses other roles.",
     }
+    _structured_outputs_schema(schemas["StructuredOutputsParams"])
     text_part = schemas["ContentPart"]
     text_part["properties"]["type"] = {"const": "text"}
     text_part["properties"]["text"] = {"type": "string"}

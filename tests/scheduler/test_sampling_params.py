@@ -43,7 +43,7 @@ from iterserve.scheduler.sampling import StructuredOutput
         ({"logit_bias": tuple((i, 1.0) for i in range(1025))}, "logit_bias", "at most 1024"),
         ({"allowed_token_ids": ()}, "allowed_token_ids", "1 to"),
         ({"allowed_token_ids": (1, -1)}, "allowed_token_ids", "got -1"),
-        ({"bad_words": ((),)}, "bad_words", "1 to 64 tokens"),
+        ({"bad_words": ((),)}, "bad_words", "1 to 512 tokens"),
         ({"bad_words": (5,)}, "bad_words", "sequences of token ids"),
         ({"structured_output": {"kind": "yaml", "spec": "x"}}, "structured_output", "kind"),
         ({"structured_output": {"kind": "json", "spec": ""}}, "structured_output", "non-empty"),
