@@ -119,7 +119,9 @@ def fit_structured_rules(body: dict, chat: bool, tok: Tokenizer) -> None:
     if structured:
         body.update(GRAMMAR_CLASHES, bad_words=None)
     if body.get("logit_bias"):
-        body["logit_bias"] = {k: v for k, v in body["logit_bias"].items() if int(k) < tok.vocab_size}
+        body["logit_bias"] = {
+            k: v for k, v in body["logit_bias"].items() if int(k) < tok.vocab_size
+        }
     if not chat and not body.get("echo"):
         for key in ("max_tokens", "max_completion_tokens"):
             if body.get(key) == 0:
