@@ -15,9 +15,11 @@ mask. A :class:`~iterserve.scheduler.messages.NewSequence` carries the tokens
 produced so far: after a preemption, or on a restarted worker group, the matcher
 is rebuilt from them, so it never depends on anything a rank lost.
 
-The bitmask has one bit per token (``1``: allowed), 32 to an int32::
+The step's bitmask has a row per sampled sequence and one bit per token
+(``1``: allowed), 32 to an int32; rows without a grammar are all ones and are
+left out of the kernel's rows::
 
-    bitmask [num_constrained_rows, ceil(vocab / 32)] int32
+    bitmask [num_sampled_rows, ceil(vocab / 32)] int32
     token t of row i is allowed  <=>  (bitmask[i, t // 32] >> (t % 32)) & 1
 """
 
@@ -135,9 +137,10 @@ class GrammarChecker:
 
 @dataclass
 class GrammarMask:
-    """One step's grammar constraints: ``bitmask[i]`` applies to sampler row ``rows[i]``."""
+    """One step's grammar constraints over the sampler's ``n`` rows: ``bitmask[i]``
+    applies to row ``i`` for each ``i`` in ``rows``; the other rows are all ones."""
 
-    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the host
+    bitmask: torch.Tensor  # [n, ceil(vocab / 32)] int32, on the host
     rows: list[int]
 
 
@@ -237,13 +240,15 @@ class Grammars:
                     matchers.append(matcher)
         if not rows:
             return None
-        words = -(-self.vocab_size // 32)
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(rows), 8), self.vocab_size)
-        bitmask = self._bitmask[: len(rows)]
-        for i, matcher in enumerate(matchers):
+        n = len(seq_ids)
+        if self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 2 * self._bitmask.shape[0], 8),
+                                                       self.vocab_size)  # fmt: skip
+        bitmask = self._bitmask[:n]
+        bitmask.fill_(-1)  # all ones: rows without a grammar allow every token
+        for i, matcher in zip(rows, matchers):
             matcher.fill_next_token_bitmask(bitmask, i)
-        return GrammarMask(bitmask[:, :words], rows)
+        return GrammarMask(bitmask, rows)
 
     def accept(self, seq_id: int, token_id: int) -> bool:
         """Advances a sequence's matcher; False when its grammar refuses the token
@@ -258,44 +263,8 @@ class Grammars:
         return True
 
 
-def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Sets ``logits[rows[i], t]`` to -inf wherever bit ``t`` of ``mask[i]`` is 0.
-
-    ``logits`` is ``[n, vocab]`` float, ``mask`` ``[len(rows), ceil(vocab / 32)]``
-    int32 and ``rows`` int64, all on the logits' device. Plain torch, so every
-    device and every rank computes it alike.
-    """
-    k, vocab = rows.shape[0], logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    allowed = ((mask[:, :, None] >> shifts) & 1).bool().reshape(k, -1)[:, :vocab]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def serve_checks(tokenizer_path: str, vocab_size: int) -> None:
-    """Answers checks on stdin and stdout, one JSON line each way: a request
-    ``{"kind", "spec"}`` gets ``{"error": ""}`` when the spec compiles, else the
-    message. The first line out is ``{"ready": true}``, once xgrammar is loaded."""
-    import json
-    import sys
-
-    checker = GrammarChecker(Tokenizer(tokenizer_path), vocab_size)
-    out = sys.stdout
-    out.write('{"ready": true}\n')
-    out.flush()
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            checker.check(StructuredOutput(request["kind"], request["spec"]))
-            error = ""
-        except GrammarError as exc:
-            error = str(exc)
-        except Exception as exc:  # a malformed line or spec: its own answer, never an exit
-            error = f"{type(exc).__name__}: {exc}"
-        out.write(json.dumps({"error": error}) + "\n")
-        out.flush()
-
-
-if __name__ == "__main__":
-    import sys
-
-    serve_checks(sys.argv[1], int(sys.argv[2]))
+def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask, bitmask: torch.Tensor) -> None:
+    """Sets ``logits[i, t]`` to -inf for every row ``i`` of ``mask.rows`` wherever bit
+    ``t`` of ``bitmask[i]`` (``mask.bitmask`` on the logits' device) is 0: xgrammar's
+    kernel for the device (C++ on the CPU, Triton on CUDA), one call for the step."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)

@@ -167,7 +167,7 @@ class Sampler:
             from iterserve.workers.grammar import apply_token_bitmask
 
             (bitmask,) = self._mask_staging.put([batch.grammar.bitmask])
-            apply_token_bitmask(logits, bitmask, batch.get("grammar_rows").long())
+            apply_token_bitmask(logits, batch.grammar, bitmask)
         if batch.allowed:
             idx = batch.get("allowed").long()
             keep = torch.zeros(len(batch.allowed), logits.shape[1], dtype=torch.bool,

@@ -67,7 +67,6 @@ class StepParams:
         fields = {
             "greedy": self.greedy,
             "random": self.random,
-            "grammar_rows": grammar.rows if grammar is not None else [],
             "allowed": self.allowed,
             "allowed_pos": allowed_pos,
             "allowed_tokens": allowed_tokens,

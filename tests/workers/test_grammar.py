@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-import xgrammar as xgr
 from plan_driver import PlanDriver
 
 from iterserve.models import DEMO_MODEL_PATH
@@ -19,6 +18,8 @@ from iterserve.workers import ModelRunner
 from iterserve.workers.grammar import (
     GrammarChecker,
     GrammarError,
+    GrammarMask,
+    Grammars,
     apply_token_bitmask,
     tokenizer_info,
 )
@@ -60,19 +61,33 @@ def check_json(tok: Tokenizer, output: list[int]) -> dict:
     return value
 
 
-def test_the_torch_bitmask_masks_what_xgrammars_own_masks():
+def test_the_bitmask_bans_every_token_whose_bit_is_zero_in_the_rows_it_names():
     gen = torch.Generator().manual_seed(0)
-    vocab = 100
+    vocab = 100  # not a multiple of 32: the last word is partly past the vocabulary
     logits = torch.randn(6, vocab, generator=gen)
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), generator=gen, dtype=torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, 4), generator=gen, dtype=torch.int32)
     rows = [0, 2, 5]
-    want = logits.clone()
-    full = torch.full((6, 4), -1, dtype=torch.int32)
-    full[rows] = bitmask
-    xgr.apply_token_bitmask_inplace(want, full)
     got = logits.clone()
-    apply_token_bitmask(got, bitmask, torch.tensor(rows))
-    assert torch.equal(got, want)
+    apply_token_bitmask(got, GrammarMask(bitmask, rows), bitmask)
+    for i in range(6):
+        for t in range(vocab):
+            allowed = i not in rows or (int(bitmask[i, t // 32]) >> (t % 32)) & 1
+            assert got[i, t] == (logits[i, t] if allowed else float("-inf"))
+
+
+def test_a_steps_mask_has_a_row_per_sampled_sequence(tok):
+    grammars = Grammars(DEMO_MODEL_PATH, 4096, sorted(tok.eos_token_ids))
+    grammars.add(7, StructuredOutput("regex", "ab"), [])
+    grammars.add(8, StructuredOutput("regex", "ab"), tok.encode("a", add_special_tokens=False))
+    mask = grammars.fill([None, 7, 3, 8])
+    assert mask.rows == [1, 3] and mask.bitmask.shape == (4, 128)
+    assert bool((mask.bitmask[[0, 2]] == -1).all())  # rows without a grammar allow all
+    logits = torch.zeros(4, 4096)
+    apply_token_bitmask(logits, mask, mask.bitmask)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert allowed[1] == [t for t in range(4096) if tok.decode([t]) in ("a", "ab")]
+    assert allowed[3] == [t for t in range(4096) if tok.decode([t]) == "b"]
+    assert grammars.accept(8, allowed[3][0]) and not grammars.accept(7, allowed[3][0])
 
 
 def test_the_vocabulary_is_the_tokenizers_and_special_tokens_are_never_text(tok):

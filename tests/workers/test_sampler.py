@@ -242,9 +242,10 @@ def test_a_grammar_mask_bans_every_token_its_bits_leave_out():
     from iterserve.workers.grammar import GrammarMask
 
     logits = random_logits(3, seed=7)
-    bitmask = torch.zeros(2, 1, dtype=torch.int32)
+    bitmask = torch.zeros(3, 1, dtype=torch.int32)
     bitmask[0, 0] = (1 << 4) | (1 << 6)  # row 0 may sample 4 or 6
-    bitmask[1, 0] = -1  # all 32 bits: everything
+    bitmask[1, 0] = 0  # not a row of the mask: left alone
+    bitmask[2, 0] = -1  # all 32 bits: everything
     rows = rows_of(SamplingParams(temperature=0.0), 3)
     got = sampler().process(logits, rows, GrammarMask(bitmask, [0, 2]))
     assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [4, 6]
