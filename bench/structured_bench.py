@@ -32,14 +32,16 @@ class StructuredBench:
 
         torch.set_num_threads(1)
         block_size = 16
+        max_model_len = 256
         per_seq = -(-(prompt_len + max_tokens) // block_size)
         self.config = SchedulerConfig(
             policy="continuous",
             max_num_seqs=num_seqs,
             max_num_batched_tokens=max(256, num_seqs * prompt_len),
-            max_model_len=256,
+            max_model_len=max_model_len,
             block_size=block_size,
-            num_kv_blocks=num_seqs * per_seq + 8,
+            # every sequence fits at once: nothing is preempted in either batch
+            num_kv_blocks=max(num_seqs * per_seq, max_model_len // block_size),
         )
         self.runner = ModelRunner(model, dtype="float32", num_kv_blocks=self.config.num_kv_blocks,
                                   block_size=block_size, kernel_backend="torch")  # fmt: skip
