@@ -25,6 +25,7 @@ left out of the kernel's rows::
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -73,6 +74,13 @@ def tokenizer_info(
 
 
 def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    if spec.kind == "json":
+        try:
+            found = unenforced(json.loads(spec.spec))
+        except (ValueError, RecursionError):
+            found = None  # xgrammar's own parse says what is wrong with it
+        if found is not None:
+            raise GrammarError(f"the schema uses {found}, which xgrammar does not enforce")
     try:
         if spec.kind == "json":
             # Separators are fixed (", " and ": "): a model cannot stall in whitespace
@@ -85,7 +93,53 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.Compi
         return compiler.compile_lark(spec.spec)
     except Exception as exc:  # xgrammar raises RuntimeError, ValueError, its own types
         message = _LOG_PREFIX.sub("", str(exc)).strip().splitlines()
-        raise GrammarError(message[0] if message else type(exc).__name__) from None
+        reason = message[0] if message else type(exc).__name__
+        raise GrammarError(f"the grammar does not compile: {reason}") from None
+
+
+# String formats xgrammar writes (and so enforces); others it would let pass.
+STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+})  # fmt: skip
+# Keywords whose value is a map of names to schemas, a list of schemas, or a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems",
+                  "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+# Accepted by xgrammar's converter but not enforced: an output could break them.
+_UNENFORCED = ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas")  # fmt: skip
+
+
+def unenforced(schema: object) -> str | None:
+    """The first thing a JSON schema asks for that xgrammar would accept and not
+    enforce (so an output could break the schema), or None."""
+    if not isinstance(schema, dict):
+        return None
+    found = next((key for key in _UNENFORCED if key in schema), None)
+    if found is None and schema.get("uniqueItems") is True:
+        found = "uniqueItems"
+    if found is None and isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        found = "allOf with more than one schema"
+    types = schema.get("type", "string")
+    if found is None and "string" in (types if isinstance(types, list) else [types]):
+        if isinstance(schema.get("format"), str) and schema["format"] not in STRING_FORMATS:
+            found = f"format {schema['format']!r}"
+        elif ("pattern" in schema or "format" in schema) and (
+            "minLength" in schema or "maxLength" in schema
+        ):
+            found = "a pattern or format together with minLength or maxLength"
+    if found is not None:
+        return found
+    children: list = [schema.get(key) for key in _SCHEMA_VALUES]
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            children += schema[key].values()
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            children += schema[key]
+    return next((f for f in map(unenforced, children) if f is not None), None)
 
 
 class _Cache:
@@ -268,3 +322,32 @@ def apply_token_bitmask(logits: torch.Tensor, mask: GrammarMask, bitmask: torch.
     ``t`` of ``bitmask[i]`` (``mask.bitmask`` on the logits' device) is 0: xgrammar's
     kernel for the device (C++ on the CPU, Triton on CUDA), one call for the step."""
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+
+
+def serve_checks(tokenizer_path: str, vocab_size: int) -> None:
+    """Answers checks on stdin and stdout, one JSON line each way: a request
+    ``{"kind", "spec"}`` gets ``{"error": ""}`` when the spec compiles, else the
+    reason. The first line out is ``{"ready": true}``, once xgrammar is loaded."""
+    import sys
+
+    checker = GrammarChecker(Tokenizer(tokenizer_path), vocab_size)
+    out = sys.stdout
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            checker.check(StructuredOutput(request["kind"], request["spec"]))
+            error = ""
+        except GrammarError as exc:
+            error = str(exc)
+        except Exception as exc:  # a malformed line or spec: its own answer, never an exit
+            error = f"{type(exc).__name__}: {exc}"
+        out.write(json.dumps({"error": error}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve_checks(sys.argv[1], int(sys.argv[2]))

@@ -18,9 +18,9 @@ field                                  grammar
 
 The grammar is compiled here for the served vocabulary, in a child process
 (``python -m iterserve.workers.grammar``) that is killed when a compile takes
-longer than ``COMPILE_TIMEOUT_S``: what does not compile, or not in time, is a
-400 naming the field, and never reaches a scheduler. Verdicts are cached by
-spec, in the child and here.
+longer than ``COMPILE_TIMEOUT_S``: what does not compile, or not in time, or a
+schema keyword xgrammar would not enforce, is a 400 naming the field, and
+never reaches a scheduler. Verdicts are cached by spec, in the child and here.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from iterserve.cluster.openai.errors import bad_request
+from iterserve.cluster.openai.errors import RETRY_AFTER_UNAVAILABLE_S, APIError, bad_request
 from iterserve.scheduler.sampling import MAX_GRAMMAR_BYTES, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class GrammarValidator:
             while len(self._verdicts) > _VERDICTS:
                 self._verdicts.popitem(last=False)
         if verdict:
-            raise bad_request(f"{param}: the grammar does not compile: {verdict}", param)
+            raise bad_request(f"{param}: {verdict}", param)
 
     def _start(self, vocab_size: int) -> subprocess.Popen:
         proc = subprocess.Popen(
@@ -204,7 +204,14 @@ class GrammarValidator:
         )  # fmt: skip
         if self._read(proc, START_TIMEOUT_S) is None:
             proc.kill()
-            raise RuntimeError("the grammar checking process did not start")
+            proc.wait()
+            raise APIError(
+                503,
+                "structured outputs are unavailable: the grammar checking process did not "
+                "start (see the server log)",
+                code="grammar_checker_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+            )
         return proc
 
     @staticmethod
@@ -236,7 +243,7 @@ class GrammarValidator:
                 logger.error("the grammar checking process died (exit %s) on a grammar", died)
                 return "the grammar compiler failed on it"
             logger.warning("a grammar took longer than %g s to compile; refused", self.timeout_s)
-            return f"it takes longer than {self.timeout_s:g} s to compile; simplify it"
+            return f"the grammar takes longer than {self.timeout_s:g} s to compile; simplify it"
 
     def close(self) -> None:
         if self._proc is not None:

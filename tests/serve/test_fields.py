@@ -264,3 +264,11 @@ def test_the_field_table_in_the_docs_lists_every_request_field():
     documented = _documented_fields()
     assert fields - documented == set(), "fields missing from docs/serving.md"
     assert documented - fields == set(), "docs/serving.md lists fields the server lacks"
+
+
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_400(http):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    r = chat(http, guided_json=schema)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message == "guided_json: the schema uses uniqueItems, which xgrammar does not enforce"

@@ -213,3 +213,35 @@ def test_a_grammar_that_refuses_every_token_ends_only_its_sequence(tok):
     out = driver.run()
     assert driver.done["bad"].finish_reason == "error" and len(out["bad"]) == 1
     check_json(tok, out["ok"])
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+        ({"type": "array", "contains": {"const": 5}}, "contains"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 7}}, "if"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf with more than one"),
+        ({"type": "string", "format": "color"}, "format 'color'"),
+        ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "a pattern or format"),
+        (
+            {"type": "object", "properties": {"a": {"type": "object", "dependentRequired": {}}}},
+            "dependentRequired",
+        ),
+        ({"$defs": {"x": {"uniqueItems": True}}, "$ref": "#/$defs/x"}, "uniqueItems"),
+    ],
+)
+def test_schema_keywords_xgrammar_would_not_enforce_are_refused(tok, schema, words):
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        GrammarChecker(tok, 4096).check(StructuredOutput("json", json.dumps(schema)))
+
+
+def test_names_of_properties_are_not_mistaken_for_keywords(tok):
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "integer", "format": "int32"}, "if": {"enum": ["a"]}},
+        "required": ["not"],
+        "allOf": [{"required": ["if"]}],  # one schema: xgrammar takes it whole
+    }
+    GrammarChecker(tok, 4096).check(StructuredOutput("json", json.dumps(schema)))
