@@ -17,6 +17,8 @@ def test_the_cost_figure_compares_the_same_work(tmp_path):
     assert all(len(v) == 2 and min(v) > 0 for v in result["tok_s"].values())
     medians = result["median_tok_s"]
     assert result["ratio"] == round(medians["half_constrained"] / medians["unconstrained"], 3)
+    cpu = result["median_cpu_tok_s"]
+    assert result["cpu_ratio"] == round(cpu["half_constrained"] / cpu["unconstrained"], 3)
     out = tmp_path / "structured.json"
     args = ["bench", "structured", "--num-seqs", "2", "--max-tokens", "3", "--rounds", "1"]
     assert main([*args, "--json", str(out)]) == 0
