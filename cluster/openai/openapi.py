@@ -16,7 +16,14 @@ import copy
 from typing import Any
 
 from iterserve.cluster.openai.chat import RESERVED_TEMPLATE_VARIABLES
-from iterserve.cluster.openai.jobs import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+from iterserve.cluster.openai.openapi_values import (
+    UNUSED,
+    extension_constraints,
+    integer,
+    nullable,
+    number,
+    structured_outputs_schema,
+)
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     PRIORITY_RANGE,
@@ -25,13 +32,7 @@ from iterserve.cluster.openai.protocol import (
 )
 from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 from iterserve.cluster.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from iterserve.scheduler.sampling import (
-    LOGIT_BIAS_RANGE,
-    MAX_ALLOWED_TOKEN_IDS,
-    MAX_LOGIT_BIAS,
-    MAX_SEED,
-    MAX_STOP_TOKEN_IDS,
-)
+from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
 
 CROSS_FIELD_RULES = (
     "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "
@@ -62,31 +63,6 @@ _ERROR_STATUSES = {
 }
 
 
-def _nullable(schema: dict) -> dict:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _integer(lo: int, hi: int) -> dict:
-    return {"type": "integer", "minimum": lo, "maximum": hi}
-
-
-def _number(lo: float, hi: float, *, lo_open: bool = False) -> dict:
-    low = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
-    return {"type": "number", **low, "maximum": hi}
-
-
-# What a refused field may hold: its "not used" values (fields.check_refused).
-_UNUSED = {
-    "anyOf": [
-        {"type": "null"},
-        {"const": False},
-        {"type": "string", "maxLength": 0},
-        {"type": "array", "maxItems": 0},
-        {"type": "object", "maxProperties": 0},
-    ]
-}
-
-
 def field_constraints(
     *,
     max_model_len: int,
@@ -96,24 +72,24 @@ def field_constraints(
     tool_call_parser: str | None = None,
 ):
     """The value schema of every field whose range the server checks."""
-    token_id = _integer(0, vocab_size - 1)
-    max_tokens = _integer(1, max_model_len - 1)  # every prompt holds at least one token
+    token_id = integer(0, vocab_size - 1)
+    max_tokens = integer(1, max_model_len - 1)  # every prompt holds at least one token
     token_list = {"type": "array", "items": token_id, "minItems": 1, "maxItems": max_model_len - 1}
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
     common = {
-        "truncate_prompt_tokens": _UNUSED,  # refused unless unused
-        **_extension_constraints(token_id, max_logprobs),
-        "max_tokens": _nullable(max_tokens),
-        "max_completion_tokens": _nullable(max_tokens),
-        "temperature": _nullable(_number(0.0, 2.0)),
-        "top_p": _nullable(_number(0.0, 1.0, lo_open=True)),
-        "top_k": _nullable(_integer(-1, 1 << 30)),
-        "min_p": _nullable(_number(0.0, 1.0)),
-        "presence_penalty": _nullable(_number(-2.0, 2.0)),
-        "frequency_penalty": _nullable(_number(-2.0, 2.0)),
-        "repetition_penalty": _nullable(_number(0.0, 2.0, lo_open=True)),
-        "seed": _nullable(_integer(0, MAX_SEED)),
-        "n": _integer(1, max_n),
+        "truncate_prompt_tokens": UNUSED,  # refused unless unused
+        **extension_constraints(token_id, max_logprobs),
+        "max_tokens": nullable(max_tokens),
+        "max_completion_tokens": nullable(max_tokens),
+        "temperature": nullable(number(0.0, 2.0)),
+        "top_p": nullable(number(0.0, 1.0, lo_open=True)),
+        "top_k": nullable(integer(-1, 1 << 30)),
+        "min_p": nullable(number(0.0, 1.0)),
+        "presence_penalty": nullable(number(-2.0, 2.0)),
+        "frequency_penalty": nullable(number(-2.0, 2.0)),
+        "repetition_penalty": nullable(number(0.0, 2.0, lo_open=True)),
+        "seed": nullable(integer(0, MAX_SEED)),
+        "n": integer(1, max_n),
         "stop": {
             "anyOf": [
                 stop_string,
@@ -121,18 +97,18 @@ def field_constraints(
                 {"type": "null"},
             ]
         },
-        "stop_token_ids": _nullable(
+        "stop_token_ids": nullable(
             {"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}
         ),
-        "min_tokens": _nullable(_integer(0, max_model_len - 1)),
-        "priority": _integer(*PRIORITY_RANGE),
+        "min_tokens": nullable(integer(0, max_model_len - 1)),
+        "priority": integer(*PRIORITY_RANGE),
         "use_beam_search": {"type": "boolean", "const": False},
     }
     completion = {
         **common,
         # 0 computes the prompt alone: only with echo (a rule across fields).
-        "max_tokens": _nullable(_integer(0, max_model_len - 1)),
-        "max_completion_tokens": _nullable(_integer(0, max_model_len - 1)),
+        "max_tokens": nullable(integer(0, max_model_len - 1)),
+        "max_completion_tokens": nullable(integer(0, max_model_len - 1)),
         "prompt": {
             "anyOf": [
                 {"type": "string"},
@@ -146,9 +122,9 @@ def field_constraints(
                 {"type": "array", "items": token_list, "minItems": 1, "maxItems": MAX_PROMPTS},
             ]
         },
-        "logprobs": _nullable(_integer(0, max_logprobs)),
-        "best_of": _nullable(_integer(1, max_n)),
-        "suffix": _nullable({"type": "string", "maxLength": 0}),
+        "logprobs": nullable(integer(0, max_logprobs)),
+        "best_of": nullable(integer(1, max_n)),
+        "suffix": nullable({"type": "string", "maxLength": 0}),
     }
     chat = {
         **common,
@@ -157,8 +133,8 @@ def field_constraints(
             "items": {"$ref": "#/components/schemas/ChatMessage"},
             "minItems": 1,
         },
-        "top_logprobs": _nullable(_integer(0, max_logprobs)),
-        "tool_choice": _nullable(
+        "top_logprobs": nullable(integer(0, max_logprobs)),
+        "tool_choice": nullable(
             {
                 "anyOf": [
                     {
@@ -171,81 +147,17 @@ def field_constraints(
                 ]
             }
         ),  # fmt: skip
-        "chat_template_kwargs": _nullable(
+        "chat_template_kwargs": nullable(
             {
                 "type": "object",
                 "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_VARIABLES)}},
             }
         ),
-        "chat_template": _UNUSED,
+        "chat_template": UNUSED,
         "echo": {"type": "boolean", "const": False},
-        **{name: _UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
+        **{name: UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     return completion, chat
-
-
-_NON_BLANK = {"type": "string", "pattern": "\\S"}
-_REGEX = {"type": "string", "pattern": "^[^\\x00]+$"}  # a NUL is refused
-_CHOICE = {"type": "array", "items": {"type": "string"}, "minItems": 1}
-_SCHEMA = {
-    "anyOf": [{"type": "object"}, {"type": "string", "contentMediaType": "application/json"}]
-}
-
-
-def _extension_constraints(token_id: dict, max_logprobs: int) -> dict[str, dict]:
-    """vLLM's engine-side fields and the ways of constraining the output."""
-    return {
-        "logit_bias": _nullable(
-            {
-                "type": "object",
-                "propertyNames": {"pattern": "^[0-9]{1,10}$"},
-                "additionalProperties": _number(*LOGIT_BIAS_RANGE),
-                "maxProperties": MAX_LOGIT_BIAS,
-            }
-        ),
-        "allowed_token_ids": _nullable(
-            {"type": "array", "items": token_id, "minItems": 1, "maxItems": MAX_ALLOWED_TOKEN_IDS}
-        ),
-        "bad_words": _nullable(
-            {
-                "type": "array",
-                "items": {**_NON_BLANK, "maxLength": MAX_BAD_WORD_CHARS},
-                "maxItems": MAX_BAD_WORDS,
-            }
-        ),
-        "prompt_logprobs": _nullable(_integer(0, max_logprobs)),
-        "guided_json": _nullable(_SCHEMA),
-        "guided_regex": _nullable(_REGEX),
-        "guided_choice": _nullable(_CHOICE),
-        "guided_grammar": _nullable(_NON_BLANK),
-        "response_format": _nullable(
-            {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {"type": {"enum": ["text", "json_object"]}},
-                        "required": ["type"],
-                    },
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"const": "json_schema"},
-                            "json_schema": {"$ref": "#/components/schemas/JsonSchemaFormat"},
-                        },
-                        "required": ["type", "json_schema"],
-                    },
-                ]
-            }
-        ),
-    }
-
-
-def _structured_outputs_schema(schema: dict) -> None:
-    props = schema["properties"]
-    for name, value in (("json", _SCHEMA), ("regex", _REGEX), ("choice", _CHOICE),
-                        ("grammar", _NON_BLANK)):  # fmt: skip
-        props[name] = {**_nullable(value), "description": props[name].get("description", "")}
-    props["structural_tag"] = {**_UNUSED, "description": props["structural_tag"]["description"]}
 
 
 def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, dict]:
@@ -270,7 +182,7 @@ def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, d
         "enum": ["system", "user", "assistant"],
         "description": "Who speaks; the model's chat template refuses other roles.",
     }
-    _structured_outputs_schema(schemas["StructuredOutputsParams"])
+    structured_outputs_schema(schemas["StructuredOutputsParams"])
     text_part = schemas["ContentPart"]
     text_part["properties"]["type"] = {"const": "text"}
     text_part["properties"]["text"] = {"type": "string"}
