@@ -285,14 +285,15 @@ class Grammars:
     def fill(self, seq_ids: Sequence[int | None]) -> GrammarMask | None:
         """The mask of one step's sampler rows (``seq_ids[i]`` owns row ``i``; None:
         no grammar), or None when no row has a grammar."""
-        rows, matchers = [], []
+        found = []
         for i, seq_id in enumerate(seq_ids):
             if seq_id is not None and seq_id in self._seqs:
                 matcher = self._matcher(seq_id)
-                if matcher is not None:  # a broken one is ended after this sample
-                    rows.append(i)
-                    matchers.append(matcher)
-        if not rows:
+                # A broken one is ended after this sample; an ended one never samples
+                # again (the runner ends its sequence with the grammar).
+                if matcher is not None and not matcher.is_terminated():
+                    found.append((i, seq_id, matcher))
+        if not found:
             return None
         n = len(seq_ids)
         if self._bitmask.shape[0] < n:
@@ -300,9 +301,21 @@ class Grammars:
                                                        self.vocab_size)  # fmt: skip
         bitmask = self._bitmask[:n]
         bitmask.fill_(-1)  # all ones: rows without a grammar allow every token
-        for i, matcher in zip(rows, matchers):
-            matcher.fill_next_token_bitmask(bitmask, i)
-        return GrammarMask(bitmask, rows)
+        rows = []
+        for i, seq_id, matcher in found:
+            try:
+                matcher.fill_next_token_bitmask(bitmask, i)
+                rows.append(i)
+            except Exception:  # xgrammar's own check failed: this sequence alone ends
+                logger.exception("sequence %d: its grammar cannot give a next token", seq_id)
+                self._seqs[seq_id].broken = True
+                bitmask[i] = -1
+        return GrammarMask(bitmask, rows) if rows else None
+
+    def done(self, seq_id: int) -> bool:
+        """Whether a sequence's grammar has ended (it accepted a stop token)."""
+        state = self._seqs.get(seq_id)
+        return state is not None and state.matcher is not None and state.matcher.is_terminated()
 
     def accept(self, seq_id: int, token_id: int) -> bool:
         """Advances a sequence's matcher; False when its grammar refuses the token

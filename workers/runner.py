@@ -11,21 +11,24 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.kernels import build_cos_sin_cache, get_ops
-from iterserve.scheduler.messages import SampledToken, StepPlan, StepResult
+from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
 from iterserve.workers.batch import HostBatch, Staging, layout_batch, to_device
 from iterserve.workers.config import ModelConfig
-from iterserve.workers.grammar import Grammars
 from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AllReduce, LlamaModel
 from iterserve.workers.prompt_logprobs import PromptLogprobsCollector
 from iterserve.workers.sampler import Sampler, sequence_key
+
+if TYPE_CHECKING:
+    from iterserve.workers.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +159,10 @@ class ModelRunner:
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.table = SequenceTable(self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
-        self.grammars = Grammars(self.tokenizer_path, self.config.vocab_size, self.eos_token_ids)
+        # Structured outputs' state: made with the first grammar, which is also when
+        # xgrammar and the tokenizer are first imported (a runner without grammars
+        # needs neither: the device image has torch and triton only).
+        self.grammars: Grammars | None = None
         # Only rank 0's result is read: the other ranks need not compute them.
         self.prompt_logprobs = PromptLogprobsCollector(enabled=self.tp_rank == 0)
         on_gpu = self.device.type == "cuda"
@@ -237,12 +243,19 @@ class ModelRunner:
 
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:
+            if self.grammars is None:
+                from iterserve.workers.grammar import Grammars
+
+                self.grammars = Grammars(
+                    self.tokenizer_path, self.config.vocab_size, self.eos_token_ids
+                )
             self.grammars.add(seq.seq_id, seq.params.structured_output, seq.output_token_ids)
         self.prompt_logprobs.add(seq)
 
     def _forget(self, seq: SeqState) -> None:
         self.sampler.forget(sequence_key(seq))
-        self.grammars.forget(seq.seq_id)
+        if self.grammars is not None:
+            self.grammars.forget(seq.seq_id)
         self.prompt_logprobs.forget(seq.seq_id)
 
     def _sample(self, logits: torch.Tensor, rows: list[SeqState], result: StepResult) -> None:
@@ -262,9 +275,9 @@ class ModelRunner:
             rows = [rows[i] for i in drawn]
         if not rows:
             return
-        grammar = None
-        if any(seq.seq_id in self.grammars for seq in rows):
-            grammar = self.grammars.fill([seq.seq_id for seq in rows])
+        grammars, grammar = self.grammars, None
+        if grammars is not None and any(seq.seq_id in grammars for seq in rows):
+            grammar = grammars.fill([seq.seq_id for seq in rows])
         out = self.sampler(logits[: len(rows)], rows, grammar)  # waits for the tokens
         for i, seq in enumerate(rows):
             token = out.token_ids[i]
@@ -276,15 +289,25 @@ class ModelRunner:
                     top_logprobs=out.top_logprobs[i],
                 )
             )
-            if self.grammars.accept(seq.seq_id, token):
-                finished = self.table.append_token(seq.slot_idx, token)
-            else:  # its grammar cannot go on (it allowed no token, or never compiled)
-                logger.error("%s: its grammar refused token %d; ending it", seq.request_id, token)
-                seq.token_ids.append(token)
-                finished = self.table.end(seq.slot_idx, FinishReason.ERROR)
+            finished = self._append(seq, token, grammar is not None)
             if finished is not None:
                 result.finished.append(finished)
                 self._forget(seq)
+
+    def _append(self, seq: SeqState, token: int, constrained: bool) -> FinishedSeq | None:
+        """Records a sampled token; a sequence with a grammar also advances its matcher,
+        and ends when the grammar does (its EOS, even where ``ignore_eos`` or
+        ``min_tokens`` would go on) or cannot go on (it refused the token)."""
+        if not constrained or self.grammars is None or seq.seq_id not in self.grammars:
+            return self.table.append_token(seq.slot_idx, token)
+        if not self.grammars.accept(seq.seq_id, token):
+            logger.error("%s: its grammar refused token %d; ending it", seq.request_id, token)
+            seq.token_ids.append(token)
+            return self.table.end(seq.slot_idx, FinishReason.ERROR)
+        finished = self.table.append_token(seq.slot_idx, token)
+        if finished is None and self.grammars.done(seq.seq_id):
+            finished = self.table.end(seq.slot_idx, FinishReason.EOS)
+        return finished
 
     def forward(self, host: HostBatch, replay: bool = True) -> torch.Tensor:
         """Logits of ``host``'s logits rows: a graph replay when one fits (and

@@ -102,11 +102,14 @@ class StepParams:
 
 def _banned(row: SampleRow, eos_token_ids: list[int]) -> list[int]:
     """The tokens a row may not sample now: the stop and EOS tokens before
-    ``min_tokens``, and the last token of every bad word the output leads into."""
+    ``min_tokens`` (without a grammar), and the last token of every bad word the
+    output leads into."""
     p = row.params
     num_output = len(row.token_ids) - row.num_prompt_tokens
     banned = []
-    if num_output + 1 < p.min_tokens:
+    # A grammar decides where its output ends: banning EOS before min_tokens could
+    # leave its row nothing to sample.
+    if num_output + 1 < p.min_tokens and p.structured_output is None:
         banned += p.stop_token_ids
         if not p.ignore_eos:
             banned += eos_token_ids

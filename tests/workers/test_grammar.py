@@ -245,3 +245,15 @@ def test_names_of_properties_are_not_mistaken_for_keywords(tok):
         "allOf": [{"required": ["if"]}],  # one schema: xgrammar takes it whole
     }
     GrammarChecker(tok, 4096).check(StructuredOutput("json", json.dumps(schema)))
+
+
+def test_a_grammar_ends_its_sequence_even_where_ignore_eos_would_go_on(tok):
+    """The engine's own callers (LLM, AsyncEngine) can send what the ingress refuses."""
+    driver = PlanDriver(runner())
+    choice = StructuredOutput("ebnf", 'root ::= "up" | "down"')
+    prompt = tok.encode("The answer is")
+    driver.add("ignore", prompt, params(choice, ignore_eos=True))
+    driver.add("min", prompt, params(choice, min_tokens=5))
+    for name, out in driver.run().items():
+        assert tok.decode(out[:-1]) in ("up", "down") and out[-1] in tok.eos_token_ids
+        assert driver.done[name].finish_reason == "eos"
