@@ -134,7 +134,8 @@ class ResponseBuilder:
                     text = echo.text + text
                     entries = self._echo_entries(echo, choice) + entries
                     text_offset = 0
-            if not (text or delta.finish_reason or entries):
+            prompt = delta.prompt_logprobs is not None and self.want_prompt_logprobs
+            if not (text or delta.finish_reason or entries or prompt):
                 return None
             logprobs = self.logprobs(entries, text_offset) if choice.want_logprobs else None
             entry, reason = {"index": choice.index, "text": text}, delta.finish_reason

@@ -259,3 +259,14 @@ def test_prompt_logprobs_come_in_vllms_shape(http, tok):
     events = stream(http, CHAT, {"messages": say("hello"), "prompt_logprobs": 0})
     assert events[0]["prompt_logprobs"] == reply["prompt_logprobs"]
     assert all("prompt_logprobs" not in e for e in events[1:])
+
+
+def test_a_stream_sends_the_prompt_alone_and_its_prompt_logprobs_first(http, tok):
+    prompt_ids = tok.encode("hello world")
+    body = {"prompt": "hello world", "max_tokens": 0, "echo": True, "logprobs": 0,
+            "prompt_logprobs": 0}  # fmt: skip
+    (event,) = stream(http, COMPLETIONS, body)
+    choice = event["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
+    assert len(choice["prompt_logprobs"]) == len(prompt_ids)
