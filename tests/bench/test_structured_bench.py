@@ -15,10 +15,10 @@ def test_the_cost_figure_compares_the_same_work(tmp_path):
     assert result["tokens"] == {"unconstrained": 24, "half_constrained": 24}
     assert result["num_constrained"] == 2
     assert all(len(v) == 2 and min(v) > 0 for v in result["tok_s"].values())
-    medians = result["median_tok_s"]
-    assert result["ratio"] == round(medians["half_constrained"] / medians["unconstrained"], 3)
-    cpu = result["median_cpu_tok_s"]
-    assert result["cpu_ratio"] == round(cpu["half_constrained"] / cpu["unconstrained"], 3)
+    runs = result["tok_s"]
+    ratios = sorted(a / b for a, b in zip(runs["half_constrained"], runs["unconstrained"]))
+    assert ratios[0] - 1e-3 <= result["ratio"] <= ratios[-1] + 1e-3  # a median of the rounds
+    assert result["cpu_ratio"] > 0 and set(result["median_cpu_tok_s"]) == set(runs)
     out = tmp_path / "structured.json"
     args = ["bench", "structured", "--num-seqs", "2", "--max-tokens", "3", "--rounds", "1"]
     assert main([*args, "--json", str(out)]) == 0
