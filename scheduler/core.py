@@ -22,7 +22,13 @@ from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueF
 from iterserve.scheduler.messages import NewSequence, StepResult
 from iterserve.scheduler.policies import make_policy
 from iterserve.scheduler.queue import WaitingQueue
-from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
+from iterserve.scheduler.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    prompt_logprobs_entry,
+)
 from iterserve.scheduler.slots import SlotTable
 from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
@@ -169,7 +175,7 @@ class Scheduler:
             request = live.get(prompt.seq_id)
             if request is not None:
                 out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
-                out.new_logprobs.insert(0, prompt)
+                out.new_logprobs.insert(0, prompt_logprobs_entry(prompt))
         for finished in result.finished:
             request = live.get(finished.seq_id)
             if request is None:

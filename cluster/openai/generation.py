@@ -25,7 +25,7 @@ from iterserve.cluster.openai.errors import (
 )
 from iterserve.cluster.openai.stream import StopMatcher
 from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.request import FinishReason
+from iterserve.scheduler.request import FinishReason, split_prompt_logprobs
 
 # Reasons whose last token is the one that stopped the sequence (EOS or a stop token id).
 STOP_TOKEN_REASONS = frozenset({"eos", "stop_token"})
@@ -101,9 +101,9 @@ class Choice:
         for token_ids, logprobs, reason, error in records:
             if reason == "error":
                 raise EngineFailure(error or "the engine failed this request")
-            if logprobs and isinstance(logprobs[0], PromptLogprobs):  # they lead, once
-                delta.prompt_logprobs = self.prompt_logprobs = logprobs[0]
-                logprobs = logprobs[1:]
+            prompt, logprobs = split_prompt_logprobs(logprobs)  # they lead, once
+            if prompt is not None:
+                delta.prompt_logprobs = self.prompt_logprobs = prompt
             unwritten = -1  # position of the stopping token, when it is left out of the text
             if reason in STOP_TOKEN_REASONS and not self.include_stop_str:
                 unwritten = len(token_ids) - 1

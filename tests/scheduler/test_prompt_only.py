@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,7 @@ def test_prompt_only_requests_finish_after_their_prefill(policy, ahead):
 def test_prompt_logprobs_come_once_before_the_first_token():
     from iterserve.scheduler import Request, SchedulerConfig
     from iterserve.scheduler.messages import PromptLogprobs
+    from iterserve.scheduler.request import split_prompt_logprobs
 
     config = SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=4, max_model_len=32, block_size=4, num_kv_blocks=16
@@ -80,8 +82,10 @@ def test_prompt_logprobs_come_once_before_the_first_token():
         step = sched.schedule(0.0)
         for out in sched.update(step, executor.execute(step.plan)):
             logprobs += out.new_logprobs
-    prompt = [e for e in logprobs if isinstance(e, PromptLogprobs)]
-    assert len(prompt) == 1 and logprobs[0] is prompt[0]  # a prompt of 6 in pieces of 4
-    assert prompt[0].token_logprobs == [-0.5] * 5
-    assert prompt[0].top_logprobs == [[(t, -0.5)] for t in [6, 7, 8, 9, 10]]
-    assert len(logprobs) == 1 + 3  # and one entry per output token
+    prompt, rest = split_prompt_logprobs(logprobs)  # a prompt of 6, in pieces of 4
+    assert isinstance(prompt, PromptLogprobs) and prompt.token_logprobs == [-0.5] * 5
+    assert prompt.top_logprobs == [[(t, -0.5)] for t in [6, 7, 8, 9, 10]]
+    assert len(rest) == 3 and split_prompt_logprobs(rest)[0] is None  # one per token, once
+    # Plain types only: the entry crosses msgpack as it is.
+    assert msgpack.unpackb(msgpack.packb(logprobs[0])) == logprobs[0]
+    assert split_prompt_logprobs(msgpack.unpackb(msgpack.packb(logprobs)))[0] == prompt

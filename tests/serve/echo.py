@@ -20,6 +20,7 @@ from pathlib import Path
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.fake_executor import FakeExecutor
 from iterserve.scheduler.messages import PromptLogprobs
+from iterserve.scheduler.request import prompt_logprobs_entry
 from iterserve.scheduler.seq_table import stop_reason
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -129,7 +130,9 @@ class EchoStream:
         if self.params.prompt_logprobs is not None:
             rest = self.prompt[1:]
             top = [[(t, -0.5)][: self.params.prompt_logprobs] for t in rest]
-            lead = [PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top)]
+            lead = [
+                prompt_logprobs_entry(PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top))
+            ]
         if not self.tokens:  # max_tokens 0: the prompt alone
             yield [([], lead, "length", None)]
             return
