@@ -41,6 +41,15 @@ def _bench_ceiling(args: argparse.Namespace) -> None:
     _write(engine_bench.ceiling(args.model, num_seqs=args.num_seqs), args.json)
 
 
+def _bench_structured(args: argparse.Namespace) -> None:
+    from iterserve.bench import structured_bench
+
+    result = structured_bench.structured_cost(
+        args.model, num_seqs=args.num_seqs, max_tokens=args.max_tokens, rounds=args.rounds
+    )
+    _write(result, args.json)
+
+
 def _simulate(args: argparse.Namespace) -> None:
     from iterserve.bench import simulator
 
@@ -76,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     ceiling.add_argument("--num-seqs", type=int, default=16)
     ceiling.add_argument("--json", help="also write the result to this file")
     ceiling.set_defaults(func=_bench_ceiling)
+
+    structured = benches.add_parser(
+        "structured", help="decode tok/s, half the batch under a JSON schema ÷ none"
+    )
+    structured.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    structured.add_argument("--num-seqs", type=int, default=16)
+    structured.add_argument("--max-tokens", type=int, default=64)
+    structured.add_argument("--rounds", type=int, default=5)
+    structured.add_argument("--json", help="also write the result to this file")
+    structured.set_defaults(func=_bench_structured)
 
     from iterserve.bench import compare, loadgen, policies
 

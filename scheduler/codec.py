@@ -16,17 +16,26 @@ import msgpack
 from iterserve.scheduler.messages import (
     FinishedSeq,
     NewSequence,
+    PromptLogprobs,
     SampledToken,
     ScheduledSeq,
     StepPlan,
     StepResult,
 )
-from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
+from iterserve.scheduler.sampling import (
+    MAX_GRAMMAR_BYTES,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutput,
+)
 
-VERSION = 3  # 2: StepPlan.lookahead; 3: sequences named by seq_id
+# 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
+# (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
+# StepResult.prompt_logprobs
+VERSION = 4
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
-MAX_STR_LEN = 1 << 12
+MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
 INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -84,6 +93,20 @@ def _tuple_of_ints(v):
     return tuple(_list(_int)(v))
 
 
+def _bias_pairs(v):
+    return tuple(_list(_bias_pair)(v))
+
+
+def _bias_pair(v):
+    if type(v) is not list or len(v) != 2:
+        raise CodecError("expected a [token_id, bias] pair")
+    return (_int(v[0]), _float(v[1]))
+
+
+def _token_sequences(v):
+    return tuple(_list(_tuple_of_ints)(v))
+
+
 def _record(cls):
     return lambda v: _decode_record(cls, v)
 
@@ -105,7 +128,13 @@ _SCHEMAS[SamplingParams] = (
     _tuple_of_ints,
     _bool,
     _optional(_int),
+    _bias_pairs,
+    _optional(_tuple_of_ints),
+    _token_sequences,
+    _optional(_int),
+    _optional(_record(StructuredOutput)),
 )
+_SCHEMAS[StructuredOutput] = (_str, _str)
 _SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams))
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
@@ -118,6 +147,7 @@ _SCHEMAS[StepPlan] = (
 )
 _SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
+_SCHEMAS[PromptLogprobs] = (_int, _list(_float), _list(_int), _list(_list(_pair)))
 _SCHEMAS[StepResult] = (
     _int,
     _list(_record(SampledToken)),
@@ -125,6 +155,7 @@ _SCHEMAS[StepResult] = (
     _float,
     _int,
     _int,
+    _list(_record(PromptLogprobs)),
 )
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _SCHEMAS}
 for _cls, _schema in _SCHEMAS.items():
@@ -143,11 +174,11 @@ def _decode_record(cls, value):
             kwargs[name] = kind(item)
         except CodecError as exc:
             raise CodecError(f"{cls.__name__}.{name}: {exc}") from None
-    if cls is SamplingParams:
+    if cls in (SamplingParams, StructuredOutput):  # they validate themselves
         try:
-            return SamplingParams(**kwargs)
+            return cls(**kwargs)
         except SamplingParamsError as exc:
-            raise CodecError(f"SamplingParams: {exc}") from None
+            raise CodecError(f"{cls.__name__}: {exc}") from None
     return cls(**kwargs)
 
 
@@ -167,6 +198,13 @@ def _encode_params(p: SamplingParams) -> list:
         list(p.stop_token_ids),
         p.ignore_eos,
         p.logprobs,
+        [list(pair) for pair in p.logit_bias],
+        None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+        [list(word) for word in p.bad_words],
+        p.prompt_logprobs,
+        None
+        if p.structured_output is None
+        else [p.structured_output.kind, p.structured_output.spec],
     ]
 
 
@@ -204,6 +242,15 @@ def _encode_result(m: StepResult) -> list:
         m.forward_s,
         m.num_tokens,
         m.num_padding_tokens,
+        [
+            [
+                p.seq_id,
+                p.token_logprobs,
+                p.ranks,
+                [[list(t) for t in top] for top in p.top_logprobs],
+            ]
+            for p in m.prompt_logprobs
+        ],
     ]
 
 

@@ -22,7 +22,13 @@ from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueF
 from iterserve.scheduler.messages import NewSequence, StepResult
 from iterserve.scheduler.policies import make_policy
 from iterserve.scheduler.queue import WaitingQueue
-from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
+from iterserve.scheduler.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    prompt_logprobs_entry,
+)
 from iterserve.scheduler.slots import SlotTable
 from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
@@ -165,6 +171,11 @@ class Scheduler:
                 entry = (sampled.logprob, list(sampled.top_logprobs))
                 request.output_logprobs.append(entry)
                 out.new_logprobs.append(entry)
+        for prompt in result.prompt_logprobs:  # before the first token's entry, once
+            request = live.get(prompt.seq_id)
+            if request is not None:
+                out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
+                out.new_logprobs.insert(0, prompt_logprobs_entry(prompt))
         for finished in result.finished:
             request = live.get(finished.seq_id)
             if request is None:

@@ -17,7 +17,8 @@ import time
 import zlib
 from collections.abc import Callable
 
-from iterserve.scheduler.messages import SampledToken, StepPlan, StepResult
+from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.scheduler.seq_table import SequenceTable, stop_reason
 
@@ -70,6 +71,13 @@ class FakeExecutor:
             return self.eos_token_id
         return self.token_at(request_id, output_pos)
 
+    @staticmethod
+    def _prompt_logprobs(seq) -> PromptLogprobs:
+        """Every prompt token after the first at logprob -0.5, the most likely."""
+        tokens = seq.token_ids[1 : seq.num_prompt_tokens]
+        top = [[(t, -0.5)][: seq.params.prompt_logprobs] for t in tokens]
+        return PromptLogprobs(seq.seq_id, [-0.5] * len(tokens), [1] * len(tokens), top)
+
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         plan = self.table.apply(plan)
@@ -87,6 +95,11 @@ class FakeExecutor:
                     )
             self.table.advance(entry)
             if not entry.sample:
+                continue
+            if seq.params.prompt_logprobs is not None and not seq.num_output_tokens:
+                result.prompt_logprobs.append(self._prompt_logprobs(seq))
+            if seq.params.max_tokens == 0:  # the prompt alone was asked for
+                result.finished.append(self.table.end(entry.slot_idx, FinishReason.LENGTH))
                 continue
             token = self._next_token(seq.request_id, seq.num_output_tokens, seq.params)
             logprob = -0.5 if seq.params.logprobs is not None else None

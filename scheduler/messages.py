@@ -13,7 +13,8 @@ A worker applies a :class:`StepPlan` in this order:
    ``num_pad_tokens`` padding tokens (static batching's padded prefill);
 4. compute one padding token for each slot in ``padding_slots`` (static
    batching's finished-but-still-batched members);
-5. sample one token for each scheduled sequence with ``sample`` set.
+5. sample one token for each scheduled sequence with ``sample`` set (one whose
+   ``max_tokens`` is 0 is finished instead, with reason ``length``, unsampled).
 
 A ``lookahead`` plan was built while the step before it was still running, so
 the scheduler did not yet know which sequences that step would end. A worker
@@ -105,13 +106,30 @@ class SampledToken:
 class FinishedSeq:
     """A sequence the worker finished, with the KV blocks it held.
 
-    ``reason`` is ``"eos"``, ``"stop_token"`` or ``"length"``. The scheduler
-    checks ``block_ids`` against its own block table.
+    ``reason`` is ``"eos"``, ``"stop_token"`` or ``"length"`` (or ``"error"``
+    when the worker cannot go on with this one sequence: a grammar that refuses
+    a token). The scheduler checks ``block_ids`` against its own block table.
     """
 
     seq_id: int
     reason: str
     block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The log-probabilities of a prompt's tokens, for a sequence that asked for them
+    (``prompt_logprobs``), sent once: with the step that completes its prompt.
+
+    Entry ``i`` is prompt token ``i + 1`` given the tokens before it (the first
+    token has none): its logprob, its rank in the vocabulary (1 is the most
+    likely) and the top ``prompt_logprobs`` ``(token_id, logprob)`` pairs.
+    """
+
+    seq_id: int
+    token_logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -124,3 +142,4 @@ class StepResult:
     forward_s: float = 0.0
     num_tokens: int = 0
     num_padding_tokens: int = 0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

@@ -145,8 +145,12 @@ class SequenceTable:
         seq = self.get(slot_idx)
         seq.token_ids.append(token_id)
         reason = stop_reason(seq.params, seq.num_output_tokens, token_id, self.eos_token_ids)
-        if reason is None:
-            return None
-        del self.by_slot[slot_idx]
+        return None if reason is None else self.end(slot_idx, reason)
+
+    def end(self, slot_idx: int, reason: FinishReason) -> FinishedSeq:
+        """Ends a sequence without a new token: one whose ``max_tokens`` is 0 once its
+        prompt is computed (``length``), or one the worker cannot go on with
+        (``error``). Like a stop by a token, it leaves the table at once."""
+        seq = self.by_slot.pop(slot_idx)
         self.ended.add(slot_idx)
         return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=seq.block_ids)

@@ -7,21 +7,30 @@ captured CUDA graph (:mod:`.graphs`) and the forward is timed with events.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.kernels import build_cos_sin_cache, get_ops
-from iterserve.scheduler.messages import SampledToken, StepPlan, StepResult
-from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
+from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
+from iterserve.scheduler.request import FinishReason
+from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
 from iterserve.workers.batch import HostBatch, Staging, layout_batch, to_device
 from iterserve.workers.config import ModelConfig
 from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AllReduce, LlamaModel
+from iterserve.workers.prompt_logprobs import PromptLogprobsCollector
 from iterserve.workers.sampler import Sampler, sequence_key
+
+if TYPE_CHECKING:
+    from iterserve.workers.grammar import Grammars
+
+logger = logging.getLogger(__name__)
 
 # The graphs' block tables are this wide unless max_model_len says otherwise: each
 # replayed step copies bucket x width ids, so a 128k-position model's full width
@@ -66,6 +75,7 @@ class ModelRunner:
 
         ckpt = load_checkpoint(model_path)
         device = torch.device(device)
+        self.tokenizer_path = Path(model_path)  # grammars read the checkpoint's tokenizer
         self.generation_config = ckpt.generation_config
         self._build(
             ckpt.config, resolve_dtype(dtype, ckpt.config, device), device, tp_rank, tp_size,
@@ -90,11 +100,14 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
+        tokenizer_path: str | Path | None = None,
     ) -> ModelRunner:
         """A runner of ``config``'s shape with random weights drawn on the device:
-        for benchmarks and device checks, where a checkpoint would only cost load time."""
+        for benchmarks and device checks, where a checkpoint would only cost load time.
+        ``tokenizer_path``: where grammars find a tokenizer (none: no grammars)."""
         runner = cls.__new__(cls)
         runner.generation_config = {}
+        runner.tokenizer_path = tokenizer_path
         eos = frozenset(config.eos_token_ids)
         runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
@@ -109,6 +122,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.tp_size = tp_size
+        self.tp_rank = tp_rank
         self.ops = get_ops(kernel_backend, self.device)
         self.block_size = block_size
         # fp32 table regardless of model dtype: the kernels rotate in fp32.
@@ -145,6 +159,12 @@ class ModelRunner:
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.table = SequenceTable(self.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
+        # Structured outputs' state: made with the first grammar, which is also when
+        # xgrammar and the tokenizer are first imported (a runner without grammars
+        # needs neither: the device image has torch and triton only).
+        self.grammars: Grammars | None = None
+        # Only rank 0's result is read: the other ranks need not compute them.
+        self.prompt_logprobs = PromptLogprobsCollector(enabled=self.tp_rank == 0)
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(self.device) if on_gpu else None
         self.timer = ForwardTimer(self.device)
@@ -176,7 +196,7 @@ class ModelRunner:
         for slot in plan.released_slots:
             seq = self.table.by_slot.get(slot)
             if seq is not None:
-                self.sampler.forget(sequence_key(seq))
+                self._forget(seq)
         for new in plan.new_seqs:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -185,6 +205,8 @@ class ModelRunner:
                     f"of {self.vocab_size}"
                 )
         plan = self.table.apply(plan)
+        for new in plan.new_seqs:
+            self._register(self.table.get(new.slot_idx))
         result = StepResult(
             step=plan.step,
             num_tokens=plan.num_tokens,
@@ -201,18 +223,62 @@ class ModelRunner:
             pad_token_id=self.pad_token_id,
             max_position=self.model.cos_sin.shape[0],
         )
+        prompt_rows = self.prompt_logprobs.rows(plan, self.table)
+        if prompt_rows is not None:  # their logits follow the sampled and padding rows
+            extra = torch.tensor(prompt_rows.rows, dtype=host.logits_indices.dtype)
+            host.logits_indices = torch.cat([host.logits_indices, extra])
         self.timer.start()
-        logits = self.forward(host)  # [num_logits, vocab]
+        # A graph's logits rows are the sampled and padding rows: prompt rows run eagerly.
+        logits = self.forward(host, replay=prompt_rows is None)  # [num_logits, vocab]
         self.timer.stop()
 
         for entry in plan.scheduled:
             self.table.advance(entry)
+        if prompt_rows is not None:
+            self.prompt_logprobs.take(logits[-len(prompt_rows.rows) :], prompt_rows)
         rows = [self.table.get(e.slot_idx) for e in host.sample_entries]
-        if not rows:
-            result.forward_s = self.timer.seconds()
-            return result
-        out = self.sampler(logits[: len(rows)], rows)  # waits for the tokens
+        self._sample(logits, rows, result)
         result.forward_s = self.timer.seconds()
+        return result
+
+    def _register(self, seq: SeqState) -> None:
+        if seq.params.structured_output is not None:
+            if self.grammars is None:
+                from iterserve.workers.grammar import Grammars
+
+                self.grammars = Grammars(
+                    self.tokenizer_path, self.config.vocab_size, self.eos_token_ids
+                )
+            self.grammars.add(seq.seq_id, seq.params.structured_output, seq.output_token_ids)
+        self.prompt_logprobs.add(seq)
+
+    def _forget(self, seq: SeqState) -> None:
+        self.sampler.forget(sequence_key(seq))
+        if self.grammars is not None:
+            self.grammars.forget(seq.seq_id)
+        self.prompt_logprobs.forget(seq.seq_id)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SeqState], result: StepResult) -> None:
+        """Samples one token for each of ``rows`` (row ``i`` owns ``logits[i]``); a
+        sequence whose ``max_tokens`` is 0 ends instead, now that its prompt is in."""
+        for seq in rows:
+            prompt = self.prompt_logprobs.pop(seq.seq_id)
+            if prompt is not None:
+                result.prompt_logprobs.append(prompt)
+        drawn = [i for i, seq in enumerate(rows) if seq.params.max_tokens > 0]
+        if len(drawn) < len(rows):
+            for seq in rows:
+                if seq.params.max_tokens == 0:
+                    result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
+                    self._forget(seq)
+            logits = logits[torch.tensor(drawn, dtype=torch.long, device=logits.device)]
+            rows = [rows[i] for i in drawn]
+        if not rows:
+            return
+        grammars, grammar = self.grammars, None
+        if grammars is not None and any(seq.seq_id in grammars for seq in rows):
+            grammar = grammars.fill([seq.seq_id for seq in rows])
+        out = self.sampler(logits[: len(rows)], rows, grammar)  # waits for the tokens
         for i, seq in enumerate(rows):
             token = out.token_ids[i]
             result.sampled.append(
@@ -223,16 +289,31 @@ class ModelRunner:
                     top_logprobs=out.top_logprobs[i],
                 )
             )
-            finished = self.table.append_token(seq.slot_idx, token)
+            finished = self._append(seq, token, grammar is not None)
             if finished is not None:
                 result.finished.append(finished)
-                self.sampler.forget(sequence_key(seq))
-        return result
+                self._forget(seq)
 
-    def forward(self, host: HostBatch) -> torch.Tensor:
-        """Logits of ``host``'s logits rows: a graph replay when one fits, else eager."""
+    def _append(self, seq: SeqState, token: int, constrained: bool) -> FinishedSeq | None:
+        """Records a sampled token; a sequence with a grammar also advances its matcher,
+        and ends when the grammar does (its EOS, even where ``ignore_eos`` or
+        ``min_tokens`` would go on) or cannot go on (it refused the token)."""
+        if not constrained or self.grammars is None or seq.seq_id not in self.grammars:
+            return self.table.append_token(seq.slot_idx, token)
+        if not self.grammars.accept(seq.seq_id, token):
+            logger.error("%s: its grammar refused token %d; ending it", seq.request_id, token)
+            seq.token_ids.append(token)
+            return self.table.end(seq.slot_idx, FinishReason.ERROR)
+        finished = self.table.append_token(seq.slot_idx, token)
+        if finished is None and self.grammars.done(seq.seq_id):
+            finished = self.table.end(seq.slot_idx, FinishReason.EOS)
+        return finished
+
+    def forward(self, host: HostBatch, replay: bool = True) -> torch.Tensor:
+        """Logits of ``host``'s logits rows: a graph replay when one fits (and
+        ``replay``), else eager."""
         graphs = self.graphs
-        if graphs is not None and graphs.replayable(host):
+        if replay and graphs is not None and graphs.replayable(host):
             return graphs.run(host)
         batch = to_device(host, self.device, self.staging)
         return self.model(

@@ -2,21 +2,29 @@
 
 Per row, in order:
 
-1. **min_tokens** — while the token being sampled could not end the sequence
+1. **grammar** (structured outputs) — every token the sequence's grammar does
+   not allow next gets ``-inf``: one bitmask for the step's constrained rows,
+   filled on the host by their matchers (:mod:`.grammar`), applied in one go.
+2. **allowed_token_ids** — every other token gets ``-inf``.
+3. **min_tokens** — while the token being sampled could not end the sequence
    (``outputs_so_far + 1 < min_tokens``, the rule of
    :func:`~iterserve.scheduler.seq_table.stop_reason`), the stop token ids and,
-   unless ``ignore_eos``, the EOS ids get ``-inf``.
-2. **repetition_penalty** (Hugging Face): every token seen in prompt or output
+   unless ``ignore_eos``, the EOS ids get ``-inf``. **bad_words** too: the last
+   token of every bad word whose other tokens end the output so far (a one-token
+   word always).
+4. **logit_bias** — each biased token's logit plus its bias.
+5. **repetition_penalty** (Hugging Face): every token seen in prompt or output
    has its logit divided by the penalty when positive, multiplied when negative.
-3. **presence / frequency penalties** (OpenAI): over output tokens only,
+6. **presence / frequency penalties** (OpenAI): over output tokens only,
    ``logit -= frequency * count + presence * (count > 0)``.
-4. **greedy** (``temperature == 0``): argmax of these logits.
-5. otherwise ``logits / temperature``, then **top_k**, **top_p** (smallest set
+7. **greedy** (``temperature == 0``): argmax of these logits.
+8. otherwise ``logits / temperature``, then **top_k**, **top_p** (smallest set
    whose probability reaches ``top_p``, at least one token) and **min_p**
    (drops tokens below ``min_p * max_prob``), then a draw from the softmax.
 
 Logprobs are the *raw model* log-probabilities (``log_softmax`` of the logits
-before any of the steps above), as vLLM returns them by default.
+before any of the steps above, the grammar's mask included), as vLLM returns
+them by default.
 
 Draws use the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks
 token ``i`` with probability ``p_i``. A seeded request draws its ``q`` from its
@@ -32,28 +40,23 @@ back (tokens, logprobs) returns in one copy, the step's only wait on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.workers.batch import Staging
+from iterserve.workers.step_params import SampleRow, StepParams
 from iterserve.workers.token_counts import TokenCounts
+
+if TYPE_CHECKING:
+    from iterserve.workers.grammar import GrammarMask
 
 
 def sequence_key(row: SampleRow) -> int:
     """What names a row's sequence across steps: its generator and token counts
     live under this key until :meth:`Sampler.forget`."""
     return row.seq_id
-
-
-class SampleRow(Protocol):
-    """What the sampler reads of a sequence (``SeqState`` satisfies it)."""
-
-    seq_id: int
-    params: SamplingParams
-    token_ids: list[int]
-    num_prompt_tokens: int
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Sampler:
         # Parameters and indices cross as float64: exact for every int id and for
         # the Python floats, which then round to fp32 as torch.tensor would.
         self._staging = Staging(self.device, torch.float64)
+        self._mask_staging = Staging(self.device, torch.int32)  # grammar bitmasks
 
     def forget(self, key: str) -> None:
         """Drops a finished or released sequence's generator and token counts
@@ -90,15 +94,18 @@ class Sampler:
             self._seeded[key] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """``logits`` is ``[len(rows), vocab]``; row ``i`` belongs to ``rows[i]``."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
+    ) -> SamplerOutput:
+        """``logits`` is ``[len(rows), vocab]``; row ``i`` belongs to ``rows[i]``.
+        ``grammar``: the step's bitmask for the rows that have a grammar."""
         logits = logits.float()  # [n, vocab]
         n, vocab = logits.shape
         params = [r.params for r in rows]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        batch = _StepParams(self, rows, vocab)
+        batch = StepParams(self, rows, vocab, grammar)
         logits = self._process(logits, rows, batch)
         if not batch.random:
             tokens = logits.argmax(dim=-1)
@@ -147,16 +154,33 @@ class Sampler:
             out.top_logprobs.append(list(zip(top_ids[i][:k], top_vals[i][:k])))
         return out
 
-    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Steps 1-3: min_tokens masking and penalties, on a float copy of ``logits``."""
-        return self._process(logits.float(), rows, _StepParams(self, rows, logits.shape[1]))
+    def process(
+        self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
+    ) -> torch.Tensor:
+        """Steps 1-6: masks, bias and penalties, on a float copy of ``logits``."""
+        batch = StepParams(self, rows, logits.shape[1], grammar)
+        return self._process(logits.float(), rows, batch)
 
-    def _process(self, logits: torch.Tensor, rows: list[SampleRow], batch: _StepParams):
+    def _process(self, logits: torch.Tensor, rows: list[SampleRow], batch: StepParams):
         logits = logits.clone()
+        if batch.grammar is not None:
+            from iterserve.workers.grammar import apply_token_bitmask
+
+            (bitmask,) = self._mask_staging.put([batch.grammar.bitmask])
+            apply_token_bitmask(logits, batch.grammar, bitmask)
+        if batch.allowed:
+            idx = batch.get("allowed").long()
+            keep = torch.zeros(len(batch.allowed), logits.shape[1], dtype=torch.bool,
+                               device=logits.device)  # fmt: skip
+            keep[batch.get("allowed_pos").long(), batch.get("allowed_tokens").long()] = True
+            logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
         if batch.banned_rows:
             logits[batch.get("banned_rows").long(), batch.get("banned_tokens").long()] = float(
                 "-inf"
             )
+        if batch.biased:
+            rows_t, tokens = batch.get("bias_rows").long(), batch.get("bias_tokens").long()
+            logits.index_put_((rows_t, tokens), batch.get("bias_values").float(), accumulate=True)
         if batch.rep:
             idx = batch.get("rep").long()
             slots = batch.get("rep_slots").long()
@@ -173,7 +197,7 @@ class Sampler:
             logits[idx] -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
         return logits
 
-    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], batch: _StepParams):
+    def _draw(self, logits: torch.Tensor, rows: list[SampleRow], batch: StepParams):
         params = [r.params for r in rows]
         dev = logits.device
         temp = batch.get("temperature").float()[:, None]
@@ -197,68 +221,7 @@ class Sampler:
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
 
 
-class _StepParams:
-    """One step's per-row sampling parameters and row indices, on the device
-    after a single copy. ``get(name)`` returns a float64 view to cast."""
-
-    def __init__(self, sampler: Sampler, rows: list[SampleRow], vocab: int):
-        params = [r.params for r in rows]
-        self.greedy = [i for i, p in enumerate(params) if p.greedy]
-        self.random = [i for i, p in enumerate(params) if not p.greedy]
-        self.banned_rows: list[int] = []
-        banned_tokens: list[int] = []
-        for i, r in enumerate(rows):
-            p = r.params
-            if len(r.token_ids) - r.num_prompt_tokens + 1 >= p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids)
-            if not p.ignore_eos:
-                banned += sampler.eos_token_ids
-            banned = [t for t in banned if t < vocab]
-            self.banned_rows += [i] * len(banned)
-            banned_tokens += banned
-        self.rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        self.oa = [
-            i
-            for i, p in enumerate(params)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        ]
-        self.counted = sorted(set(self.rep) | set(self.oa))
-        slot_of = dict(
-            zip(self.counted, sampler._counts.slots([rows[i] for i in self.counted], vocab))
-        )
-        drawn = [params[i] for i in self.random]
-        fields = {
-            "greedy": self.greedy,
-            "random": self.random,
-            "banned_rows": self.banned_rows,
-            "banned_tokens": banned_tokens,
-            "rep": self.rep,
-            "rep_slots": [slot_of[i] for i in self.rep],
-            "rep_penalty": [params[i].repetition_penalty for i in self.rep],
-            "oa": self.oa,
-            "oa_slots": [slot_of[i] for i in self.oa],
-            "freq": [params[i].frequency_penalty for i in self.oa],
-            "pres": [params[i].presence_penalty for i in self.oa],
-            "counted": self.counted,
-            "count_slots": [slot_of[i] for i in self.counted],
-            "temperature": [p.temperature for p in drawn],
-            "shared": [i for i, p in enumerate(drawn) if p.seed is None],
-            "top_k": [p.top_k if 0 < p.top_k < vocab else vocab for p in drawn],
-            # Rows without top-p get an unreachable limit: rounding can push the
-            # cumulative mass to just over 1.0.
-            "top_p": [p.top_p if p.top_p < 1.0 else 2.0 for p in drawn],
-            "min_p": [p.min_p for p in drawn],
-        }
-        names = list(fields)
-        views = sampler._staging.put([torch.tensor(fields[k], dtype=torch.float64) for k in names])
-        self._views = dict(zip(names, views))
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._views[name]
-
-
-def _filter(logits: torch.Tensor, params: list[SamplingParams], batch: _StepParams):
+def _filter(logits: torch.Tensor, params: list[SamplingParams], batch: StepParams):
     """top-k, then top-p, then min-p; removed tokens get ``-inf``."""
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]

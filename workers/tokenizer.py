@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,29 @@ def _environment() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def _component_types(component: Any) -> set[str]:
+    """The types of a tokenizer.json component, inside a Sequence too."""
+    if not isinstance(component, dict):
+        return set()
+    types = {component.get("type")}
+    for part in component.get("decoders") or component.get("pretokenizers") or []:
+        types |= _component_types(part)
+    return {t for t in types if isinstance(t, str)}
+
+
+@dataclass(frozen=True)
+class GrammarVocabulary:
+    """What a grammar engine (xgrammar) needs of a vocabulary: each token as the
+    tokenizer spells it, by id (special tokens empty, so never text), how those
+    spellings encode bytes (``byte_level``: GPT-2's byte-to-unicode alphabet, as
+    Llama 3 and Qwen; ``byte_fallback``: SentencePiece's ``▁`` and ``<0xNN>``, as
+    Llama 2; ``raw``: as they are), and whether encoding prepends a space."""
+
+    tokens: list[str]
+    kind: str
+    add_prefix_space: bool
 
 
 class Tokenizer:
@@ -173,6 +197,27 @@ class Tokenizer:
     @property
     def special_tokens(self) -> frozenset[str]:
         return frozenset(text for text, special in self.added_tokens.values() if special)
+
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The vocabulary as a grammar engine reads it (see :class:`GrammarVocabulary`)."""
+        tokens = [""] * self.vocab_size
+        for token, token_id in self._tok.get_vocab(with_added_tokens=True).items():
+            if token_id < len(tokens):
+                tokens[token_id] = token
+        for token_id, (_, special) in self.added_tokens.items():
+            if special and token_id < len(tokens):
+                # Never text: a grammar must not spell "<|eos|>" inside a JSON string.
+                tokens[token_id] = ""
+        spec = json.loads(self._tok.to_str())
+        decoders = _component_types(spec.get("decoder"))
+        if "ByteLevel" in decoders:
+            kind, space = "byte_level", "\u0120"  # GPT-2's spelling of a space: Ġ
+        elif decoders & {"ByteFallback", "Metaspace"}:
+            kind, space = "byte_fallback", "\u2581"  # SentencePiece's: ▁
+        else:
+            kind, space = "raw", " "
+        first = self._tok.encode("a", add_special_tokens=False).tokens
+        return GrammarVocabulary(tokens, kind, bool(first) and first[0].startswith(space))
 
     def apply_chat_template(
         self,

@@ -5,8 +5,8 @@ template, as Hugging Face's ``apply_chat_template`` passes them (``tools``,
 ``documents``, extra variables); an assistant's earlier tool calls reach it with
 their arguments as objects, which is what tool-calling templates expect.
 ``tool_choice`` decides how the output is read: ``none``, plain text; ``auto``,
-through the server's tool-call parser; ``required`` and a named function need
-the output constrained to a schema, which structured outputs will provide.
+through the server's tool-call parser; ``required`` and a named function
+constrain it, with structured outputs, to calls that follow the tools' schemas.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from iterserve.cluster.openai.errors import bad_request
@@ -141,19 +142,53 @@ def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> str:
         raise bad_request(f"messages: {exc}", "messages") from None
 
 
-def tool_parser_factory(
-    request: ChatCompletionRequest, server_parser: str | None
-) -> Callable[[], ToolCallParser] | None:
-    """How each choice's output is read for tool calls; None: as plain text.
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's output is read for tool calls (``parser``, None: as
+    plain text), and the JSON schema it is constrained to (``schema``, None: free)."""
+
+    parser: Callable[[], ToolCallParser] | None = None
+    schema: dict[str, Any] | None = None
+
+
+def _parameters(tool) -> dict[str, Any]:
+    # A function without parameters takes an empty object.
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def required_schema(tools, at_most_one: bool) -> dict[str, Any]:
+    """``tool_choice: required``: a JSON list of one or more ``{"name", "parameters"}``
+    calls, each naming one of the tools and holding its parameters (vLLM's shape)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [tool.function.name]},
+                "parameters": _parameters(tool),
+            },
+            "required": ["name", "parameters"],
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if at_most_one:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_plan(request: ChatCompletionRequest, server_parser: str | None) -> ToolPlan:
+    """How each choice's output is read, and constrained, for tool calls.
 
     ``tool_choice`` defaults to "auto" when tools are sent, as OpenAI's does.
+    ``required`` and a named function constrain the output with structured
+    outputs, so it always is a call that follows the tool's schema.
     """
     choice = request.tool_choice
     tools = request.tools or []
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
-        return None
+        return ToolPlan()
     if not tools:
         raise bad_request("tool_choice: needs tools", "tool_choice")
     if choice == "auto":
@@ -161,28 +196,18 @@ def tool_parser_factory(
             raise bad_request(
                 "tool_choice: 'auto' needs a tool-call parser; start the server with "
                 f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)}), or send "
-                'tool_choice: "none"',
+                'tool_choice: "none", "required" or a named function',
                 "tool_choice",
             )
-        return TOOL_CALL_PARSERS[server_parser]
+        return ToolPlan(TOOL_CALL_PARSERS[server_parser])
     if choice == "required":
-        _needs_structured_outputs("'required'")
-        return JsonArrayParser
+        return ToolPlan(
+            JsonArrayParser, required_schema(tools, request.parallel_tool_calls is False)
+        )
     name = choice.function.name
-    if name not in {tool.function.name for tool in tools}:
+    tool = next((tool for tool in tools if tool.function.name == name), None)
+    if tool is None:
         raise bad_request(
             f"tool_choice: names {name!r}, which is not among the tools", "tool_choice"
         )
-    _needs_structured_outputs("naming a function")
-    return lambda: NamedParser(name)
-
-
-def _needs_structured_outputs(what: str) -> None:
-    # The output must be constrained to the call's schema, or the model may not call
-    # at all: refused until structured outputs exist, then this check goes and the
-    # parser returned above reads the constrained output.
-    raise bad_request(
-        f"tool_choice {what} needs structured outputs, not yet available on this server; "
-        'send tool_choice: "auto" (with --tool-call-parser) or "none"',
-        "tool_choice",
-    )
+    return ToolPlan(lambda: NamedParser(name), _parameters(tool))

@@ -108,14 +108,3 @@ def check_refused(request: Any) -> None:
     for name, reason in request.REFUSED.items():
         if not _unused(getattr(request, name)):
             raise bad_request(f"{name}: {reason}", param=name)
-    response_format = request.response_format
-    if response_format is not None and response_format.type != "text":
-        kind = response_format.type
-        if kind == "json_schema" and response_format.json_schema is None:
-            param = "response_format.json_schema"
-            raise bad_request(f"{param}: required when type is json_schema", param=param)
-        raise bad_request(
-            f"response_format: {kind} needs structured outputs, "
-            "which this server does not support yet",
-            param="response_format",
-        )

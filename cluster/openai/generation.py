@@ -24,7 +24,8 @@ from iterserve.cluster.openai.errors import (
     unavailable,
 )
 from iterserve.cluster.openai.stream import StopMatcher
-from iterserve.scheduler.request import FinishReason
+from iterserve.scheduler.messages import PromptLogprobs
+from iterserve.scheduler.request import FinishReason, split_prompt_logprobs
 
 # Reasons whose last token is the one that stopped the sequence (EOS or a stop token id).
 STOP_TOKEN_REASONS = frozenset({"eos", "stop_token"})
@@ -62,6 +63,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list]] = field(default_factory=list)  # (token, lp, top)
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the delta that brings them
 
 
 class Choice:
@@ -88,6 +90,7 @@ class Choice:
         self.text = ""
         self.finish_reason: str | None = None
         self.stopped_by_string = False
+        self.prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,9 @@ class Choice:
         for token_ids, logprobs, reason, error in records:
             if reason == "error":
                 raise EngineFailure(error or "the engine failed this request")
+            prompt, logprobs = split_prompt_logprobs(logprobs)  # they lead, once
+            if prompt is not None:
+                delta.prompt_logprobs = self.prompt_logprobs = prompt
             unwritten = -1  # position of the stopping token, when it is left out of the text
             if reason in STOP_TOKEN_REASONS and not self.include_stop_str:
                 unwritten = len(token_ids) - 1

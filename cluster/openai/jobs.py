@@ -1,8 +1,10 @@
 """From a validated request to engine jobs: checked sampling parameters for each
 prompt, then one job (engine request and choice) per choice.
 
-This is where a request field becomes an engine setting; a field the engine
-learns to honour (a logit bias, a grammar) is added to ``sampling_params``.
+This is where a request field becomes an engine setting. vLLM's engine-side
+extensions are converted once per request (:func:`extension_fields`: logit bias
+keys to token ids, bad words to token sequences) and, with the grammar of
+structured outputs, handed to ``sampling_params``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from iterserve.cluster.openai.errors import APIError, bad_request
 from iterserve.cluster.openai.generation import Choice, Job
+from iterserve.scheduler.sampling import MAX_BAD_WORDS as MAX_BAD_WORD_SEQUENCES
 from iterserve.scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -42,6 +45,57 @@ class Limits:
     vocab_size: int
 
 
+MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2  # each word tokenizes two ways at most
+# Characters of a bad word: tokenized, a character is at most 4 bytes, so a word
+# always fits the engine's MAX_BAD_WORD_LEN tokens.
+MAX_BAD_WORD_CHARS = 64
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def extension_fields(request, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """The request's ``logit_bias``, ``allowed_token_ids``, ``bad_words`` and
+    ``prompt_logprobs`` as SamplingParams fields (their ranges are checked there)."""
+    fields: dict[str, Any] = {}
+    if request.logit_bias:
+        bias: dict[int, float] = {}
+        for key, value in request.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise bad_request(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            if int(key) >= vocab_size:
+                message = f"logit_bias: token ids must be in [0, {vocab_size - 1}], got {key}"
+                raise bad_request(message, "logit_bias")
+            bias[int(key)] = value
+        fields["logit_bias"] = tuple(sorted(bias.items()))
+    if request.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = tuple(request.allowed_token_ids)
+    if request.bad_words:
+        fields["bad_words"] = bad_word_ids(request.bad_words, tokenizer)
+    if request.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = request.prompt_logprobs
+    return fields
+
+
+def bad_word_ids(words: list[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens as they appear at the start of a text and after a space
+    (vLLM's rule): both are banned, so the word never appears either way."""
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(
+            f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}", "bad_words"
+        )
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words: each must be a non-empty word", "bad_words")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            message = f"bad_words: each must be at most {MAX_BAD_WORD_CHARS} characters"
+            raise bad_request(f"{message}, got {len(word)}", "bad_words")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return tuple(sequences)
+
+
 def sampling_params(
     request,
     max_tokens: int | None,
@@ -49,9 +103,13 @@ def sampling_params(
     limits: Limits,
     logprobs: int | None,
     default_max_tokens: int | None = None,
+    extensions: dict[str, Any] | None = None,
+    prompt_only: bool = False,
 ) -> SamplingParams:
     """``default_max_tokens`` applies when the request sets none; None: the room
-    left in the context."""
+    left in the context. ``extensions``: SamplingParams fields already converted
+    (:func:`extension_fields`, the grammar). ``prompt_only``: ``max_tokens: 0``
+    is allowed (an echo of the prompt alone)."""
     room = limits.max_model_len - prompt_len
     if room < 1:  # the prompt alone fills the context: say so before any other field
         completion_len = max_tokens if max_tokens is not None and max_tokens >= 1 else 1
@@ -74,12 +132,15 @@ def sampling_params(
             max_tokens = room
         else:  # a default never contradicts the request's own min_tokens
             max_tokens = min(max(default_max_tokens, request.min_tokens or 0), room)
+    if max_tokens == 0 and not prompt_only:
+        raise SamplingParamsError("max_tokens", "must be at least 1 (0 only with echo), got 0")
     fields.update(
         n=request.n,
         max_tokens=max_tokens,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         stop_token_ids=tuple(request.stop_token_ids or ()),
+        **(extensions or {}),
     )
     params = SamplingParams(**fields)
     params.check_limits(
@@ -101,6 +162,8 @@ def build_jobs(
     renames: dict[str, str],
     default_max_tokens: int | None = None,
     skip_special_tokens: bool | None = None,
+    extensions: dict[str, Any] | None = None,
+    prompt_only: bool = False,
 ) -> list[Job]:
     """One job per choice of every prompt. ``renames`` maps a SamplingParams field to
     the request field a client sent (``logprobs`` is chat's ``top_logprobs``)."""
@@ -114,8 +177,9 @@ def build_jobs(
     try:
         for p, prompt in enumerate(prompts):
             params = sampling_params(
-                request, max_tokens, len(prompt), limits, logprobs, default_max_tokens
-            )
+                request, max_tokens, len(prompt), limits, logprobs, default_max_tokens,
+                extensions, prompt_only,
+            )  # fmt: skip
             for j in range(request.n):
                 # Choice j of every prompt uses seed + j: the same prompt and seed
                 # give the same choices alone or in a batch. It wraps past MAX_SEED,

@@ -16,6 +16,14 @@ import copy
 from typing import Any
 
 from iterserve.cluster.openai.chat import RESERVED_TEMPLATE_VARIABLES
+from iterserve.cluster.openai.openapi_values import (
+    UNUSED,
+    extension_constraints,
+    integer,
+    nullable,
+    number,
+    structured_outputs_schema,
+)
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     PRIORITY_RANGE,
@@ -28,14 +36,20 @@ from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
 
 CROSS_FIELD_RULES = (
     "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "
-    "(400, code context_length_exceeded); min_tokens <= max_tokens; stream_options only "
-    "with stream: true; best_of equals n; top_logprobs needs logprobs: true; "
-    "max_completion_tokens overrides max_tokens; tool_choice other than none needs tools; "
-    "tools with tool_choice auto (the default with tools) need a server started with a "
-    "tool-call parser; continue_final_message excludes add_generation_prompt: true; a "
-    "message's content may be null only for an assistant's tool_calls, whose arguments "
-    "are a JSON object (as text); chat_template_kwargs cannot set the template's own "
-    "variables."
+    "(400, code context_length_exceeded); min_tokens <= max_tokens; max_tokens 0 only with "
+    "echo; stream_options only with stream: true; best_of equals n; top_logprobs needs "
+    "logprobs: true; max_completion_tokens overrides max_tokens; tool_choice other than none "
+    "needs tools, and a named function must be one of them; tools with tool_choice auto (the "
+    "default with tools) need a server started with a tool-call parser; "
+    "continue_final_message excludes add_generation_prompt: true; a message's content may be "
+    "null only for an assistant's tool_calls, whose arguments are a JSON object (as text); "
+    "chat_template_kwargs cannot set the template's own variables; logit_bias keys are token "
+    "ids of the vocabulary. Structured outputs: at most one of response_format (json_object "
+    "or json_schema), guided_json, guided_regex, guided_choice, guided_grammar, "
+    "structured_outputs (one of its json, regex, choice, grammar, json_object) and "
+    "tool_choice required or a named function; its grammar must compile within a few "
+    "seconds (400 otherwise), and it excludes ignore_eos, min_tokens, allowed_token_ids "
+    "and bad_words."
 )
 _ERROR_STATUSES = {
     "400": "Invalid body or field (the message names it).",
@@ -49,31 +63,6 @@ _ERROR_STATUSES = {
 }
 
 
-def _nullable(schema: dict) -> dict:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _integer(lo: int, hi: int) -> dict:
-    return {"type": "integer", "minimum": lo, "maximum": hi}
-
-
-def _number(lo: float, hi: float, *, lo_open: bool = False) -> dict:
-    low = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
-    return {"type": "number", **low, "maximum": hi}
-
-
-# What a refused field may hold: its "not used" values (fields.check_refused).
-_UNUSED = {
-    "anyOf": [
-        {"type": "null"},
-        {"const": False},
-        {"type": "string", "maxLength": 0},
-        {"type": "array", "maxItems": 0},
-        {"type": "object", "maxProperties": 0},
-    ]
-}
-
-
 def field_constraints(
     *,
     max_model_len: int,
@@ -83,31 +72,24 @@ def field_constraints(
     tool_call_parser: str | None = None,
 ):
     """The value schema of every field whose range the server checks."""
-    token_id = _integer(0, vocab_size - 1)
-    max_tokens = _integer(1, max_model_len - 1)  # every prompt holds at least one token
+    token_id = integer(0, vocab_size - 1)
+    max_tokens = integer(1, max_model_len - 1)  # every prompt holds at least one token
     token_list = {"type": "array", "items": token_id, "minItems": 1, "maxItems": max_model_len - 1}
     stop_string = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}
-    # Fields this server refuses unless unused: null (or false, or empty).
-    refused = {
-        name: _UNUSED
-        for name in (
-            "prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "structured_outputs", "truncate_prompt_tokens",
-        )
-    }  # fmt: skip
     common = {
-        **refused,
-        "max_tokens": _nullable(max_tokens),
-        "max_completion_tokens": _nullable(max_tokens),
-        "temperature": _nullable(_number(0.0, 2.0)),
-        "top_p": _nullable(_number(0.0, 1.0, lo_open=True)),
-        "top_k": _nullable(_integer(-1, 1 << 30)),
-        "min_p": _nullable(_number(0.0, 1.0)),
-        "presence_penalty": _nullable(_number(-2.0, 2.0)),
-        "frequency_penalty": _nullable(_number(-2.0, 2.0)),
-        "repetition_penalty": _nullable(_number(0.0, 2.0, lo_open=True)),
-        "seed": _nullable(_integer(0, MAX_SEED)),
-        "n": _integer(1, max_n),
+        "truncate_prompt_tokens": UNUSED,  # refused unless unused
+        **extension_constraints(token_id, max_logprobs),
+        "max_tokens": nullable(max_tokens),
+        "max_completion_tokens": nullable(max_tokens),
+        "temperature": nullable(number(0.0, 2.0)),
+        "top_p": nullable(number(0.0, 1.0, lo_open=True)),
+        "top_k": nullable(integer(-1, 1 << 30)),
+        "min_p": nullable(number(0.0, 1.0)),
+        "presence_penalty": nullable(number(-2.0, 2.0)),
+        "frequency_penalty": nullable(number(-2.0, 2.0)),
+        "repetition_penalty": nullable(number(0.0, 2.0, lo_open=True)),
+        "seed": nullable(integer(0, MAX_SEED)),
+        "n": integer(1, max_n),
         "stop": {
             "anyOf": [
                 stop_string,
@@ -115,21 +97,18 @@ def field_constraints(
                 {"type": "null"},
             ]
         },
-        "stop_token_ids": _nullable(
+        "stop_token_ids": nullable(
             {"type": "array", "items": token_id, "maxItems": MAX_STOP_TOKEN_IDS}
         ),
-        "min_tokens": _nullable(_integer(0, max_model_len - 1)),
-        "priority": _integer(*PRIORITY_RANGE),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0}),
-        "allowed_token_ids": _nullable({"type": "array", "maxItems": 0}),
-        "bad_words": _nullable({"type": "array", "maxItems": 0}),
+        "min_tokens": nullable(integer(0, max_model_len - 1)),
+        "priority": integer(*PRIORITY_RANGE),
         "use_beam_search": {"type": "boolean", "const": False},
-        "response_format": _nullable(
-            {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"]}
-        ),
     }
     completion = {
         **common,
+        # 0 computes the prompt alone: only with echo (a rule across fields).
+        "max_tokens": nullable(integer(0, max_model_len - 1)),
+        "max_completion_tokens": nullable(integer(0, max_model_len - 1)),
         "prompt": {
             "anyOf": [
                 {"type": "string"},
@@ -143,10 +122,9 @@ def field_constraints(
                 {"type": "array", "items": token_list, "minItems": 1, "maxItems": MAX_PROMPTS},
             ]
         },
-        "logprobs": _nullable(_integer(0, max_logprobs)),
-        "echo": {"type": "boolean", "const": False},
-        "best_of": _nullable(_integer(1, max_n)),
-        "suffix": _nullable({"type": "string", "maxLength": 0}),
+        "logprobs": nullable(integer(0, max_logprobs)),
+        "best_of": nullable(integer(1, max_n)),
+        "suffix": nullable({"type": "string", "maxLength": 0}),
     }
     chat = {
         **common,
@@ -155,19 +133,29 @@ def field_constraints(
             "items": {"$ref": "#/components/schemas/ChatMessage"},
             "minItems": 1,
         },
-        "top_logprobs": _nullable(_integer(0, max_logprobs)),
-        "tool_choice": _nullable(
-            {"type": "string", "enum": ["none", "auto"] if tool_call_parser else ["none"]}
-        ),
-        "chat_template_kwargs": _nullable(
+        "top_logprobs": nullable(integer(0, max_logprobs)),
+        "tool_choice": nullable(
+            {
+                "anyOf": [
+                    {
+                        "type": "string",
+                        "enum": ["none", "auto", "required"]
+                        if tool_call_parser
+                        else ["none", "required"],
+                    },
+                    {"$ref": "#/components/schemas/NamedToolChoice"},
+                ]
+            }
+        ),  # fmt: skip
+        "chat_template_kwargs": nullable(
             {
                 "type": "object",
                 "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_VARIABLES)}},
             }
         ),
-        "chat_template": _UNUSED,
+        "chat_template": UNUSED,
         "echo": {"type": "boolean", "const": False},
-        **{name: _UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
+        **{name: UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     return completion, chat
 
@@ -194,6 +182,7 @@ def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, d
         "enum": ["system", "user", "assistant"],
         "description": "Who speaks; the model's chat template refuses other roles.",
     }
+    structured_outputs_schema(schemas["StructuredOutputsParams"])
     text_part = schemas["ContentPart"]
     text_part["properties"]["type"] = {"const": "text"}
     text_part["properties"]["text"] = {"type": "string"}

@@ -21,8 +21,6 @@ from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 
 MAX_PROMPTS = 64  # prompts in one completions request
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
-NEEDS_STRUCTURED = "needs structured outputs, which this server does not support yet"
-NEEDS_SAMPLER = "is not supported by this server yet"
 
 
 class RequestModel(BaseModel):
@@ -34,21 +32,11 @@ class RequestModel(BaseModel):
 # What a client may send but this server cannot honour: field -> why. A field is
 # refused when it holds anything but its "not used" value (null, false, {} or []).
 REFUSED_COMMON = {
-    "logit_bias": NEEDS_SAMPLER,
-    "allowed_token_ids": NEEDS_SAMPLER,
-    "bad_words": NEEDS_SAMPLER,
-    "prompt_logprobs": NEEDS_SAMPLER,
-    "guided_json": NEEDS_STRUCTURED,
-    "guided_regex": NEEDS_STRUCTURED,
-    "guided_choice": NEEDS_STRUCTURED,
-    "guided_grammar": NEEDS_STRUCTURED,
-    "structured_outputs": NEEDS_STRUCTURED,
     "use_beam_search": "beam search is not supported by this server",
     "truncate_prompt_tokens": "prompt truncation is not supported by this server",
 }
 REFUSED_COMPLETION = {
     **REFUSED_COMMON,
-    "echo": "echoing the prompt needs prompt logprobs, which this server does not support yet",
     "suffix": "is not supported by this server",
 }
 REFUSED_CHAT = {
@@ -57,7 +45,7 @@ REFUSED_CHAT = {
     "function_call": "the legacy functions API is not supported; send tool_choice instead",
     "audio": "audio output is not supported by this server",
     "web_search_options": "web search is not supported by this server",
-    "echo": "is not supported by this server",
+    "echo": "is not supported by this server (completions echo their prompt)",
     "chat_template": "cannot be sent with the request; the model's own chat template is used",
 }
 # Accepted because clients send them, and ignored: none changes what is generated.
@@ -82,9 +70,28 @@ class JsonSchemaFormat(RequestModel):
 
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"] = Field(
-        description='"text"; json_object and json_schema need structured outputs (not yet).'
+        description='"text"; "json_object": any JSON object; "json_schema": the output '
+        "follows json_schema.schema."
     )
     json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(RequestModel):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
+    json_object."""
+
+    json_: str | dict[str, Any] | None = Field(
+        None, alias="json", description="A JSON schema (an object or its text)."
+    )
+    regex: str | None = Field(None, description="A regular expression the output matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="A grammar: xgrammar's EBNF (::=), else Lark.")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+    structural_tag: Any = Field(None, description="Refused: structural tags are not supported.")
+    whitespace_pattern: Any = Field(None, description=_IGNORED)
+    disable_any_whitespace: Any = Field(None, description=_IGNORED)
+    disable_additional_properties: Any = Field(None, description=_IGNORED)
+    disable_fallback: Any = Field(None, description=_IGNORED)
 
 
 class _Common(RequestModel):
@@ -143,15 +150,31 @@ class _Common(RequestModel):
     length_penalty: Any = Field(None, description="Ignored: it only applies to beam search.")
     guided_decoding_backend: Any = Field(None, description=_IGNORED)
     guided_whitespace_pattern: Any = Field(None, description=_IGNORED)
-    logit_bias: dict[str, Any] | None = Field(None, description="Not supported yet.")
-    allowed_token_ids: list[Any] | None = Field(None, description="Not supported yet.")
-    bad_words: list[Any] | None = Field(None, description="Not supported yet.")
-    prompt_logprobs: Any = Field(None, description="Not supported yet.")
-    guided_json: Any = Field(None, description="Not supported yet (structured outputs).")
-    guided_regex: Any = Field(None, description="Not supported yet (structured outputs).")
-    guided_choice: Any = Field(None, description="Not supported yet (structured outputs).")
-    guided_grammar: Any = Field(None, description="Not supported yet (structured outputs).")
-    structured_outputs: Any = Field(None, description="Not supported yet (structured outputs).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> a bias in [-100, 100] added to its logit."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, description="Only these tokens may be generated."
+    )
+    bad_words: list[str] | None = Field(
+        None, description="Words that are never generated (as they tokenize, with and without a "
+        "leading space)."
+    )  # fmt: skip
+    prompt_logprobs: int | None = Field(
+        None, description="Return each prompt token's logprob and this many alternatives."
+    )
+    guided_json: str | dict[str, Any] | None = Field(
+        None, description="The output follows this JSON schema (an object or its text)."
+    )
+    guided_regex: str | None = Field(None, description="The output matches this regular expression.")
+    guided_choice: list[str] | None = Field(None, description="The output is one of these strings.")
+    guided_grammar: str | None = Field(
+        None, description="The output follows this grammar: xgrammar's EBNF (with ::=), else Lark."
+    )
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's structured outputs: one of json, regex, choice, grammar, "
+        "json_object."
+    )  # fmt: skip
     use_beam_search: bool = Field(False, description="Only false: no beam search.")
     truncate_prompt_tokens: Any = Field(None, description="Not supported: only null.")
 
@@ -215,7 +238,10 @@ class CompletionRequest(_Common):
         None, description="Return the log-probability of each token and of this many alternatives."
     )
     add_special_tokens: bool = Field(True, description="Add the tokenizer's BOS to text prompts.")
-    echo: bool = Field(False, description="Not supported yet: only false is accepted.")
+    echo: bool = Field(
+        False, description="Return the prompt before the completion (with its logprobs when "
+        "logprobs is set); max_tokens 0 returns the prompt alone."
+    )  # fmt: skip
     best_of: int | None = Field(None, description="Only null or a value equal to n is accepted.")
     suffix: str | None = Field(None, description="Not supported: only null is accepted.")
 
@@ -290,8 +316,8 @@ class ChatCompletionRequest(_Common):
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
-        description='"none", or "auto" (the default with tools): the output is parsed for '
-        "calls; required and a named function need structured outputs (not yet).",
+        description='"none"; "auto" (the default with tools): the output is parsed for calls; '
+        '"required" or a named function: the output is constrained to calls.',
     )
     parallel_tool_calls: bool | None = Field(
         None, description="false: at most one tool call per choice."
@@ -338,6 +364,8 @@ _UNION_HINTS = {  # what a union-typed field accepts, said once instead of per m
     "tool_choice": 'must be "none", "auto", "required" or {"type": "function", '
     '"function": {"name": ...}}',
     "arguments": "must be a JSON object as text",
+    "guided_json": "must be a JSON schema: an object or its text",
+    "json": "must be a JSON schema: an object or its text",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from iterserve.cluster.openai.generation import Choice, Delta
@@ -46,12 +47,25 @@ class ChatText:
         return "tool_calls" if reason is not None and self.calls else reason
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, written before its text (``echo``): the prompt's
+    text and tokens, and with ``logprobs`` (not None) its tokens' logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: int | None
+
+
 class ResponseBuilder:
     """Builds the bodies of one response; ``chat`` selects the chat shapes.
 
     ``token_text`` writes a token of the logprobs (``return_tokens_as_token_ids``
     writes ids instead); ``continuous_usage``: every stream chunk carries the
-    usage so far.
+    usage so far. ``echoes``: per prompt, what an echoing completion writes
+    first (choice ``i`` is of prompt ``i // n``). ``prompt_logprobs``: the
+    request asked for them (vLLM's field: per choice in completions, once per
+    response in chat), of the prompts whose tokens are ``prompt_ids``.
     """
 
     def __init__(
@@ -62,17 +76,26 @@ class ResponseBuilder:
         model: str,
         tokenizer: Any,
         tokens_as_ids: bool = False,
+        echoes: list[Echo] | None = None,
+        n: int = 1,
+        prompt_logprobs: bool = False,
+        prompt_ids: list[list[int]] | None = None,
     ):
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.tokenizer = tokenizer
         self.tokens_as_ids = tokens_as_ids
+        self.echoes = echoes
+        self.n = n
+        self.want_prompt_logprobs = prompt_logprobs
+        self.prompt_ids = prompt_ids
         self.created = int(time.time())
         self.include_usage_field = False  # stream_options.include_usage: usage on chunks
         self.continuous_usage = False
         self.prompt_tokens = 0
         self._plain: dict[int, ChatText] = {}
+        self._echoed: set[int] = set()  # stream: choices whose prompt was written
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         body = {
@@ -92,8 +115,8 @@ class ResponseBuilder:
         self, choice: Choice, delta: Delta, text_offset: int, chat_text: ChatText | None = None
     ) -> dict | None:
         """The chunk for one delta, or None when it has nothing to tell."""
-        logprobs = self.logprobs(delta.logprobs, text_offset) if choice.want_logprobs else None
         if self.chat:
+            logprobs = self.logprobs(delta.logprobs, text_offset) if choice.want_logprobs else None
             if chat_text is None:  # plain text; kept per choice, which carries its state
                 chat_text = self._plain.setdefault(choice.index, ChatText(None))
             body, reason = self._chat_delta(delta, chat_text)
@@ -102,13 +125,26 @@ class ResponseBuilder:
             entry = {"index": choice.index, "delta": body}
             obj = "chat.completion.chunk"
         else:
-            if not (delta.text or delta.finish_reason or delta.logprobs):
+            text, entries, text_offset = delta.text, delta.logprobs, text_offset
+            echo = self._echo(choice)
+            if echo is not None:  # the prompt first, in the choice's first chunk
+                text_offset += len(echo.text)
+                if choice.index not in self._echoed:
+                    self._echoed.add(choice.index)
+                    text = echo.text + text
+                    entries = self._echo_entries(echo, choice) + entries
+                    text_offset = 0
+            prompt = delta.prompt_logprobs is not None and self.want_prompt_logprobs
+            if not (text or delta.finish_reason or entries or prompt):
                 return None
-            entry, reason = {"index": choice.index, "text": delta.text}, delta.finish_reason
+            logprobs = self.logprobs(entries, text_offset) if choice.want_logprobs else None
+            entry, reason = {"index": choice.index, "text": text}, delta.finish_reason
             obj = "text_completion"
         entry["logprobs"] = logprobs
         entry["finish_reason"] = reason
         body = self._envelope(obj, [entry])
+        if delta.prompt_logprobs is not None and self.want_prompt_logprobs:
+            self._put_prompt_logprobs(body, entry, choice)
         if self.continuous_usage:
             body["usage"] = usage(self.prompt_tokens, choice.num_tokens)
         return body
@@ -144,8 +180,14 @@ class ResponseBuilder:
         chat_text: Callable[[int], ChatText] | None = None,
     ) -> dict:
         entries = []
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [])
         for choice in sorted(choices, key=lambda c: c.index):
-            lp = self.logprobs(logprobs.get(choice.index, []), 0) if choice.want_logprobs else None
+            token_entries, text = logprobs.get(choice.index, []), choice.text
+            echo = None if self.chat else self._echo(choice)
+            if echo is not None:
+                token_entries = self._echo_entries(echo, choice) + token_entries
+                text = echo.text + text
+            lp = self.logprobs(token_entries, 0) if choice.want_logprobs else None
             reason = choice.finish_reason
             if self.chat:
                 text = chat_text(choice.index) if chat_text else ChatText(None)
@@ -157,13 +199,61 @@ class ResponseBuilder:
                 entry = {"index": choice.index, "message": message}
                 reason = text.finish_reason(reason)
             else:
-                entry = {"index": choice.index, "text": choice.text}
+                entry = {"index": choice.index, "text": text}
             entry["logprobs"] = lp
             entry["finish_reason"] = reason
+            if self.want_prompt_logprobs:
+                self._put_prompt_logprobs(body, entry, choice)
             entries.append(entry)
-        body = self._envelope("chat.completion" if self.chat else "text_completion", entries)
+        body["choices"] = entries
         body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
         return body
+
+    # -- echo and prompt logprobs ------------------------------------------------------
+
+    def _echo(self, choice: Choice) -> Echo | None:
+        return None if self.echoes is None else self.echoes[choice.index // self.n]
+
+    def _echo_entries(self, echo: Echo, choice: Choice) -> list[tuple]:
+        """The prompt's tokens as logprob entries (the first has no logprob)."""
+        if echo.logprobs is None:
+            return []
+        prompt = choice.prompt_logprobs
+        entries: list[tuple] = [(echo.token_ids[0], None, None)]
+        for i, token_id in enumerate(echo.token_ids[1:]):
+            if prompt is None or i >= len(prompt.token_logprobs):
+                entries.append((token_id, None, None))
+                continue
+            top = prompt.top_logprobs[i][: echo.logprobs]
+            entries.append((token_id, prompt.token_logprobs[i], top))
+        return entries
+
+    def _put_prompt_logprobs(self, body: dict, entry: dict, choice: Choice) -> None:
+        """vLLM's ``prompt_logprobs``: None for the first token, then per token a map
+        of token id -> ``{logprob, rank, decoded_token}``, the prompt's own token
+        and its top alternatives. Chat has one per response (its first choice's)."""
+        prompt = choice.prompt_logprobs
+        if self.chat and (choice.index != 0 or "prompt_logprobs" in body):
+            return
+        value = None
+        if prompt is not None:
+            echo_ids = self._prompt_ids(choice)
+            value = [None]
+            for i, logprob in enumerate(prompt.token_logprobs):
+                step = {}
+                if echo_ids is not None and i + 1 < len(echo_ids):
+                    step[str(echo_ids[i + 1])] = self._logprob(echo_ids[i + 1], logprob,
+                                                               prompt.ranks[i])  # fmt: skip
+                for rank, (alt, alt_lp) in enumerate(prompt.top_logprobs[i], start=1):
+                    step.setdefault(str(alt), self._logprob(alt, alt_lp, rank))
+                value.append(step)
+        (body if self.chat else entry)["prompt_logprobs"] = value
+
+    def _prompt_ids(self, choice: Choice) -> list[int] | None:
+        return self.prompt_ids[choice.index // self.n] if self.prompt_ids else None
+
+    def _logprob(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
 
     # -- logprobs -------------------------------------------------------------------
 
@@ -201,8 +291,9 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": [
-                {self._token_text(alt): alt_lp for alt, alt_lp in top} for _, _, top in entries
+            "top_logprobs": [  # an echoed prompt's first token has none (None)
+                None if top is None else {self._token_text(alt): alt_lp for alt, alt_lp in top}
+                for _, _, top in entries
             ],
             "text_offset": offsets,
         }

@@ -15,7 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from iterserve.cluster.openai.chat import render_prompt, tool_parser_factory
+from iterserve.cluster.openai import structured
+from iterserve.cluster.openai.chat import render_prompt, tool_plan
 from iterserve.cluster.openai.errors import APIError, bad_request, unavailable
 from iterserve.cluster.openai.fields import (
     IGNORED_FIELDS_HEADER,
@@ -24,7 +25,7 @@ from iterserve.cluster.openai.fields import (
     header_value,
 )
 from iterserve.cluster.openai.generation import EngineClient, Generation
-from iterserve.cluster.openai.jobs import Limits, build_jobs
+from iterserve.cluster.openai.jobs import Limits, build_jobs, extension_fields
 from iterserve.cluster.openai.protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -32,7 +33,7 @@ from iterserve.cluster.openai.protocol import (
     RequestModel,
     validation_error,
 )
-from iterserve.cluster.openai.responses import ChatText, ResponseBuilder
+from iterserve.cluster.openai.responses import ChatText, Echo, ResponseBuilder
 from iterserve.cluster.openai.stream import SSE_DONE, sse
 
 _LONG_TEXT = 100_000  # characters; longer texts are tokenized off the event loop
@@ -80,6 +81,7 @@ class OpenAIServing:
         self.request_timeout_s = request_timeout_s
         self.fields = FieldPolicy(strict_fields)
         self.tool_call_parser = tool_call_parser
+        self.grammars = structured.GrammarValidator(getattr(tokenizer, "path", ""))
         self._info: dict | None = None
 
     async def engine_info(self) -> dict:
@@ -174,12 +176,22 @@ class OpenAIServing:
         prompts = await self._completion_prompts(
             request.prompt, info["vocab_size"], request.add_special_tokens
         )
+        extensions = await self._extensions(request, info)
+        echoes = None
+        if request.echo:  # the prompt's logprobs come with it when logprobs are asked for
+            echoes = self._echoes(request, prompts)
+            if request.logprobs is not None:
+                asked = extensions.get("prompt_logprobs") or 0
+                extensions["prompt_logprobs"] = max(asked, request.logprobs)
         jobs = build_jobs(
             request, prompts, self.tokenizer, self._limits(info),
             logprobs=request.logprobs, request_id=request_id, renames={},
-            default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+            default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, extensions=extensions,
+            prompt_only=request.echo,
         )  # fmt: skip
-        builder = self._builder(request, chat=False, request_id=request_id)
+        builder = self._builder(
+            request, chat=False, request_id=request_id, prompts=prompts, echoes=echoes
+        )
         return await self._respond(
             request, jobs, sum(map(len, prompts)), builder, request_id, headers
         )
@@ -188,33 +200,66 @@ class OpenAIServing:
         request, headers = self.parse(ChatCompletionRequest, body)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-        parser = tool_parser_factory(request, self.tool_call_parser)
+        tools = tool_plan(request, self.tool_call_parser)
         info = await self.engine_info()
         prompt = await self.chat_prompt(request)
+        extensions = await self._extensions(request, info, tools.schema)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         skip = request.skip_special_tokens
-        if set(getattr(parser, "tags", ())) & self.tokenizer.special_tokens:
+        if set(getattr(tools.parser, "tags", ())) & self.tokenizer.special_tokens:
             skip = False  # the parser reads tags that this tokenizer counts as special
         jobs = build_jobs(
             request, [prompt], self.tokenizer, self._limits(info),
             logprobs=logprobs, request_id=request_id, renames={"logprobs": "top_logprobs"},
-            skip_special_tokens=skip,
+            skip_special_tokens=skip, extensions=extensions,
         )  # fmt: skip
-        builder = self._builder(request, chat=True, request_id=request_id)
+        builder = self._builder(request, chat=True, request_id=request_id, prompts=[prompt])
         max_calls = 1 if request.parallel_tool_calls is False else None
+        parser = tools.parser
         texts = {job.choice.index: ChatText(parser and parser(), max_calls) for job in jobs}
         return await self._respond(request, jobs, len(prompt), builder, request_id, headers, texts)
+
+    async def _extensions(self, request, info: dict, tool_schema: dict | None = None) -> dict:
+        """vLLM's engine-side fields as SamplingParams fields, and the grammar of
+        structured outputs, once it is known to compile."""
+        fields = extension_fields(request, self.tokenizer, info["vocab_size"])
+        found = structured.requested(request, tool_schema)
+        if found is not None:
+            param, spec = found
+            await self.grammars.check(param, spec, info["vocab_size"])
+            fields["structured_output"] = spec
+        return fields
+
+    def _echoes(self, request, prompts: list[list[int]]) -> list[Echo]:
+        """What each prompt's choices write first: a text prompt as it was sent,
+        token ids as they decode."""
+        sent = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if sent and isinstance(sent[0], int):
+            sent = [sent]
+        skip = request.skip_special_tokens
+        return [
+            Echo(
+                p if isinstance(p, str) else self.tokenizer.decode(ids, skip), ids, request.logprobs
+            )
+            for p, ids in zip(sent, prompts)
+        ]
 
     def _limits(self, info: dict) -> Limits:
         return Limits(self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"])
 
-    def _builder(self, request, *, chat: bool, request_id: str) -> ResponseBuilder:
+    def _builder(
+        self, request, *, chat: bool, request_id: str, prompts: list[list[int]], echoes=None
+    ) -> ResponseBuilder:
         return ResponseBuilder(
             chat=chat,
             request_id=request_id,
             model=self.model_name,
             tokenizer=self.tokenizer,
             tokens_as_ids=request.return_tokens_as_token_ids,
+            echoes=echoes,
+            n=request.n,
+            prompt_logprobs=request.prompt_logprobs is not None,
+            prompt_ids=prompts,
         )
 
     async def _respond(

@@ -92,6 +92,42 @@ def fit_chat_rules(body: dict) -> None:
                 call["function"]["arguments"] = "{}"
 
 
+GRAMMAR_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GRAMMAR_CLASHES = {"ignore_eos": False, "min_tokens": None, "allowed_token_ids": None}
+
+
+def fit_structured_rules(body: dict, chat: bool, tok: Tokenizer) -> None:
+    """The rules of structured outputs and the engine-side fields: a grammar must
+    compile (a random schema, regex or grammar rarely does, so positive cases keep
+    only json_object and the tool_choice grammars, over tools whose parameters are
+    any object), one way at a time, without the fields it excludes; logit_bias keys
+    are in the vocabulary; max_tokens 0 only with echo."""
+    for name in (*GRAMMAR_FIELDS, "structured_outputs"):
+        body.pop(name, None)
+    form = body.get("response_format")
+    structured = isinstance(form, dict) and form.get("type") == "json_object"
+    if isinstance(form, dict) and form.get("type") == "json_schema":
+        body["response_format"] = None
+    choice = body.get("tool_choice") if chat else None
+    if choice == "required" or isinstance(choice, dict):
+        body["response_format"] = None
+        for tool in body["tools"]:
+            tool["function"]["parameters"] = None
+        if isinstance(choice, dict):
+            choice["function"]["name"] = body["tools"][0]["function"]["name"]
+        structured = True
+    if structured:
+        body.update(GRAMMAR_CLASHES, bad_words=None)
+    if body.get("logit_bias"):
+        body["logit_bias"] = {
+            k: v for k, v in body["logit_bias"].items() if int(k) < tok.vocab_size
+        }
+    if not chat and not body.get("echo"):
+        for key in ("max_tokens", "max_completion_tokens"):
+            if body.get(key) == 0:
+                body[key] = 1
+
+
 def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
     """Adjusts a schema-valid body to the rules across fields; False when its
     prompt alone fills the context (the server must then refuse it)."""
@@ -105,6 +141,7 @@ def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
         fit_chat_rules(body)
     elif body.get("add_special_tokens") is False and 0 in prompt_lens(body, chat, tok):
         body["add_special_tokens"] = True  # an empty text prompt has no token without BOS
+    fit_structured_rules(body, chat, tok)
     room = MAX_MODEL_LEN - max(prompt_lens(body, chat, tok))
     if room < 1:
         return False
@@ -112,7 +149,8 @@ def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
     if body.get(key) is not None:
         body[key] = min(body[key], room)
     if body.get("min_tokens") is not None:
-        body["min_tokens"] = min(body["min_tokens"], body.get(key) or room)
+        limit = room if body.get(key) is None else body[key]
+        body["min_tokens"] = min(body["min_tokens"], limit)
     return True
 
 

@@ -9,16 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.scheduler.codec import CodecError, decode, encode
+from iterserve.scheduler.codec import VERSION, CodecError, decode, encode
 from iterserve.scheduler.messages import (
     FinishedSeq,
     NewSequence,
+    PromptLogprobs,
     SampledToken,
     ScheduledSeq,
     StepPlan,
     StepResult,
 )
-from iterserve.scheduler.sampling import SamplingParams
+from iterserve.scheduler.sampling import GRAMMAR_KINDS, SamplingParams, StructuredOutput
 
 ints = st.integers(0, 2**31 - 1)
 params = st.builds(
@@ -30,6 +31,18 @@ params = st.builds(
     seed=st.one_of(st.none(), ints),
     stop_token_ids=st.lists(ints, max_size=4).map(tuple),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    logit_bias=st.lists(st.tuples(ints, st.floats(-100, 100)), max_size=4).map(tuple),
+    allowed_token_ids=st.one_of(st.none(), st.lists(ints, min_size=1, max_size=4).map(tuple)),
+    bad_words=st.lists(st.lists(ints, min_size=1, max_size=3).map(tuple), max_size=3).map(tuple),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    structured_output=st.one_of(
+        st.none(),
+        st.builds(
+            StructuredOutput,
+            kind=st.sampled_from(GRAMMAR_KINDS),
+            spec=st.text(min_size=1, max_size=80),
+        ),
+    ),
 )
 plans = st.builds(
     StepPlan,
@@ -88,6 +101,16 @@ results = st.builds(
     forward_s=floats,
     num_tokens=ints,
     num_padding_tokens=ints,
+    prompt_logprobs=st.lists(
+        st.builds(
+            PromptLogprobs,
+            seq_id=ints,
+            token_logprobs=st.lists(floats, max_size=4),
+            ranks=st.lists(ints, max_size=4),
+            top_logprobs=st.lists(st.lists(st.tuples(ints, floats), max_size=3), max_size=4),
+        ),
+        max_size=3,
+    ),
 )
 
 
@@ -166,21 +189,27 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
     assert seen <= ALLOWED and CodecError in seen
 
 
+V = VERSION
+
+
 @pytest.mark.parametrize(
     "payload",
     [
         msgpack.packb(msgpack.ExtType(1, b"x")),  # extension type
-        msgpack.packb([1, 3, 1.5]),  # wrong field type
-        msgpack.packb([9, 3]),  # unknown tag
+        msgpack.packb([1, V, 1.5]),  # wrong field type
+        msgpack.packb([9, V]),  # unknown tag
         msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``lookahead``
         msgpack.packb([1, 2, 1, [["r", 0, [1], 1, []]], [], [], [], False]),  # version 2
-        msgpack.packb([1, 4, 1, [], [], [], [], False]),  # unknown version
-        msgpack.packb([1, 3, True, [], [], [], [], False]),  # bool where int belongs
-        msgpack.packb([1, 3, 1, [], [], [], [], 0]),  # int where bool belongs
+        msgpack.packb([2, 3, 1, [], [], 0.0, 0, 0]),  # version 3: no prompt logprobs
+        msgpack.packb([1, V + 1, 1, [], [], [], [], False]),  # unknown version
+        msgpack.packb([1, V, True, [], [], [], [], False]),  # bool where int belongs
+        msgpack.packb([1, V, 1, [], [], [], [], 0]),  # int where bool belongs
         msgpack.packb({"a": 1}),  # a map
-        msgpack.packb([1, 3, 1, [], [], [], [], False, "extra"]),  # extra field
-        msgpack.packb([1, 3, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
-        msgpack.packb([2, 3, 1, [["r", 5, None, []]], [], 0.0, 0, 0]),  # a str seq_id
+        msgpack.packb([1, V, 1, [], [], [], [], False, "extra"]),  # extra field
+        msgpack.packb([1, V, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
+        msgpack.packb([2, V, 1, [["r", 5, None, []]], [], 0.0, 0, 0, []]),  # a str seq_id
+        msgpack.packb([2, V, 1, [], [], 0.0, 0, 0, [[0, [-0.5], [1]]]]),  # short prompt logprobs
+        msgpack.packb([2, V, 1, [], [], 0.0, 0, 0, [[0, [0], [1], [[]]]]]),  # an int logprob
         b"\xc1",  # reserved byte
         b"\x91" * 5000,  # deep nesting
     ],

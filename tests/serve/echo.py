@@ -19,6 +19,8 @@ from pathlib import Path
 
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.fake_executor import FakeExecutor
+from iterserve.scheduler.messages import PromptLogprobs
+from iterserve.scheduler.request import prompt_logprobs_entry
 from iterserve.scheduler.seq_table import stop_reason
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -114,13 +116,26 @@ def echo_executor(config, rank, world_size, all_reduce):
 
 
 class EchoStream:
-    """One request of :class:`EchoEngine`: a record per token, as an engine replica sends."""
+    """One request of :class:`EchoEngine`: a record per token, as an engine replica
+    sends; the first leads with the prompt's logprobs when they are asked for
+    (every prompt token at -0.5, as the fake executor has them)."""
 
-    def __init__(self, tokens: list[int], params: dict):
+    def __init__(self, tokens: list[int], params: dict, prompt: list[int]):
         self.tokens, self.params = tokens, SamplingParams(**params)
+        self.prompt = prompt
         self.cancelled = False
 
     async def __aiter__(self):
+        lead = []
+        if self.params.prompt_logprobs is not None:
+            rest = self.prompt[1:]
+            top = [[(t, -0.5)][: self.params.prompt_logprobs] for t in rest]
+            lead = [
+                prompt_logprobs_entry(PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top))
+            ]
+        if not self.tokens:  # max_tokens 0: the prompt alone
+            yield [([], lead, "length", None)]
+            return
         for n, token in enumerate(self.tokens, start=1):
             if self.cancelled:
                 return
@@ -128,7 +143,8 @@ class EchoStream:
             logprobs = []
             if self.params.logprobs is not None:
                 logprobs = [(-0.5, [(token, -0.5)][: self.params.logprobs])]
-            yield [([token], logprobs, reason.value if reason else None, None)]
+            yield [([token], lead + logprobs, reason.value if reason else None, None)]
+            lead = []
             if reason is not None:
                 return
 
@@ -150,7 +166,7 @@ class EchoEngine:
         self.opened.append((list(prompt_token_ids), params))
         reply = echo_reply(list(prompt_token_ids), self.user_id, self.end_id) or [5, 6, 7]
         tokens = (reply + [EOS_ID] * params["max_tokens"])[: params["max_tokens"]]
-        return EchoStream(tokens, params)
+        return EchoStream(tokens, params, list(prompt_token_ids))
 
     async def info(self) -> dict:
         return self.info_

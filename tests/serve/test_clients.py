@@ -99,13 +99,24 @@ def test_openai_tool_choice_none_required_and_named(client):
         model=MODEL, messages=say(CALL), tools=[WEATHER], tool_choice="none"
     )
     assert none.choices[0].message.content == CALL and none.choices[0].finish_reason == "stop"
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    for choice, words in (("required", "'required'"), (named, "naming a function")):
-        with pytest.raises(openai.BadRequestError, match="needs structured outputs") as info:
-            client.chat.completions.create(
-                model=MODEL, messages=say("hi"), tools=[WEATHER], tool_choice=choice
-            )
-        assert words in str(info.value)
+    # required and a named function constrain the output to calls; the echo "model"
+    # writes what the user wrote, which here is such a call.
+    calls = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    required = client.chat.completions.create(
+        model=MODEL, messages=say(calls), tools=[WEATHER], tool_choice="required"
+    )
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=say('{"city": "Paris"}'),
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    for reply in (required, named):
+        (choice,) = reply.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 def test_openai_streams_tool_calls_as_deltas(client):
@@ -147,18 +158,49 @@ def test_openai_streams_with_continuous_usage_stats(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 2
 
 
-def test_openai_structured_outputs_are_refused_clearly_for_now(client):
-    class City(BaseModel):
-        name: str
+class City(BaseModel):
+    name: str
+    population: int
 
-    with pytest.raises(openai.BadRequestError, match="json_schema needs structured outputs"):
-        client.chat.completions.parse(model=MODEL, messages=say("hi"), response_format=City)
-    with pytest.raises(openai.BadRequestError, match="json_object needs structured outputs"):
+
+CITY = '{"name": "Paris", "population": 2100000}'
+
+
+def test_openai_parse_with_a_pydantic_model_and_json_object(client):
+    parsed = client.chat.completions.parse(model=MODEL, messages=say(CITY), response_format=City)
+    assert parsed.choices[0].message.parsed == City(name="Paris", population=2100000)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=say('{"ok": true}'), response_format={"type": "json_object"}
+    )
+    assert json.loads(reply.choices[0].message.content) == {"ok": True}
+    with pytest.raises(openai.BadRequestError, match="does not compile") as info:
         client.chat.completions.create(
-            model=MODEL, messages=say("hi"), response_format={"type": "json_object"}
+            model=MODEL,
+            messages=say("hi"),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
         )
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt="hi", echo=True, logprobs=1, max_tokens=0)
+    assert info.value.body["param"] == "response_format"
+
+
+def test_openai_echo_with_logprobs_and_max_tokens_zero(client, tools_tokenizer_dir):
+    prompt = "<|user|>hello world<|end|>"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0
+    )
+    (choice,) = reply.choices
+    assert choice.text == prompt and choice.finish_reason == "length"
+    tok = Tokenizer(tools_tokenizer_dir)
+    ids = tok.encode(prompt)
+    assert choice.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(
+        ids
+    )
+    assert reply.usage.completion_tokens == 0
+    more = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=20)
+    assert more.choices[0].text == prompt + "hello world"
 
 
 def test_openai_responses_api_is_answered_as_unsupported(client):
@@ -193,16 +235,12 @@ def test_langchain_bind_tools_reads_the_call(chat_model):
     ]
 
 
-def test_langchain_structured_output_is_refused_clearly_for_now(chat_model):
-    class City(BaseModel):
-        name: str
-
-    for method, words in (
-        ("json_schema", "structured outputs"),
-        ("function_calling", "tool_choice"),
-    ):
-        with pytest.raises(openai.BadRequestError, match=words):
-            chat_model.with_structured_output(City, method=method).invoke("hi")
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(chat_model, method):
+    # json_schema sends response_format; function_calling sends the model as a tool
+    # and names it in tool_choice. Either way the reply is parsed into the model.
+    structured = chat_model.with_structured_output(City, method=method)
+    assert structured.invoke(CITY) == City(name="Paris", population=2100000)
 
 
 def test_tokenize_and_a_cors_preflight_through_the_proxy(url):

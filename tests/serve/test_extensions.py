@@ -191,3 +191,82 @@ def test_add_special_tokens_adds_the_bos(tokenizer_dir):
     body = {"model": MODEL, "messages": messages, "max_tokens": 2, "add_special_tokens": True}
     http.post(CHAT, json=body)
     assert engine.opened[-1][0] == [1, *chat_default]  # on top of the template's own <s>
+
+
+def complete(http, **body) -> dict:
+    r = http.post(COMPLETIONS, json={"model": MODEL, "ignore_eos": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_writes_the_prompt_and_its_logprobs_before_the_completion(http, tok):
+    prompt = "<|user|>hello world<|end|>"  # the echo engine answers with the turn's text
+    prompt_ids = tok.encode(prompt)
+    n = len(tok.encode("hello world"))
+    request = {"prompt": prompt, "max_tokens": n, "echo": True, "logprobs": 1}
+    body = complete(http, **request)
+    (choice,) = body["choices"]
+    assert choice["text"] == prompt + "hello world"
+    lp = choice["logprobs"]
+    texts = [tok.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    assert lp["tokens"][: len(prompt_ids)] == texts and len(lp["tokens"]) == len(prompt_ids) + n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1 : len(prompt_ids)] == [-0.5] * (len(prompt_ids) - 1)
+    assert lp["text_offset"][len(prompt_ids)] == len(prompt)
+    assert body["usage"]["completion_tokens"] == n
+    events = stream(http, COMPLETIONS, {**request, "ignore_eos": True})
+    assert events[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+    streamed = [e["choices"][0]["logprobs"] or {} for e in events]
+    assert [t for s in streamed for t in s.get("tokens", [])] == lp["tokens"]
+    assert [o for s in streamed for o in s.get("text_offset", [])] == lp["text_offset"]
+
+
+def test_max_tokens_zero_with_echo_returns_the_prompt_alone(app, tok):
+    http, engine = app
+    prompt_ids = tok.encode("hello world")
+    body = complete(http, prompt="hello world", max_tokens=0, echo=True, logprobs=0)
+    (choice,) = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
+                             "total_tokens": len(prompt_ids)}  # fmt: skip
+    params = engine.opened[-1][1]
+    assert params["max_tokens"] == 0 and params["prompt_logprobs"] == 0
+    plain = complete(http, prompt=[5, 6, 7], max_tokens=0, echo=True)["choices"][0]
+    assert plain["text"] == tok.decode([5, 6, 7]) and plain["logprobs"] is None
+    assert engine.opened[-1][1]["prompt_logprobs"] is None  # no logprobs: none computed
+
+
+def test_each_choice_echoes_its_own_prompt(http, tok):
+    body = complete(http, prompt=["hello", "world"], n=2, max_tokens=1, echo=True)
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    tail = tok.decode([5])
+    assert texts == ["hello" + tail, "hello" + tail, "world" + tail, "world" + tail]
+
+
+def test_prompt_logprobs_come_in_vllms_shape(http, tok):
+    prompt_ids = tok.encode("hello world")
+    body = complete(http, prompt="hello world", max_tokens=2, prompt_logprobs=1)
+    got = body["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt_ids)
+    for token_id, entry in zip(prompt_ids[1:], got[1:]):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        assert entry == {str(token_id): {"logprob": -0.5, "rank": 1, "decoded_token": text}}
+    assert "prompt_logprobs" not in complete(http, prompt="hi", max_tokens=1)["choices"][0]
+    reply = chat(http, "hello", prompt_logprobs=0)
+    assert reply["prompt_logprobs"][0] is None and len(reply["prompt_logprobs"]) > 1
+    events = stream(http, CHAT, {"messages": say("hello"), "prompt_logprobs": 0})
+    assert events[0]["prompt_logprobs"] == reply["prompt_logprobs"]
+    assert all("prompt_logprobs" not in e for e in events[1:])
+
+
+def test_a_stream_sends_the_prompt_alone_and_its_prompt_logprobs_first(http, tok):
+    prompt_ids = tok.encode("hello world")
+    body = {"prompt": "hello world", "max_tokens": 0, "echo": True, "logprobs": 0,
+            "prompt_logprobs": 0}  # fmt: skip
+    (event,) = stream(http, COMPLETIONS, body)
+    choice = event["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
+    assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
+    assert len(choice["prompt_logprobs"]) == len(prompt_ids)

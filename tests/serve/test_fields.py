@@ -7,6 +7,7 @@ refused by name with the reason, and never reach the engine.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from iterserve.cluster.openai.protocol import (
     CompletionRequest,
     StreamOptions,
 )
+from iterserve.workers.tokenizer import Tokenizer
 from tests.serve.conftest import MODEL, inproc, sse_events
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -94,26 +96,15 @@ def test_strict_fields_refuses_unknown_names(tools_tokenizer_dir):
 
 
 REFUSED = [
-    (COMPLETIONS, "logit_bias", {"5": 10}, "not supported"),
-    (COMPLETIONS, "allowed_token_ids", [5, 6], "not supported"),
-    (COMPLETIONS, "bad_words", ["x"], "not supported"),
-    (COMPLETIONS, "prompt_logprobs", 0, "not supported"),
-    (COMPLETIONS, "echo", True, "prompt logprobs"),
     (COMPLETIONS, "suffix", "end", "not supported"),
     (COMPLETIONS, "use_beam_search", True, "beam search"),
     (COMPLETIONS, "truncate_prompt_tokens", 5, "truncation"),
-    (CHAT, "guided_json", {"type": "object"}, "structured outputs"),
-    (CHAT, "guided_regex", "a+", "structured outputs"),
-    (CHAT, "guided_choice", ["a", "b"], "structured outputs"),
-    (CHAT, "guided_grammar", "root ::= 'a'", "structured outputs"),
-    (CHAT, "structured_outputs", {"json": {}}, "structured outputs"),
     (CHAT, "functions", [{"name": "f"}], "send tools"),
     (CHAT, "function_call", "auto", "send tool_choice"),
     (CHAT, "audio", {"voice": "x"}, "audio"),
     (CHAT, "web_search_options", {}, None),  # empty: unused, so accepted
     (CHAT, "chat_template", "{{ 7 * 7 }}", "own chat template"),
     (CHAT, "echo", True, "not supported"),
-    (CHAT, "logit_bias", {}, None),
 ]
 
 
@@ -135,27 +126,103 @@ def test_known_fields_that_cannot_be_honoured_are_refused_by_name(app, path, nam
     assert len(engine.opened) == before  # never reached the engine
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_extensions_reach_the_engine_as_token_ids(app, tools_tokenizer_dir):
+    http, engine = app
+    tok = Tokenizer(tools_tokenizer_dir)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    body.update(logit_bias={"5": 10, "007": -1.5}, allowed_token_ids=[5, 7, 9], prompt_logprobs=2)
+    body["bad_words"] = ["weather"]
+    assert http.post(COMPLETIONS, json=body).status_code == 200
+    params = engine.opened[-1][1]
+    assert params["logit_bias"] == ((5, 10.0), (7, -1.5))
+    assert params["allowed_token_ids"] == (5, 7, 9) and params["prompt_logprobs"] == 2
+    words = {tuple(tok.encode(w, add_special_tokens=False)) for w in ("weather", " weather")}
+    assert set(params["bad_words"]) == words
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
 @pytest.mark.parametrize(
-    "response_format, words",
+    "fields, kind, spec",
     [
-        ({"type": "json_object"}, "response_format: json_object needs structured outputs"),
+        ({"response_format": {"type": "json_object"}}, "json", {"type": "object"}),
         (
-            {"type": "json_schema", "json_schema": {"name": "m", "schema": {}, "strict": True}},
-            "response_format: json_schema needs structured outputs",
-        ),
-        ({"type": "json_schema"}, "response_format.json_schema: required"),
-        ({"type": "yaml"}, "response_format.type"),
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "m", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json",
+            SCHEMA,
+        ),  # fmt: skip
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "m"}}}, "json", {}),
+        ({"guided_json": SCHEMA}, "json", SCHEMA),
+        ({"guided_json": json.dumps(SCHEMA)}, "json", SCHEMA),
+        ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+        ({"guided_choice": ["up", 'say "hi"']}, "ebnf", 'root ::= "up" | "say \\"hi\\""'),
+        ({"guided_grammar": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+        ({"guided_grammar": 'start: "a"'}, "lark", 'start: "a"'),
+        ({"structured_outputs": {"json": SCHEMA}}, "json", SCHEMA),
+        ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "regex", "a+"),
+        ({"structured_outputs": {"json_object": True}}, "json", {"type": "object"}),
     ],
 )
-def test_structured_response_formats_are_refused_until_supported(
-    http, path, response_format, words
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_each_way_of_constraining_the_output_reaches_the_engine_as_one_grammar(
+    app, path, fields, kind, spec
 ):
+    http, engine = app
     base = {"messages": MESSAGES} if path == CHAT else {"prompt": "hi"}
-    r = http.post(path, json={"model": MODEL, **base, "response_format": response_format})
+    r = http.post(path, json={"model": MODEL, **base, "max_tokens": 3, **fields})
+    assert r.status_code == 200, r.text
+    grammar = engine.opened[-1][1]["structured_output"]
+    assert grammar["kind"] == kind
+    assert (json.loads(grammar["spec"]) if kind == "json" else grammar["spec"]) == spec
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema: required"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            'response_format: the grammar does not compile: Unsupported type "x"',
+        ),
+        ({"guided_json": "{"}, "guided_json: not valid JSON"),
+        ({"guided_json": "[1]"}, "guided_json: a JSON schema must be an object"),
+        ({"guided_regex": "a("}, "guided_regex: the grammar does not compile: Regex parsing"),
+        ({"guided_regex": ""}, "guided_regex: must be a non-empty"),
+        ({"guided_choice": []}, "guided_choice: must be a non-empty list"),
+        ({"guided_grammar": "root ::= x"}, 'column 10: Rule "x" is not defined'),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structural tags are not supported"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "only one way"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "only one way"),
+        ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos: cannot be combined"),
+        ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens: cannot be combined"),
+        ({"guided_regex": "a+", "allowed_token_ids": [5]}, "allowed_token_ids: cannot be"),
+        ({"guided_regex": "a+", "bad_words": ["x"]}, "bad_words: cannot be combined"),
+        ({"logit_bias": {"x": 1}}, "logit_bias: keys must be token ids, got 'x'"),
+        ({"logit_bias": {"5": 101}}, "logit_bias: must be in [-100.0, 100.0], got 101"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias: token ids must be in [0, "),
+        ({"logit_bias": {"5": "high"}}, "logit_bias.5"),
+        ({"allowed_token_ids": []}, "allowed_token_ids: must hold 1 to"),
+        ({"allowed_token_ids": [99999]}, "allowed_token_ids: ids must be in [0, "),
+        ({"bad_words": [" "]}, "bad_words: each must be a non-empty word"),
+        ({"prompt_logprobs": 9}, "prompt_logprobs: must be in [0, 5], got 9"),
+        ({"max_tokens": 0}, "max_tokens: must be at least 1 (0 only with echo)"),
+    ],
+)
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_bad_extension_values_are_400_naming_the_field(app, path, fields, words):
+    http, engine = app
+    before = len(engine.opened)
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "hi"}
+    r = http.post(path, json={"model": MODEL, **base, **fields})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-    text = http.post(path, json={"model": MODEL, **base, "response_format": {"type": "text"}})
-    assert text.status_code == 200
+    assert len(engine.opened) == before  # never reached the engine
 
 
 @pytest.mark.parametrize(
@@ -197,3 +264,11 @@ def test_the_field_table_in_the_docs_lists_every_request_field():
     documented = _documented_fields()
     assert fields - documented == set(), "fields missing from docs/serving.md"
     assert documented - fields == set(), "docs/serving.md lists fields the server lacks"
+
+
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_400(http):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    r = chat(http, guided_json=schema)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message == "guided_json: the schema uses uniqueItems, which xgrammar does not enforce"

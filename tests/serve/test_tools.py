@@ -131,19 +131,62 @@ def test_each_of_n_choices_is_read_on_its_own(http):
     assert len(ids) == 2
 
 
+def grammar_of(engine) -> dict:
+    spec = engine.opened[-1][1]["structured_output"]
+    assert spec["kind"] == "json"
+    return json.loads(spec["spec"])
+
+
+def test_required_constrains_the_output_to_a_list_of_calls_and_reads_them(app):
+    http, engine = app
+    reply = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}},
+                        {"name": "get_time", "parameters": {}}])  # fmt: skip
+    r = ask(http, reply, tools=(WEATHER, TIME), tool_choice="required")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"]["tool_calls"]]  # fmt: skip
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    schema = grammar_of(engine)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert (
+        schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    )
+    ask(http, reply, tools=(WEATHER, TIME), tool_choice="required", parallel_tool_calls=False)
+    assert grammar_of(engine)["maxItems"] == 1
+
+
+def test_a_named_function_constrains_the_output_to_its_arguments(app):
+    http, engine = app
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = ask(http, '{"city": "Paris"}', tools=(WEATHER, TIME), tool_choice=named)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert grammar_of(engine) == WEATHER["function"]["parameters"]
+    events = stream(http, '{"city": "Rome"}', tools=(WEATHER,), tool_choice=named)
+    (delta,) = [
+        e["choices"][0]["delta"] for e in events if e["choices"][0]["delta"].get("tool_calls")
+    ]
+    assert json.loads(delta["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+
+
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"tool_choice": "required"}, "tool_choice 'required' needs structured outputs"),
-        (
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-            "tool_choice naming a function needs structured outputs",
-        ),
         (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "'nope', which is not among the tools",
         ),
         ({"tools": None, "tool_choice": "auto"}, "tool_choice: needs tools"),
+        ({"tools": None, "tool_choice": "required"}, "tool_choice: needs tools"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "only one way of constraining the output",
+        ),
     ],
 )
 def test_tool_choices_that_cannot_be_served_are_400(app, fields, words):

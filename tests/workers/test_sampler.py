@@ -184,13 +184,14 @@ def test_device_token_counts_follow_the_sequence():
 
 
 def test_top_k_without_a_sort_keeps_what_the_sort_keeps():
-    from iterserve.workers.sampler import _filter, _StepParams
+    from iterserve.workers.sampler import _filter
+    from iterserve.workers.step_params import StepParams
 
     logits = random_logits(5, seed=4)
     params = [SamplingParams(top_k=k) for k in (1, 3, 0, 31, 40)]
     rows = [Row(p, [1], 1, f"k{i}") for i, p in enumerate(params)]
     s = sampler()
-    got = _filter(logits, params, _StepParams(s, rows, VOCAB))
+    got = _filter(logits, params, StepParams(s, rows, VOCAB, None))
     for i, k in enumerate((1, 3, 0, 31, 40)):
         if not 0 < k < VOCAB:
             assert torch.equal(got[i], logits[i])
@@ -198,3 +199,56 @@ def test_top_k_without_a_sort_keeps_what_the_sort_keeps():
         kept = torch.isfinite(got[i]).nonzero().flatten().tolist()
         assert sorted(kept) == sorted(logits[i].topk(k).indices.tolist())
         assert torch.equal(got[i, kept], logits[i, kept])
+
+
+def test_logit_bias_is_added_to_the_logits_it_names():
+    logits = random_logits(2, seed=5)
+    params = SamplingParams(temperature=0.0, logit_bias=((3, 100.0), (4, -2.5)))
+    got = sampler().process(logits, rows_of(params, 2))
+    want = logits.clone()
+    want[:, 3] += 100.0
+    want[:, 4] -= 2.5
+    torch.testing.assert_close(got, want)
+    out = sampler()(logits, rows_of(params, 2))
+    assert out.token_ids == [3, 3]  # +100 wins the argmax
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    logits = random_logits(300, seed=6)
+    allowed = (2, 9, 17)
+    rows = rows_of(SamplingParams(temperature=1.0, allowed_token_ids=allowed), 200)
+    rows += rows_of(SamplingParams(temperature=1.0), 100)  # unconstrained rows keep their logits
+    out = sampler()(logits, rows)
+    assert set(out.token_ids[:200]) <= set(allowed)
+    processed = sampler().process(logits, rows)
+    assert torch.equal(processed[200:], logits[200:])
+    assert torch.isinf(processed[:200]).sum().item() == 200 * (VOCAB - 3)
+
+
+def test_bad_words_ban_their_last_token_where_the_output_leads_into_it():
+    logits = torch.zeros(3, VOCAB)
+    words = ((5,), (7, 8), (1, 2, 9))
+    params = SamplingParams(temperature=0.0, bad_words=words)
+    rows = [
+        Row(params, [1, 2], 2),  # no output: only the one-token word is banned
+        Row(params, [1, 2, 7], 2),  # the output ends in 7: 8 is banned too
+        Row(params, [4, 1, 2], 1),  # 1 2 end the output: 9 is banned too
+    ]
+    banned = [torch.isinf(r).nonzero().flatten().tolist() for r in sampler().process(logits, rows)]
+    assert banned == [[5], [5, 8], [5, 9]]
+
+
+def test_a_grammar_mask_bans_every_token_its_bits_leave_out():
+    from iterserve.workers.grammar import GrammarMask
+
+    logits = random_logits(3, seed=7)
+    bitmask = torch.zeros(3, 1, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 4) | (1 << 6)  # row 0 may sample 4 or 6
+    bitmask[1, 0] = 0  # not a row of the mask: left alone
+    bitmask[2, 0] = -1  # all 32 bits: everything
+    rows = rows_of(SamplingParams(temperature=0.0), 3)
+    got = sampler().process(logits, rows, GrammarMask(bitmask, [0, 2]))
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [4, 6]
+    assert torch.equal(got[1:], logits[1:])
+    out = sampler()(logits, rows, GrammarMask(bitmask, [0, 2]))
+    assert out.token_ids[0] == (4 if logits[0, 4] > logits[0, 6] else 6)

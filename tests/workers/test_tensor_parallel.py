@@ -37,3 +37,31 @@ def test_tp2_matches_tp1(checkpoint_dir, tmp_path):
     for rank in range(2):
         with open(f"{out_file}.{rank}") as f:
             assert json.load(f) == expected
+
+
+@pytest.mark.slow
+def test_tp2_ranks_apply_the_same_grammar_masks(tmp_path):
+    from tp_worker import constrained_requests, run_constrained_rank
+
+    from iterserve.models import DEMO_MODEL_PATH
+
+    path = str(DEMO_MODEL_PATH)
+    driver = PlanDriver(make_runner(path))
+    for name, prompt, params in constrained_requests(path):
+        driver.add(name, prompt, params)
+    expected = driver.run(chunk=5)
+    assert json.loads(tok_text(path, expected["greedy"]))  # the grammar held at TP=1
+
+    out_file = str(tmp_path / "tokens")
+    mp.spawn(run_constrained_rank, args=(2, free_port(), path, out_file), nprocs=2, join=True)
+    for rank in range(2):
+        with open(f"{out_file}.{rank}") as f:
+            got = json.load(f)
+        assert got["tokens"] == expected
+        assert got["prompt_logprobs"] == (1 if rank == 0 else 0)  # only rank 0's are read
+
+
+def tok_text(path: str, ids: list[int]) -> str:
+    from iterserve.workers.tokenizer import Tokenizer
+
+    return Tokenizer(path).decode(ids)

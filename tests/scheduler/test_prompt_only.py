@@ -1,0 +1,91 @@
+"""``max_tokens: 0``: a request computes its prompt and finishes with reason length,
+sampling nothing, under every policy, scheduled ahead or not, through the codec."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams, Scheduler
+from tests.scheduler.driver import run
+from tests.scheduler.test_properties import workloads
+
+
+@st.composite
+def mixed_workloads(draw, policy: str):
+    config, arrivals = draw(workloads(policy))
+    prompt_only = draw(st.sets(st.integers(0, len(arrivals) - 1), min_size=1))
+    keys = {arrivals[i].key for i in prompt_only}
+    # A reused request id shares its fake output; keep every user of it alike.
+    ids = {arrivals[i].request_id for i in prompt_only}
+    arrivals = [
+        dataclasses.replace(a, max_tokens=0) if a.request_id in ids or a.key in keys else a
+        for a in arrivals
+    ]
+    return config, arrivals
+
+
+def check(config, arrivals, *, ahead: bool) -> None:
+    targets = {a.request_id: a.output_len for a in arrivals}
+    executor = FakeExecutor(
+        vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size
+    )
+    sched = Scheduler(config)
+    log = run(sched, executor, arrivals, through_codec=True, ahead=ahead)
+    for a in arrivals:
+        reason = log.reasons.get(a.key)
+        if reason == "abort":
+            continue
+        if a.max_tokens == 0:
+            assert log.outputs[a.key] == [] and reason == "length", (a.key, log.outputs[a.key])
+        else:
+            max_tokens = min(a.max_tokens, config.max_model_len - a.prompt_len)
+            expected, why = executor.expected_output(
+                a.request_id, SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            )
+            assert log.outputs[a.key] == expected and reason == why
+    assert sched.blocks.num_used == 0 and sched.slots.num_used == 0 and not sched.requests
+
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-at-a-time", "ahead"])
+def test_prompt_only_requests_finish_after_their_prefill(policy, ahead):
+    @SETTINGS
+    @given(mixed_workloads(policy))
+    def prop(workload):
+        check(*workload, ahead=ahead)
+
+    prop()
+
+
+def test_prompt_logprobs_come_once_before_the_first_token():
+    from iterserve.scheduler import Request, SchedulerConfig
+    from iterserve.scheduler.messages import PromptLogprobs
+    from iterserve.scheduler.request import split_prompt_logprobs
+
+    config = SchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=4, max_model_len=32, block_size=4, num_kv_blocks=16
+    )
+    sched = Scheduler(config)
+    executor = FakeExecutor(vocab_size=64, output_len=3, block_size=4)
+    params = SamplingParams(max_tokens=3, prompt_logprobs=1, logprobs=0)
+    sched.add_request(Request("r", [5, 6, 7, 8, 9, 10], params))
+    logprobs = []
+    while sched.has_work:
+        step = sched.schedule(0.0)
+        for out in sched.update(step, executor.execute(step.plan)):
+            logprobs += out.new_logprobs
+    prompt, rest = split_prompt_logprobs(logprobs)  # a prompt of 6, in pieces of 4
+    assert isinstance(prompt, PromptLogprobs) and prompt.token_logprobs == [-0.5] * 5
+    assert prompt.top_logprobs == [[(t, -0.5)] for t in [6, 7, 8, 9, 10]]
+    assert len(rest) == 3 and split_prompt_logprobs(rest)[0] is None  # one per token, once
+    # Plain types only: the entry crosses msgpack as it is.
+    assert msgpack.unpackb(msgpack.packb(logprobs[0])) == logprobs[0]
+    assert split_prompt_logprobs(msgpack.unpackb(msgpack.packb(logprobs)))[0] == prompt
