@@ -23,7 +23,7 @@ from iterserve.scheduler.messages import (
 )
 from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
 
-VERSION = 3  # 2: StepPlan.lookahead; 3: sequences named by seq_id
+VERSION = 4  # 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: num_cached_tokens
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = 1 << 12
@@ -106,7 +106,7 @@ _SCHEMAS[SamplingParams] = (
     _bool,
     _optional(_int),
 )
-_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams))
+_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams), _int)
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
     _int,
@@ -183,6 +183,7 @@ def _encode_plan(m: StepPlan) -> list:
                 n.token_ids,
                 n.num_prompt_tokens,
                 _encode_params(n.params),
+                n.num_cached_tokens,
             ]
             for n in m.new_seqs
         ],

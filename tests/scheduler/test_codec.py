@@ -43,6 +43,7 @@ plans = st.builds(
             token_ids=st.lists(ints, max_size=50),
             num_prompt_tokens=ints,
             params=params,
+            num_cached_tokens=ints,
         ),
         max_size=4,
     ),
@@ -166,6 +167,11 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
     assert seen <= ALLOWED and CodecError in seen
 
 
+_PARAMS = msgpack.unpackb(encode(StepPlan(1, [NewSequence(0, "r", 0, [1], 1, SamplingParams())])))[
+    3
+][0][5]
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -174,13 +180,17 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
         msgpack.packb([9, 3]),  # unknown tag
         msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``lookahead``
         msgpack.packb([1, 2, 1, [["r", 0, [1], 1, []]], [], [], [], False]),  # version 2
-        msgpack.packb([1, 4, 1, [], [], [], [], False]),  # unknown version
-        msgpack.packb([1, 3, True, [], [], [], [], False]),  # bool where int belongs
-        msgpack.packb([1, 3, 1, [], [], [], [], 0]),  # int where bool belongs
+        # version 3: a new sequence without ``num_cached_tokens``
+        msgpack.packb([1, 3, 1, [[0, "r", 0, [1], 1, _PARAMS]], [], [], [], False]),
+        msgpack.packb([1, 5, 1, [], [], [], [], False]),  # unknown version
+        msgpack.packb([1, 4, True, [], [], [], [], False]),  # bool where int belongs
+        msgpack.packb([1, 4, 1, [], [], [], [], 0]),  # int where bool belongs
         msgpack.packb({"a": 1}),  # a map
-        msgpack.packb([1, 3, 1, [], [], [], [], False, "extra"]),  # extra field
-        msgpack.packb([1, 3, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
-        msgpack.packb([2, 3, 1, [["r", 5, None, []]], [], 0.0, 0, 0]),  # a str seq_id
+        msgpack.packb([1, 4, 1, [], [], [], [], False, "extra"]),  # extra field
+        msgpack.packb([1, 4, 1, [], [[0, 0, 1, [], True]], [], [], False]),  # short nested record
+        msgpack.packb([2, 4, 1, [["r", 5, None, []]], [], 0.0, 0, 0]),  # a str seq_id
+        # a new sequence whose cached tokens are not an int
+        msgpack.packb([1, 4, 1, [[0, "r", 0, [1], 1, _PARAMS, None]], [], [], [], False]),
         b"\xc1",  # reserved byte
         b"\x91" * 5000,  # deep nesting
     ],
