@@ -38,17 +38,28 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return data.tobytes()
 
 
+def chain_block_hashes(
+    parent: bytes | None, tokens: Sequence[int], block_size: int, salt: str = ""
+) -> list[bytes]:
+    """The hashes of the full blocks of ``tokens``, the blocks that follow the one
+    hashed ``parent`` (None: the first blocks of a sequence)."""
+    parent = root_hash(salt) if parent is None else parent
+    out = []
+    for i in range(len(tokens) // block_size):
+        data = parent + _token_bytes(tokens[i * block_size : (i + 1) * block_size])
+        parent = hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+        out.append(parent)
+    return out
+
+
 def extend_block_hashes(
     hashes: list[bytes], token_ids: Sequence[int], block_size: int, salt: str = ""
 ) -> list[bytes]:
     """Appends to ``hashes`` (the hashes of ``token_ids``' first blocks) the hashes of
     every further full block of ``token_ids``; returns ``hashes``."""
-    num_full = len(token_ids) // block_size
-    parent = hashes[-1] if hashes else root_hash(salt)
-    for i in range(len(hashes), num_full):
-        data = parent + _token_bytes(token_ids[i * block_size : (i + 1) * block_size])
-        parent = hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
-        hashes.append(parent)
+    start = len(hashes) * block_size
+    parent = hashes[-1] if hashes else None
+    hashes.extend(chain_block_hashes(parent, token_ids[start:], block_size, salt))
     return hashes
 
 

@@ -175,7 +175,7 @@ class Scheduler:
             out = outputs[request.request_id] = RequestOutput(
                 request.request_id, [sampled.token_id]
             )
-            if request.num_output_tokens == 1:
+            if len(request.output_token_ids) == 1:
                 out.num_cached_tokens = request.num_cached_tokens
             if request.params.logprobs is not None:
                 entry = (sampled.logprob, list(sampled.top_logprobs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.block_hash import extend_block_hashes
+from iterserve.scheduler.block_hash import chain_block_hashes
 from iterserve.scheduler.sampling import SamplingParams
 
 
@@ -153,9 +153,18 @@ class Request:
 
     def full_block_hashes(self, block_size: int) -> list[bytes]:
         """The hashes of its full blocks of known tokens (prompt and output so far)."""
-        if len(self.block_hashes) < self.num_tokens // block_size:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
-        return self.block_hashes
+        hashes = self.block_hashes
+        end = self.num_tokens // block_size * block_size
+        start = len(hashes) * block_size
+        if start < end:  # only the new blocks' tokens are sliced: a decode fills one
+            prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+            if start >= n:
+                tokens = self.output_token_ids[start - n : end - n]
+            else:
+                tokens = prompt[start:end] + self.output_token_ids[: max(0, end - n)]
+            parent = hashes[-1] if hashes else None
+            hashes.extend(chain_block_hashes(parent, tokens, block_size, self.cache_salt))
+        return hashes
 
     def sort_key(self) -> tuple[int, float, str]:
         """Service order: lower priority value first, then earlier arrival."""

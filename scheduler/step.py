@@ -124,15 +124,15 @@ class StepBuilder:
         """One decode token for each running request; the caller has checked that
         their new blocks fit. The hot path of every step."""
         allocate = self.sched.blocks.allocate
-        cache = self.sched.cache_full_blocks if self.sched.prefix_caching else None
+        # The blocks decodes fill are registered when the sequence ends or is
+        # preempted (Scheduler.release_blocks): what reuses generated tokens (a
+        # chat's next turn, the sequence's own recompute) only comes after that.
         for request in requests:
             pos = request.num_computed_tokens
             new_blocks = allocate(request.request_id, pos + 1)
             if new_blocks is None:
                 raise RuntimeError("schedule_decodes called without room for new blocks")
             self._add(request, ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
-            if cache is not None:
-                cache(request)  # a block its last known token filled
         self.budget_left -= len(requests)
 
     def _add(self, request: Request, entry: ScheduledSeq) -> None:
