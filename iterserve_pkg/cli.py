@@ -44,7 +44,7 @@ def _bench_ceiling(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     from iterserve.bench import simulator
 
-    result = simulator.run(args.gpu, args.model, json_path=args.json)
+    result = simulator.run(args.gpu, args.model, json_path=args.json, workload=args.workload)
     print(json.dumps(result, indent=2))
 
 
@@ -77,16 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     ceiling.add_argument("--json", help="also write the result to this file")
     ceiling.set_defaults(func=_bench_ceiling)
 
-    from iterserve.bench import loadgen, policies
+    from iterserve.bench import loadgen, policies, prefix
 
     loadgen.register(benches)
     policies.register(benches)
+    prefix.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"
     )
     simulate.add_argument("--gpu", choices=["h100", "h200"], default="h200")
     simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
+    simulate.add_argument(
+        "--workload",
+        choices=["longtail", "shared-prefix"],
+        default="longtail",
+        help="longtail: every policy; shared-prefix: chunked with the prefix cache off and on",
+    )
     simulate.add_argument("--json", help="also write the result to this file")
     simulate.set_defaults(func=_simulate)
     return parser
