@@ -11,13 +11,16 @@ Scheduling ahead (a plan built while the step before it runs) is explained in
 :mod:`~iterserve.scheduler.ahead`.
 
 Prefix caching (``enable_prefix_caching``; continuous and chunked batching). A
-full block is registered under its content hash once a planned step computes
-it and its tokens are known to the scheduler (the tokens a running step samples
-are not, yet). A waiting request is admitted on the longest run of its first
-blocks found cached, short of its last token (always computed, so that there
-are logits to sample), and starts computing there. Finishing, aborting and
-preempting drop references and keep the hashes: the blocks wait, evictable,
-until a fresh block needs them. A restart of the workers drops every hash.
+full block of a prompt (or of a recompute) is registered under its content
+hash as soon as a planned step computes it, so a request admitted in the same
+step can start on it; the blocks decodes fill are registered when their
+sequence ends or is preempted, once their tokens are known (a token a running
+step samples is not, yet). A waiting request is admitted on the longest run of
+its first blocks found cached, short of its last token (always computed, so
+that there are logits to sample), and starts computing there. Finishing,
+aborting and preempting drop references and keep the hashes: the blocks wait,
+evictable, until a fresh block needs them. A restart of the workers drops
+every hash.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 
 import pytest
+import torch
 
 from iterserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
 from tests.cluster.conftest import collect_all, model_config, start_engine, wait_idle
@@ -106,6 +108,43 @@ def test_a_chat_continued_on_its_cached_history_answers_as_recomputed(tiny_llama
     assert got == expected and no_hits == 0
     # Turns 2-4 found the previous turns' prompts and answers cached.
     assert hits >= 3 * 12
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_triton_kernels_and_decode_graphs_read_shared_blocks_as_their_own(tiny_llama):
+    """Prefill pieces attending over cached blocks and replayed decodes whose
+    tables start with shared blocks, on the Triton kernels (interpreted on the
+    CPU, compiled on CUDA)."""
+    from iterserve.workers.runner import ModelRunner
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    system = prompt_for("system", 19)
+    prompts = [system + prompt_for(f"q{i}", 2 + i) for i in range(3)] + [system[:17]] * 2
+
+    def serve(enable: bool) -> list[list[int]]:
+        sched = Scheduler(SchedulerConfig(
+            policy="chunked", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+            block_size=8, num_kv_blocks=32, enable_prefix_caching=enable,
+        ))  # fmt: skip
+        runner = ModelRunner(
+            tiny_llama, dtype="float32", num_kv_blocks=32, block_size=8, device=device,
+            kernel_backend="triton", cuda_graphs=True, graph_batch_sizes=(1, 4),
+            max_model_len=64,
+        )  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            sched.add_request(Request(f"r{i}", prompt, params))
+        outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        while sched.has_work:
+            step = sched.schedule(0.0)
+            for out in sched.update(step, runner.execute(step.plan)):
+                outputs[out.request_id].extend(out.new_token_ids)
+        assert runner.graphs.num_replays > 0
+        if enable:
+            assert sched.num_prefix_hits > 0
+        return list(outputs.values())
+
+    assert serve(True) == serve(False)
 
 
 @pytest.mark.usefixtures("ray_session")
