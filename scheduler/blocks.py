@@ -130,7 +130,9 @@ class BlockManager:
             block = self._free.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self.cached[self.block_hashes[block]]
+            evicted = self.block_hashes[block]
+            assert evicted is not None  # an evictable block is a hashed one
+            del self.cached[evicted]
             self.block_hashes[block] = None
             self.num_evictions += 1
         self.ref_counts[block] = 1

@@ -127,17 +127,19 @@ class FakeExecutor:
 
     def _check_kv(self, plan: StepPlan) -> None:
         size = self.block_size
+        assert size is not None
+        empty: list[tuple[int, int] | None] = [None] * size
         for entry in plan.scheduled:  # every write first, as a rank's layers do
             seq = self.table.get(entry.slot_idx)
             for pos in range(entry.start_pos, entry.start_pos + entry.num_tokens):
                 block = seq.block_ids[pos // size]
-                content = self._kv.setdefault(block, [None] * size)
+                content = self._kv.setdefault(block, list(empty))
                 content[pos % size] = (pos, self._digest(seq, pos))
         for entry in plan.scheduled:
             seq = self.table.get(entry.slot_idx)
             for pos in range(entry.start_pos + entry.num_tokens):
                 block = seq.block_ids[pos // size]
-                held = self._kv.get(block, [None] * size)[pos % size]
+                held = self._kv.get(block, empty)[pos % size]
                 if held != (pos, self._digest(seq, pos)):
                     raise AssertionError(
                         f"{seq.request_id}: block {block} does not hold its KV of position "
