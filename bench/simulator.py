@@ -18,6 +18,13 @@ Per-policy token budgets (``max_num_batched_tokens``), see ``BUDGETS``:
   prompts must have to admit its longest prompt.
 - chunked: 2048, a small budget so that every step stays short whatever
   arrives; prompts beyond it are prefilled in pieces alongside the decodes.
+
+Prefix caching is modelled by the scheduler itself: a request admitted on
+cached blocks starts its prefill there, and the cost model prices what the
+plan computes (its attention still reads the cached context). Prompt token ids
+only decide what is shared: each request's prompt is its own, except for the
+system prompt a ``shared-prefix`` load gives it
+(:mod:`iterserve.bench.prefix_sim`).
 """
 
 from __future__ import annotations
@@ -97,6 +104,20 @@ def workload(
     }
 
 
+SYSTEM_TOKEN = 1 << 30  # a shared-prefix load's system prompt k: this token id + k, repeated
+
+
+def _prompt(load: dict[str, list], i: int) -> list[int]:
+    """Request ``i``'s token ids: only equality matters (what the cache shares). Its own
+    first token keeps a prompt apart; a shared-prefix load starts it with its
+    system prompt's."""
+    own = [4 + i] + [3] * (load["prompt_len"][i] - 1)
+    if "prefix_id" not in load:
+        return own
+    shared = load["prefix_len"][i]
+    return [SYSTEM_TOKEN + load["prefix_id"][i]] * shared + own[: load["prompt_len"][i] - shared]
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -168,8 +189,10 @@ def simulate_policy(
     max_num_batched_tokens: int | None = None,
     max_model_len: int = MAX_MODEL_LEN,
     max_tokens: int = MAX_TOKENS,
+    enable_prefix_caching: bool = True,
 ) -> dict:
-    """Runs one policy over ``load`` (as :func:`workload` returns) to completion."""
+    """Runs one policy over ``load`` (as :func:`workload` or :func:`prefix_workload`
+    returns) to completion."""
     if max_num_batched_tokens is None:
         max_num_batched_tokens = budgets(max_num_seqs, max_model_len)[policy]
     num_requests = len(load["arrival_s"])
@@ -181,6 +204,7 @@ def simulate_policy(
         block_size=BLOCK_SIZE,
         num_kv_blocks=cost.num_kv_blocks(BLOCK_SIZE),
         max_queue_len=num_requests,
+        enable_prefix_caching=enable_prefix_caching,
     )
     sched = Scheduler(config)
     ids = [f"req-{i}" for i in range(num_requests)]
@@ -196,7 +220,7 @@ def simulate_policy(
         while nxt < num_requests and load["arrival_s"][order[nxt]] <= now:
             i = order[nxt]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-            prompt = [3] * load["prompt_len"][i]
+            prompt = _prompt(load, i)
             sched.add_request(Request(ids[i], prompt, params, arrival_time=load["arrival_s"][i]))
             nxt += 1
         step = sched.schedule(now)
@@ -231,6 +255,11 @@ def simulate_policy(
         "num_steps": steps,
         "preemptions": sched.num_preemptions,
         "recomputed_tokens": sched.num_recomputed_tokens,
+        # Every output token but the last is computed once as a decode.
+        "prefill_tokens": real_tokens - (total_out - num_requests),
+        "prefix_cache_hit_rate": (
+            sched.num_prefix_hits / sched.num_prefix_queries if sched.num_prefix_queries else 0.0
+        ),
         "output_tokens": total_out,
         "makespan_s": makespan,
         "max_num_batched_tokens": max_num_batched_tokens,
@@ -291,11 +320,21 @@ def simulate(
 
 
 def run(
-    gpu: str = "h200", model: str = "8b", json_path: str | Path | None = None, **overrides
+    gpu: str = "h200",
+    model: str = "8b",
+    json_path: str | Path | None = None,
+    workload: str = "longtail",
+    **overrides,
 ) -> dict:
     """The default simulation of one GPU/model pair (``overrides``: any argument
-    of :func:`simulate`); writes the result as JSON to ``json_path`` when given."""
-    result = simulate(gpu=gpu, model=model, **overrides)
+    of :func:`simulate`, or of ``prefix_sim.simulate_prefix`` for the
+    ``shared-prefix`` workload); writes the result as JSON to ``json_path``."""
+    if workload == "shared-prefix":
+        from iterserve.bench.prefix_sim import simulate_prefix
+
+        result = simulate_prefix(gpu=gpu, model=model, **overrides)
+    else:
+        result = simulate(gpu=gpu, model=model, **overrides)
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,13 @@
   first-finisher problem.
 - ``long-prompts``: steady streams decoding long outputs while prompts of 60-90% of
   the context arrive periodically: the prefill stall.
+
+The prefix-caching workloads (``iterserve bench prefix``, :class:`PrefixSpec`):
+
+- ``shared-prefix``: a few long system prompts, each followed by many short
+  questions, Poisson arrivals: the prompt work a cache saves is most of it.
+- ``multi-turn``: conversations whose every turn sends the whole history (the
+  earlier questions and answers) and a new question, after the previous answer.
 """
 
 from __future__ import annotations
@@ -100,3 +107,97 @@ def describe(spec: Spec, requests: list[BenchRequest], seed: int) -> dict:
         "prompt_len": {"min": min(prompts), "p50": int(np.median(prompts)), "max": max(prompts)},
         "arrival_span_s": max(r.arrival_s for r in requests),
     }
+
+
+# -- prefix caching ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    name: str  # shared-prefix | multi-turn
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    chunk_budget: int = 512  # chunked's per-step token budget
+    output_len: int = 32  # tokens of every answer
+    # shared-prefix
+    num_prefixes: int = 4
+    prefix_len: int = 768
+    num_requests: int = 128
+    question_len: tuple[int, int] = (16, 48)  # uniform
+    request_rate: float = 32.0  # Poisson arrivals per second
+    # multi-turn
+    num_conversations: int = 16
+    num_turns: int = 8
+    first_len: int = 512  # the first message: instructions, context
+    turn_len: tuple[int, int] = (24, 48)  # every later question, uniform
+    conversation_interval_s: float = 0.25  # conversations start this far apart
+    repeats: int = 1  # rounds of cache on and off; figures are medians
+
+
+PREFIX_SPECS = {
+    "shared-prefix": {
+        "full": PrefixSpec("shared-prefix"),
+        "small": PrefixSpec("shared-prefix", max_model_len=128, max_num_seqs=4, chunk_budget=32,
+                            output_len=4, num_prefixes=2, prefix_len=40, num_requests=12,
+                            question_len=(4, 8), request_rate=50.0),
+    },
+    "multi-turn": {
+        "full": PrefixSpec("multi-turn"),
+        "small": PrefixSpec("multi-turn", max_model_len=128, max_num_seqs=4, chunk_budget=32,
+                            output_len=4, num_conversations=3, num_turns=3, first_len=24,
+                            turn_len=(4, 8), conversation_interval_s=0.05),
+    },
+}  # fmt: skip
+
+
+@dataclass
+class Conversation:
+    """One conversation of ``multi-turn``: its turns' new messages, sent one after
+    another, each with the whole history before it."""
+
+    conversation_id: str
+    start_s: float
+    messages: list[list[int]]  # turn t's new tokens (the first: the opening message)
+    output_len: int
+
+
+def shared_prefix_requests(spec: PrefixSpec, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Questions on ``num_prefixes`` system prompts, round robin, in arrival order."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(3, vocab_size, spec.prefix_len).tolist()
+                for _ in range(spec.num_prefixes)]  # fmt: skip
+    arrivals = np.cumsum(rng.exponential(1.0 / spec.request_rate, spec.num_requests))
+    lo, hi = spec.question_len
+    requests = []
+    for i, arrival in enumerate(arrivals - arrivals[0]):
+        question = rng.integers(3, vocab_size, int(rng.integers(lo, hi + 1))).tolist()
+        k = i % spec.num_prefixes
+        requests.append(BenchRequest(f"prefix{k}-{i}", round(float(arrival), 4),
+                                     prefixes[k] + question, spec.output_len, f"prefix{k}"))  # fmt: skip
+    return requests
+
+
+def conversations(spec: PrefixSpec, vocab_size: int, seed: int) -> list[Conversation]:
+    rng = np.random.default_rng(seed)
+    lo, hi = spec.turn_len
+    out = []
+    for c in range(spec.num_conversations):
+        messages = [rng.integers(3, vocab_size, spec.first_len).tolist()]
+        for _ in range(spec.num_turns - 1):
+            messages.append(rng.integers(3, vocab_size, int(rng.integers(lo, hi + 1))).tolist())
+        out.append(Conversation(f"chat{c}", round(c * spec.conversation_interval_s, 4),
+                                messages, spec.output_len))  # fmt: skip
+    return out
+
+
+def describe_prefix(spec: PrefixSpec, seed: int) -> dict:
+    out = {**asdict(spec), "seed": seed}
+    if spec.name == "shared-prefix":
+        for key in ("num_conversations", "num_turns", "first_len", "turn_len",
+                    "conversation_interval_s"):  # fmt: skip
+            out.pop(key)
+    else:
+        for key in ("num_prefixes", "prefix_len", "num_requests", "question_len", "request_rate"):
+            out.pop(key)
+    return out
+

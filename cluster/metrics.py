@@ -87,16 +87,20 @@ SPECS: tuple[MetricSpec, ...] = (
     _gauge("iterserve_kv_blocks_used", "KV cache blocks allocated to sequences."),
     _gauge("iterserve_kv_blocks_capacity", "KV cache blocks of the engine."),
     _gauge("iterserve_kv_cache_usage_ratio", "KV cache blocks used / capacity (0..1)."),
+    _gauge("iterserve_kv_blocks_cached", "KV cache blocks holding a cached prefix block, in use or kept until evicted."),
     _gauge("iterserve_policy_info", "The engine's batching policy; value is always 1.",
            (("policy", POLICIES),)),
     _counter("iterserve_prompt_tokens", "Prompt tokens of admitted requests."),
     _counter("iterserve_generation_tokens", "Tokens generated, the first token included."),
     _counter("iterserve_padding_tokens", "Padding tokens computed: padded prefill positions and finished slots a static batch keeps computing."),
     _counter("iterserve_preemptions", "Running sequences preempted (KV freed, recomputed later)."),
-    _counter("iterserve_recomputed_tokens", "Computed tokens whose KV preemption threw away; they are computed again."),
+    _counter("iterserve_recomputed_tokens", "Tokens a preempted sequence computes again as it resumes: those it had computed, less those still cached."),
     _counter("iterserve_requests_finished", "Requests finished, by reason.", (("reason", FINISH_REASONS),)),
     _counter("iterserve_requests_rejected", "Requests refused at admission, by reason.", (("reason", REJECT_REASONS),)),
     _counter("iterserve_worker_restarts", "Worker group restarts after a worker failure."),
+    _counter("iterserve_prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache."),
+    _counter("iterserve_prefix_cache_hits", "Of the tokens looked up, those found cached: their KV is not computed again."),
+    _counter("iterserve_prefix_cache_evictions", "Cached blocks evicted to give a sequence a fresh block."),
     _histogram("iterserve_time_to_first_token_seconds", "Arrival to first generated token.", LATENCY_BUCKETS),
     _histogram("iterserve_inter_token_latency_seconds", "Time between consecutive tokens of one request.", LATENCY_BUCKETS),
     _histogram("iterserve_time_per_output_token_seconds", "Decode time / (output tokens - 1), per request.", LATENCY_BUCKETS),
@@ -156,7 +160,7 @@ class EngineMetrics:
 
     def set_state(
         self, *, num_running, num_waiting, num_preempted, slots_used, slots_total,
-        kv_blocks_used, kv_blocks_total,
+        kv_blocks_used, kv_blocks_total, kv_blocks_cached=0,
     ) -> None:  # fmt: skip
         self._set("iterserve_requests_running", num_running)
         self._set("iterserve_requests_waiting", num_waiting)
@@ -167,6 +171,7 @@ class EngineMetrics:
         self._set("iterserve_kv_blocks_capacity", kv_blocks_total)
         usage = kv_blocks_used / kv_blocks_total if kv_blocks_total else 0.0
         self._set("iterserve_kv_cache_usage_ratio", usage)
+        self._set("iterserve_kv_blocks_cached", kv_blocks_cached)
 
     def observe_step(
         self, *, duration_s, forward_s, built_ahead, num_prefill_tokens, num_decode_tokens,
@@ -222,6 +227,12 @@ class EngineMetrics:
     def on_worker_restart(self) -> None:
         self._inc("iterserve_worker_restarts", 1)
 
+    def on_prefix_cache(self, *, queries: int, hits: int, evictions: int) -> None:
+        """Tokens looked up at admission and found cached, cached blocks evicted."""
+        self._inc("iterserve_prefix_cache_queries", queries)
+        self._inc("iterserve_prefix_cache_hits", hits)
+        self._inc("iterserve_prefix_cache_evictions", evictions)
+
     # -- export ----------------------------------------------------------------------
 
     def totals(self) -> dict:
@@ -233,6 +244,9 @@ class EngineMetrics:
             "prompt_tokens": t(("iterserve_prompt_tokens", ()), 0),
             "generation_tokens": t(("iterserve_generation_tokens", ()), 0),
             "padding_tokens": t(("iterserve_padding_tokens", ()), 0),
+            "prefix_cache_queries": t(("iterserve_prefix_cache_queries", ()), 0),
+            "prefix_cache_hits": t(("iterserve_prefix_cache_hits", ()), 0),
+            "prefix_cache_evictions": t(("iterserve_prefix_cache_evictions", ()), 0),
         }
         for reason in FINISH_REASONS:
             counters[f"finished_{reason}"] = t(("iterserve_requests_finished", (reason,)), 0)

@@ -29,6 +29,7 @@ class MetricsRecorder:
         self.times: dict[str, _Times] = {}
         self._num_preemptions = 0
         self._num_recomputed = 0
+        self._prefix = (0, 0, 0)  # queries, hits, evictions recorded so far
 
     def admitted(self, request_id: str, num_prompt_tokens: int) -> None:
         self.times[request_id] = _Times(arrival=time.monotonic())
@@ -67,6 +68,11 @@ class MetricsRecorder:
             self.metrics.on_preemptions(preempted, recomputed)
             self._num_preemptions = sched.num_preemptions
             self._num_recomputed = sched.num_recomputed_tokens
+        prefix = (sched.num_prefix_queries, sched.num_prefix_hits, sched.blocks.num_evictions)
+        if prefix != self._prefix:
+            queries, hits, evictions = (now - before for now, before in zip(prefix, self._prefix))
+            self.metrics.on_prefix_cache(queries=queries, hits=hits, evictions=evictions)
+            self._prefix = prefix
 
     def state(self, sched: Scheduler) -> None:
         stats = sched.stats()
@@ -78,6 +84,7 @@ class MetricsRecorder:
             slots_total=stats["slots_total"],
             kv_blocks_used=stats["kv_blocks_used"],
             kv_blocks_total=stats["kv_blocks_total"],
+            kv_blocks_cached=stats["kv_blocks_cached"],
         )
 
     def outputs(self, outputs: list[RequestOutput]) -> None:

@@ -53,7 +53,7 @@ def _bench_structured(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     from iterserve.bench import simulator
 
-    result = simulator.run(args.gpu, args.model, json_path=args.json)
+    result = simulator.run(args.gpu, args.model, json_path=args.json, workload=args.workload)
     print(json.dumps(result, indent=2))
 
 
@@ -96,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import compare, loadgen, policies
+    from iterserve.bench import compare, loadgen, policies, prefix
 
     loadgen.register(benches)
     policies.register(benches)
+    prefix.register(benches)
     compare.register(benches)
 
     simulate = commands.add_parser(
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--gpu", choices=["h100", "h200"], default="h200")
     simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
+    simulate.add_argument(
+        "--workload",
+        choices=["longtail", "shared-prefix"],
+        default="longtail",
+        help="longtail: every policy; shared-prefix: chunked with the prefix cache off and on",
+    )
     simulate.add_argument("--json", help="also write the result to this file")
     simulate.set_defaults(func=_simulate)
     return parser

@@ -44,7 +44,9 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
     in flight samples. The workers drop it when they sample that token, before
     they start the step being built, so the step may reuse both."""
     for request in finishing:
-        sched.retiring[request.seq_id] = (request, sched.blocks.free(request.request_id))
+        # Its KV up to its last known token is computed by the step in flight.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        sched.retiring[request.seq_id] = (request, sched.release_blocks(request, known))
         sched.slots.release(request.slot_idx)
         request.slot_idx = -1
         del sched.running[request.request_id]

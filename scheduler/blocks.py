@@ -1,14 +1,30 @@
-"""The paged KV block manager.
+"""The paged KV block manager, with blocks shared by content (prefix caching).
 
 Each sequence owns a block table: block ``i`` holds its tokens
 ``[i * block_size, (i + 1) * block_size)``. Blocks are allocated as tokens are
-scheduled and freed when the sequence finishes, is aborted or is preempted.
+scheduled and released when the sequence finishes, is aborted or is preempted.
 In ``slab`` layout a sequence reserves ``max_model_len`` worth of blocks at its
 first allocation (the naive contiguous-slab-per-slot layout), so paged and slab
 can be compared on the same engine.
+
+Prefix caching. A full block whose KV is (or is being) computed can be
+*registered* under its content hash (:mod:`~iterserve.scheduler.block_hash`).
+A new table may then start with cached blocks instead of fresh ones: they are
+shared, each table holding one reference. A block is in exactly one of three
+places::
+
+    referenced   ref_count > 0, in that many tables (hashed or not)
+    evictable    ref_count == 0, hashed: keeps its KV, LRU order, reused on a hit
+    free         ref_count == 0, no hash: nothing worth keeping
+
+A fresh block comes from ``free`` first, then from the least recently released
+evictable block, whose hash is dropped then (an eviction). A referenced block
+is never handed out, so a block another table reads is never overwritten.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -21,16 +37,32 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slab_tokens = slab_tokens
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop from the end: low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # content hash -> the block holding it
         self.tables: dict[str, list[int]] = {}
+        # Per table: how many of its leading blocks are done with for caching (found
+        # in the cache, registered, or left unshared because another block holds
+        # the same content). Registration resumes from there.
+        self._num_done: dict[str, int] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a fresh allocation can take: free ones and evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some table references."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding registered content, referenced or evictable."""
+        return len(self.cached)
 
     @property
     def usage(self) -> float:
@@ -44,32 +76,146 @@ class BlockManager:
         target = max(num_tokens, self.slab_tokens)
         return max(0, blocks_for(target, self.block_size) - held)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
+    def lookup(self, hashes: list[bytes], max_blocks: int) -> list[int]:
+        """The cached blocks of the longest run of ``hashes`` from the first, at
+        most ``max_blocks``."""
+        found = []
+        cached = self.cached
+        for h in hashes[:max_blocks]:
+            block = cached.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def allocate(
+        self, request_id: str, num_tokens: int, cached: list[int] | None = None
+    ) -> list[int] | None:
         """Grows the table to hold ``num_tokens`` tokens; returns the new block ids,
-        or ``None`` (allocating nothing) when too few blocks are free."""
+        or ``None`` (changing nothing) when too few blocks are free. A new table may
+        start with ``cached`` blocks (from :meth:`lookup`): they come first, shared."""
+        if cached:
+            if request_id in self.tables:
+                raise RuntimeError(f"{request_id}: cached blocks can only start a table")
+            target = max(num_tokens, self.slab_tokens)
+            needed = max(0, blocks_for(target, self.block_size) - len(cached))
+            # An evictable hit leaves the pool fresh blocks come from: count it too.
+            revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+            if needed + revived > self.num_free:
+                return None
+            for block in cached:
+                if self.ref_counts[block] == 0:
+                    del self._evictable[block]
+                self.ref_counts[block] += 1
+            new = cached + [self._take() for _ in range(needed)]
+            self.tables[request_id] = list(new)
+            self._num_done[request_id] = len(cached)
+            return new
         needed = self.num_needed(request_id, num_tokens)
         if needed == 0:
             return []
-        if needed > len(self._free):
+        if needed > self.num_free:
             return None
-        new = [self._free.pop() for _ in range(needed)]
-        self.tables.setdefault(request_id, []).extend(new)
+        new = [self._take() for _ in range(needed)]
+        table = self.tables.get(request_id)
+        if table is None:
+            self.tables[request_id] = new[:]
+            self._num_done[request_id] = 0
+        else:
+            table.extend(new)
         return new
 
-    def free(self, request_id: str) -> list[int]:
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            evicted = self.block_hashes[block]
+            assert evicted is not None  # an evictable block is a hashed one
+            del self.cached[evicted]
+            self.block_hashes[block] = None
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def num_registered(self, request_id: str) -> int:
+        """Leading blocks of the table already done with for caching."""
+        return self._num_done.get(request_id, 0)
+
+    def register(self, request_id: str, hashes: list[bytes], num_full: int) -> None:
+        """Registers the table's blocks up to ``num_full`` under ``hashes`` (the
+        sequence's block hashes): their KV is computed by a step already planned.
+        A block whose content another block holds already stays unshared."""
+        start = self._num_done.get(request_id, 0)
+        if num_full <= start:
+            return
+        table = self.tables[request_id]
+        cached = self.cached
+        for i in range(start, num_full):
+            block, h = table[i], hashes[i]
+            if h not in cached:
+                cached[h] = block
+                self.block_hashes[block] = h
+        self._num_done[request_id] = num_full
+
+    def free(self, request_id: str, num_valid_blocks: int | None = None) -> list[int]:
+        """Drops the table's references; returns its blocks. A block nobody else
+        references becomes evictable when hashed, free otherwise. A hashed block at
+        index ``num_valid_blocks`` or beyond will never have its KV computed (its
+        step was taken back): its hash goes."""
         blocks = self.tables.pop(request_id, [])
-        self._free.extend(reversed(blocks))
+        self._num_done.pop(request_id, None)
+        refs, hashes = self.ref_counts, self.block_hashes
+        # Last block first: a prefix's later blocks are the ones evicted first.
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            refs[block] -= 1
+            h = hashes[block]
+            if h is not None and num_valid_blocks is not None and i >= num_valid_blocks:
+                if refs[block]:
+                    raise RuntimeError(f"block {block} is shared but was never computed")
+                del self.cached[h]
+                hashes[block] = h = None
+            if refs[block] == 0:
+                if h is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
         return blocks
+
+    def clear_cache(self) -> None:
+        """Forgets every hash: the KV they name is gone (the workers restarted)."""
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks
+        for request_id in self._num_done:
+            self._num_done[request_id] = len(self.tables[request_id])
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
     def check_integrity(self) -> None:
-        """free + used == total, and no block in two tables or both free and used."""
-        used = [b for table in self.tables.values() for b in table]
-        used_set = set(used)
-        free_set = set(self._free)
-        assert len(used_set) == len(used), "a block is in two tables"
+        """free + evictable + referenced == total; each block's reference count is
+        the number of tables holding it; hashes and the cache index agree."""
+        refs = [0] * self.num_blocks
+        for request_id, table in self.tables.items():
+            assert len(set(table)) == len(table), f"{request_id} holds a block twice"
+            assert self._num_done[request_id] <= len(table), "registered beyond the table"
+            for block in table:
+                refs[block] += 1
+        assert refs == self.ref_counts, "reference counts disagree with the tables"
+        assert self._num_done.keys() == self.tables.keys(), "registration state leaked"
+        free_set, evictable = set(self._free), set(self._evictable)
         assert len(free_set) == len(self._free), "a block is free twice"
-        assert not used_set & free_set, "a block is both free and used"
-        assert len(used_set) + len(free_set) == self.num_blocks, "blocks lost"
+        assert not free_set & evictable, "a block is both free and evictable"
+        used = {b for b in range(self.num_blocks) if refs[b]}
+        assert not used & (free_set | evictable), "a referenced block is free or evictable"
+        assert len(used) + len(free_set) + len(evictable) == self.num_blocks, "blocks lost"
+        assert all(self.block_hashes[b] is None for b in free_set), "a free block keeps a hash"
+        assert all(self.block_hashes[b] is not None for b in evictable), (
+            "an evictable block lost its hash"
+        )
+        index = {h: b for b, h in enumerate(self.block_hashes) if h is not None}
+        assert index == self.cached, "the cache index disagrees with the blocks' hashes"

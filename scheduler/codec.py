@@ -31,8 +31,8 @@ from iterserve.scheduler.sampling import (
 
 # 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
-# StepResult.prompt_logprobs
-VERSION = 4
+# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens
+VERSION = 5
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -135,7 +135,7 @@ _SCHEMAS[SamplingParams] = (
     _optional(_record(StructuredOutput)),
 )
 _SCHEMAS[StructuredOutput] = (_str, _str)
-_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams))
+_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams), _int)
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
     _int,
@@ -221,6 +221,7 @@ def _encode_plan(m: StepPlan) -> list:
                 n.token_ids,
                 n.num_prompt_tokens,
                 _encode_params(n.params),
+                n.num_cached_tokens,
             ]
             for n in m.new_seqs
         ],

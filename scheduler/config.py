@@ -83,6 +83,11 @@ class SchedulerConfig:
         choices=KV_LAYOUTS,
         helm=False,
     )
+    enable_prefix_caching: bool = knob(
+        True,
+        "reuse the KV of full blocks whose tokens an earlier request computed (continuous "
+        "and chunked, paged layout); `false`: every prompt from token 0",
+    )
     max_queue_len: int = knob(
         1024, "waiting requests beyond this are refused with 429 and Retry-After", minimum=0
     )
@@ -122,6 +127,17 @@ class SchedulerConfig:
     @property
     def chunked_prefill(self) -> bool:
         return self.policy == "chunked"
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether blocks are shared by content. Static and dynamic batching prefill
+        a batch padded from position 0, and a slab is one sequence's own: neither
+        shares."""
+        return (
+            self.enable_prefix_caching
+            and self.policy in ("continuous", "chunked")
+            and self.kv_layout == "paged"
+        )
 
     @property
     def blocks_per_seq_max(self) -> int:

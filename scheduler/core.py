@@ -9,6 +9,18 @@ the KV block manager, the waiting queue, preemption and finishing.
 
 Scheduling ahead (a plan built while the step before it runs) is explained in
 :mod:`~iterserve.scheduler.ahead`.
+
+Prefix caching (``enable_prefix_caching``; continuous and chunked batching). A
+full block of a prompt (or of a recompute) is registered under its content
+hash as soon as a planned step computes it, so a request admitted in the same
+step can start on it; the blocks decodes fill are registered when their
+sequence ends or is preempted, once their tokens are known (a token a running
+step samples is not, yet). A waiting request is admitted on the longest run of
+its first blocks found cached, short of its last token (always computed, so
+that there are logits to sample), and starts computing there. Finishing,
+aborting and preempting drop references and keep the hashes: the blocks wait,
+evictable, until a fresh block needs them. A restart of the workers drops
+every hash.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
+from iterserve.scheduler.block_hash import prompt_block_hashes
 from iterserve.scheduler.blocks import BlockManager
 from iterserve.scheduler.config import SchedulerConfig
 from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
@@ -40,6 +53,7 @@ class Scheduler:
         self.slots = SlotTable(config.max_num_seqs)
         slab = config.max_model_len if config.kv_layout == "slab" else 0
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
+        self.prefix_caching = config.prefix_caching
         self.waiting = WaitingQueue(config.max_queue_len)
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -58,6 +72,8 @@ class Scheduler:
         self.num_preempted = 0  # waiting requests whose KV was dropped
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.num_prefix_queries = 0  # tokens of admitted sequences looked up in the cache
+        self.num_prefix_hits = 0  # of those, tokens found cached
 
     # -- admission and abort -------------------------------------------------
 
@@ -113,7 +129,8 @@ class Scheduler:
         retiring = [request for request, _ in self.retiring.values()]
         self.retiring.clear()
         for request in sorted([*self.running.values(), *retiring], key=Request.sort_key):
-            self.preempt(request)
+            self.preempt(request, kv_lost=True)
+        self.blocks.clear_cache()  # the KV every hash named died with the workers
 
     # -- the step --------------------------------------------------------------
 
@@ -167,6 +184,8 @@ class Scheduler:
             out = outputs[request.request_id] = RequestOutput(
                 request.request_id, [sampled.token_id]
             )
+            if len(request.output_token_ids) == 1:
+                out.num_cached_tokens = request.num_cached_tokens
             if request.params.logprobs is not None:
                 entry = (sampled.logprob, list(sampled.top_logprobs))
                 request.output_logprobs.append(entry)
@@ -209,12 +228,19 @@ class Scheduler:
 
     # -- what the step builder and the policies call ----------------------------------
 
-    def admit(self, request: Request) -> NewSequence:
-        """Gives a waiting request a slot; the workers learn of it from the result."""
+    def admit(self, request: Request, num_cached_tokens: int = 0) -> NewSequence:
+        """Gives a waiting request a slot, its first ``num_cached_tokens`` found in the
+        prefix cache; the workers learn of it from the plan."""
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
         if request.status == RequestStatus.PREEMPTED:
             self.num_preempted -= 1
+            self.num_recomputed_tokens += max(0, request.num_dropped_tokens - num_cached_tokens)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached_tokens
+        if self.prefix_caching:
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += num_cached_tokens
         request.slot_idx = self.slots.acquire(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
@@ -226,18 +252,61 @@ class Scheduler:
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             params=request.params,
+            num_cached_tokens=num_cached_tokens,
         )
 
-    def preempt(self, request: Request) -> None:
+    def prefix_hit(self, request: Request) -> list[int]:
+        """The cached blocks a waiting request would start with: the longest run of
+        its first blocks, short of its last token, which is always computed."""
+        if not self.prefix_caching:
+            return []
+        block_size = self.config.block_size
+        max_blocks = (request.num_tokens - 1) // block_size
+        if max_blocks == 0:
+            return []
+        return self.blocks.lookup(request.full_block_hashes(block_size), max_blocks)
+
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Registers the request's full blocks among its first ``num_tokens`` (default:
+        those both computed by a planned step and known to the scheduler)."""
+        if num_tokens is None:
+            num_tokens = min(request.num_computed_tokens, request.num_tokens)
+        num_full = num_tokens // self.config.block_size
+        if num_full > self.blocks.num_registered(request.request_id):
+            hashes = request.full_block_hashes(self.config.block_size)
+            self.blocks.register(request.request_id, hashes, num_full)
+
+    def release_blocks(self, request: Request, num_valid_tokens: int) -> list[int]:
+        """Drops the request's blocks, registering first those whose KV is computed
+        (its first ``num_valid_tokens``); a block registered beyond them loses its hash."""
+        if not self.prefix_caching or request.request_id not in self.blocks.tables:
+            return self.blocks.free(request.request_id)
+        self.cache_full_blocks(request, num_valid_tokens)
+        return self.blocks.free(request.request_id, num_valid_tokens // self.config.block_size)
+
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+        """How many leading tokens of a prompt this engine holds cached now (whole
+        blocks): what a router may ask before choosing a replica."""
+        if not self.prefix_caching:
+            return 0
+        block_size = self.config.block_size
+        hashes = prompt_block_hashes(prompt_token_ids, block_size, salt=cache_salt)
+        return len(self.blocks.lookup(hashes, len(hashes))) * block_size
+
+    def preempt(self, request: Request, *, kv_lost: bool = False) -> None:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
-        every token it produced, to be recomputed later. Never while a step is in
-        flight, except to forget the lost steps of failed workers."""
-        self.blocks.free(request.request_id)
+        every token it produced, to be recomputed later, from its blocks still
+        cached by then. Never while a step is in flight, except to forget the lost
+        steps of failed workers (``kv_lost``: nothing they computed is kept)."""
+        if kv_lost:
+            self.blocks.free(request.request_id)
+        else:  # nothing is in flight: every planned position is computed
+            self.release_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
             self._release_slot(request)
             del self.running[request.request_id]
-        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_dropped_tokens = request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_pending = 0
         request.status = RequestStatus.PREEMPTED
@@ -266,7 +335,13 @@ class Scheduler:
         self._by_seq.pop(request.seq_id, None)
         if self.retiring.pop(request.seq_id, None) is not None:
             return  # slot and blocks were handed on when it retired
-        self.blocks.free(request.request_id)
+        if reason == FinishReason.ERROR:
+            self.blocks.free(request.request_id)  # the workers' state is not trusted
+        else:
+            # The KV of every known token is computed, or will be by a step already
+            # planned, except that of a last sampled token: that is never computed.
+            known = request.num_tokens - (reason != FinishReason.ABORT)
+            self.release_blocks(request, min(request.num_computed_tokens, known))
         if was != RequestStatus.RUNNING:
             return
         del self.running[request.request_id]
@@ -302,6 +377,11 @@ class Scheduler:
             "kv_usage": self.blocks.usage,
             "num_preemptions": self.num_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
+            "prefix_caching": self.prefix_caching,
+            "kv_blocks_cached": self.blocks.num_cached,
+            "prefix_cache_queries": self.num_prefix_queries,
+            "prefix_cache_hits": self.num_prefix_hits,
+            "prefix_cache_evictions": self.blocks.num_evictions,
         }
 
     def check_integrity(self) -> None:
@@ -310,9 +390,21 @@ class Scheduler:
         self.blocks.check_integrity()
         for request_id in self.blocks.tables:
             assert request_id in self.running, f"{request_id} holds blocks but is not running"
+        block_size = self.config.block_size
         for request in self.running.values():
             assert self.slots.owner(request.slot_idx) == request.request_id, "slot owner mismatch"
             assert request.status == RequestStatus.RUNNING
+            # A registered block holds this sequence's own content, computed by a
+            # planned step: its hash is the sequence's hash of that block.
+            num_registered = self.blocks.num_registered(request.request_id)
+            assert num_registered * block_size <= request.num_computed_tokens
+            hashes = request.block_hashes
+            table = self.blocks.table(request.request_id)
+            for i in range(num_registered):
+                h = self.blocks.block_hashes[table[i]]
+                assert h is None or h == hashes[i], f"{request.request_id}: block {i} hash"
+            for block in table[num_registered:]:
+                assert self.blocks.block_hashes[block] is None, "a block is hashed ahead"
         for request, _ in self.retiring.values():
             assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
         live = [*self.running.values(), *(request for request, _ in self.retiring.values())]

@@ -9,6 +9,14 @@ The token at output position ``i`` of a request depends only on the request id
 and ``i``: a preempted request that is recomputed produces the same tokens, and
 tests can predict every request's exact output. A request ends with EOS after
 ``output_len(request_id)`` tokens (``None``: never by itself).
+
+With ``check_kv`` it also models the KV cache's content: the step that computes
+position ``p`` of a sequence writes, into the slot its block table names, a
+digest of the sequence's tokens up to ``p``; after a step's writes (a rank
+writes every entry's K/V before any attends), every position an entry attends
+to must hold its own sequence's digest. A cached block that holds another
+prefix, a shared block overwritten, a block handed out while still read: each
+fails the step.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class FakeExecutor:
         step_sleep_s: float = 0.0,
         check_blocks: bool = True,
         block_size: int | None = None,
+        check_kv: bool = False,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -47,6 +56,9 @@ class FakeExecutor:
         self.block_size = block_size
         self.table = SequenceTable({eos_token_id})
         self.num_steps = 0
+        self.check_kv = check_kv and bool(block_size)
+        self._kv: dict[int, list[tuple[int, int] | None]] = {}  # block -> (pos, digest) per slot
+        self._digests: dict[int, list[int]] = {}  # seq_id -> digest of tokens [0, p] per p
 
     def token_at(self, request_id: str, output_pos: int) -> int:
         """The non-EOS token a request produces at output position ``output_pos``."""
@@ -84,6 +96,8 @@ class FakeExecutor:
         result = StepResult(
             step=plan.step, num_tokens=plan.num_tokens, num_padding_tokens=plan.num_padding_tokens
         )
+        if self.check_kv:
+            self._check_kv(plan)
         for entry in plan.scheduled:
             seq = self.table.get(entry.slot_idx)
             if self.check_blocks and self.block_size:
@@ -108,8 +122,39 @@ class FakeExecutor:
             finished = self.table.append_token(entry.slot_idx, token)
             if finished is not None:
                 result.finished.append(finished)
+        if self.check_kv and len(self._digests) > 2 * len(self.table) + 16:
+            live = {seq.seq_id for seq in self.table.by_slot.values()}
+            self._digests = {k: v for k, v in self._digests.items() if k in live}
         if self.step_sleep_s:
             time.sleep(self.step_sleep_s)
         self.num_steps += 1
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _digest(self, seq, pos: int) -> int:
+        digests = self._digests.setdefault(seq.seq_id, [])
+        while len(digests) <= pos:
+            prev = digests[-1] if digests else 0
+            digests.append(zlib.crc32(f"{prev}:{seq.token_ids[len(digests)]}".encode()))
+        return digests[pos]
+
+    def _check_kv(self, plan: StepPlan) -> None:
+        size = self.block_size
+        assert size is not None
+        empty: list[tuple[int, int] | None] = [None] * size
+        for entry in plan.scheduled:  # every write first, as a rank's layers do
+            seq = self.table.get(entry.slot_idx)
+            for pos in range(entry.start_pos, entry.start_pos + entry.num_tokens):
+                block = seq.block_ids[pos // size]
+                content = self._kv.setdefault(block, list(empty))
+                content[pos % size] = (pos, self._digest(seq, pos))
+        for entry in plan.scheduled:
+            seq = self.table.get(entry.slot_idx)
+            for pos in range(entry.start_pos + entry.num_tokens):
+                block = seq.block_ids[pos // size]
+                held = self._kv.get(block, empty)[pos % size]
+                if held != (pos, self._digest(seq, pos)):
+                    raise AssertionError(
+                        f"{seq.request_id}: block {block} does not hold its KV of position "
+                        f"{pos} in step {plan.step}"
+                    )

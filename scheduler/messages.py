@@ -16,6 +16,11 @@ A worker applies a :class:`StepPlan` in this order:
 5. sample one token for each scheduled sequence with ``sample`` set (one whose
    ``max_tokens`` is 0 is finished instead, with reason ``length``, unsampled).
 
+Within one step every entry's K/V is written before any entry attends (layer by
+layer), so a sequence may start on cached blocks that another sequence of the
+same step computes (prefix caching: ``NewSequence.num_cached_tokens``). A block
+two sequences share is only ever written by the step that first computes it.
+
 A ``lookahead`` plan was built while the step before it was still running, so
 the scheduler did not yet know which sequences that step would end. A worker
 turns each of its entries whose sequence ended in the previous step (by EOS or
@@ -37,9 +42,11 @@ class NewSequence:
 
     ``seq_id`` names the sequence in every result; the scheduler never gives two
     requests the same one. ``request_id`` is the caller's name for it (a client's
-    request id), for logs; it need not be unique. ``token_ids`` is the prompt plus any output produced before a
-    preemption (recompute resumes from there); the first ``num_prompt_tokens``
-    are prompt.
+    request id), for logs; it need not be unique. ``token_ids`` is the prompt plus
+    any output produced before a preemption (recompute resumes from there); the
+    first ``num_prompt_tokens`` are prompt. The first ``num_cached_tokens`` (whole
+    blocks, fewer than ``len(token_ids)``) are in the KV cache already, in the
+    first blocks of its first entry's ``new_block_ids``: its computation starts there.
     """
 
     seq_id: int
@@ -48,6 +55,7 @@ class NewSequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from iterserve.scheduler.block_hash import chain_block_hashes
 from iterserve.scheduler.messages import PromptLogprobs
 from iterserve.scheduler.sampling import SamplingParams
 
@@ -84,6 +85,9 @@ class Request:
     that samples for the request is still running, its token is counted in
     ``num_pending`` (known to the workers, not yet to the scheduler), so a
     decode can be scheduled again before the last one's token has come back.
+
+    With prefix caching, a request admitted with its first blocks found in the
+    cache starts with ``num_computed_tokens`` at the end of those blocks.
     """
 
     request_id: str
@@ -103,6 +107,15 @@ class Request:
     seq_id: int = -1  # given by the scheduler at admission: unique, unlike request_id
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Mixed into the hash of its first KV block: requests share cached blocks only
+    # with requests of the same salt (a tenant's isolation key, an adapter's id).
+    cache_salt: str = ""
+    # Content hashes of its full blocks of known tokens, extended as tokens come.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Prompt tokens its first admission found in the prefix cache (None: not admitted yet).
+    num_cached_tokens: int | None = None
+    # Tokens computed before its last preemption: what recompute may have to redo.
+    num_dropped_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -139,6 +152,21 @@ class Request:
     def is_decoding(self) -> bool:
         return self.num_remaining_tokens == 1 and self.num_output_tokens > 0
 
+    def full_block_hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of its full blocks of known tokens (prompt and output so far)."""
+        hashes = self.block_hashes
+        end = self.num_tokens // block_size * block_size
+        start = len(hashes) * block_size
+        if start < end:  # only the new blocks' tokens are sliced: a decode fills one
+            prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+            if start >= n:
+                tokens = self.output_token_ids[start - n : end - n]
+            else:
+                tokens = prompt[start:end] + self.output_token_ids[: max(0, end - n)]
+            parent = hashes[-1] if hashes else None
+            hashes.extend(chain_block_hashes(parent, tokens, block_size, self.cache_salt))
+        return hashes
+
     def sort_key(self) -> tuple[int, float, str]:
         """Service order: lower priority value first, then earlier arrival."""
         return (self.priority, self.arrival_time, self.request_id)
@@ -156,6 +184,9 @@ class RequestOutput:
     # transport the token logprobs cross (split_prompt_logprobs reads them back).
     new_logprobs: list = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # Set on a request's first output with tokens: how many of its prompt tokens
+    # were found in the prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -114,6 +114,11 @@ class SequenceTable:
             raise PlanMismatchError(
                 f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].request_id}"
             )
+        if not 0 <= new.num_cached_tokens < len(new.token_ids):
+            # At least the last token is computed, so that there are logits to sample.
+            raise PlanMismatchError(
+                f"{new.request_id}: {new.num_cached_tokens} cached tokens of {len(new.token_ids)}"
+            )
         self.by_slot[new.slot_idx] = SeqState(
             seq_id=new.seq_id,
             request_id=new.request_id,
@@ -121,6 +126,7 @@ class SequenceTable:
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
             params=new.params,
+            num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
         )
 
     def get(self, slot_idx: int) -> SeqState:

@@ -6,6 +6,8 @@ padding slots, whether the step is built ahead of one in flight, whether it
 preempted. Policies fill it through its small API::
 
     step.running / step.waiting             who could run
+    step.num_to_compute(request)            tokens before its next sample, after any
+                                            cached prefix a waiting request would reuse
     step.try_schedule(request, num_tokens)  tokens of one request, admitting it
     step.schedule_decodes(requests)         one token each, the hot path
     step.preempt(request)                   free its blocks and slot, recompute later
@@ -74,6 +76,14 @@ class StepBuilder:
     def num_free_blocks(self) -> int:
         return self.sched.blocks.num_free
 
+    def num_to_compute(self, request: Request) -> int:
+        """Tokens ``request`` computes before its next sample: for a waiting request,
+        those after the prefix it would find cached."""
+        if request.slot_idx < 0:
+            hit = self.sched.prefix_hit(request)
+            return request.num_remaining_tokens - len(hit) * self.sched.config.block_size
+        return request.num_remaining_tokens
+
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """New blocks ``request`` needs so that ``num_tokens`` of its tokens fit."""
         return self.sched.blocks.num_needed(request.request_id, num_tokens)
@@ -87,27 +97,36 @@ class StepBuilder:
         self, request: Request, num_tokens: int, num_pad_tokens: int = 0, reserve_tokens: int = 0
     ) -> bool:
         """Schedules ``num_tokens`` more of ``request``'s tokens in this step,
-        admitting it to a slot if it has none. ``reserve_tokens`` allocates blocks
-        for that many tokens up front. Returns False, changing nothing, when the
-        KV blocks cannot be allocated."""
-        start = request.num_computed_tokens
+        admitting it to a slot if it has none: then it starts after the prefix it
+        finds cached (see :meth:`num_to_compute`). ``reserve_tokens`` allocates
+        blocks for that many tokens up front. Returns False, changing nothing, when
+        the KV blocks cannot be allocated."""
+        sched = self.sched
+        admitting = request.slot_idx < 0
+        hit = sched.prefix_hit(request) if admitting else []
+        start = len(hit) * sched.config.block_size if admitting else request.num_computed_tokens
         target = start + num_tokens
-        new_blocks = self.sched.blocks.allocate(request.request_id, max(target, reserve_tokens))
+        new_blocks = sched.blocks.allocate(request.request_id, max(target, reserve_tokens), hit)
         if new_blocks is None:
             return False
-        if request.slot_idx < 0:
-            self.new_seqs.append(self.sched.admit(request))
+        if admitting:
+            self.new_seqs.append(sched.admit(request, start))
         sample = target == request.num_tokens + request.num_pending
         self._add(request, ScheduledSeq(
             request.slot_idx, start, num_tokens, new_blocks, sample, num_pad_tokens
         ))  # fmt: skip
         self.budget_left -= num_tokens + num_pad_tokens
+        if sched.prefix_caching:
+            sched.cache_full_blocks(request)
         return True
 
     def schedule_decodes(self, requests: list[Request]) -> None:
         """One decode token for each running request; the caller has checked that
         their new blocks fit. The hot path of every step."""
         allocate = self.sched.blocks.allocate
+        # The blocks decodes fill are registered when the sequence ends or is
+        # preempted (Scheduler.release_blocks): what reuses generated tokens (a
+        # chat's next turn, the sequence's own recompute) only comes after that.
         for request in requests:
             pos = request.num_computed_tokens
             new_blocks = allocate(request.request_id, pos + 1)
@@ -140,6 +159,10 @@ class StepBuilder:
             self.scheduled.remove(entry)
             del self.requests[entry.slot_idx]
             self.budget_left += entry.num_tokens + entry.num_pad_tokens
+            # Its positions of this step are not computed after all: neither are
+            # any blocks registered for them.
+            request.num_computed_tokens = entry.start_pos
+            request.num_pending -= entry.sample
         self.sched.preempt(request)
         self.preempted = True
 

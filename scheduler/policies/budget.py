@@ -12,6 +12,8 @@ instead of stalling them. Both follow the same order::
 
 When blocks run out, the worst running sequence (priority, then arrival) gives
 its blocks, wherever it sits in the step; a step that preempted admits nobody.
+A waiting prompt whose first blocks are cached (prefix caching) only needs
+budget for the rest: ``step.num_to_compute`` says how much.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ if TYPE_CHECKING:
 class ContinuousPolicy(Policy):
     chunked = False
 
-    def piece(self, request: Request, budget_left: int) -> int:
-        """Tokens of ``request`` to compute now; 0 means "not this step"."""
-        remaining = request.num_remaining_tokens
+    def piece(self, remaining: int, budget_left: int) -> int:
+        """Tokens to compute now of a request with ``remaining`` tokens before its
+        next sample; 0 means "not this step"."""
         return remaining if remaining <= budget_left else 0
 
     def schedule(self, step: StepBuilder, now: float) -> None:
@@ -48,9 +50,8 @@ class ContinuousPolicy(Policy):
         for request in running:
             if request.slot_idx < 0:  # preempted as a victim earlier in this loop
                 continue
-            num_tokens = (
-                1 if request.num_remaining_tokens == 1 else self.piece(request, step.budget_left)
-            )
+            remaining = request.num_remaining_tokens
+            num_tokens = 1 if remaining == 1 else self.piece(remaining, step.budget_left)
             if num_tokens == 0:
                 continue
             while not step.try_schedule(request, num_tokens):
@@ -69,10 +70,11 @@ class ContinuousPolicy(Policy):
             request = step.waiting.peek()
             if request is None:
                 return
-            num_tokens = self.piece(request, step.budget_left)
+            remaining = step.num_to_compute(request)
+            num_tokens = self.piece(remaining, step.budget_left)
             if num_tokens == 0:
                 return
-            partial = num_tokens < request.num_remaining_tokens
+            partial = num_tokens < remaining
             if partial and num_partial >= self.config.max_num_partial_prefills:
                 return
             # Admission never preempts: new work waits for free blocks.
@@ -84,9 +86,9 @@ class ContinuousPolicy(Policy):
 class ChunkedPolicy(ContinuousPolicy):
     chunked = True
 
-    def piece(self, request: Request, budget_left: int) -> int:
-        num_tokens = min(request.num_remaining_tokens, budget_left)
+    def piece(self, remaining: int, budget_left: int) -> int:
+        num_tokens = min(remaining, budget_left)
         threshold = self.config.long_prefill_token_threshold
-        if threshold and request.num_remaining_tokens > threshold:
+        if threshold and remaining > threshold:
             num_tokens = min(num_tokens, threshold)
         return num_tokens

@@ -144,3 +144,33 @@ def test_run_writes_json(tmp_path):
     assert json.loads(path.read_text()) == result
     assert (result["gpu"], result["model"], result["tp"]) == ("h100", "70b", 8)
     assert set(result["policies"]) == {"continuous"}
+
+
+# -- prefix caching ------------------------------------------------------------------------
+
+
+def test_the_long_tail_mix_shares_no_prefix():
+    result = simulate(**SMALL, policies=("chunked",))
+    assert result["policies"]["chunked"]["prefix_cache_hit_rate"] == 0.0
+
+
+def test_shared_system_prompts_are_prefilled_once_and_the_cache_pays_for_itself():
+    from iterserve.bench.prefix_sim import prefix_workload, simulate_prefix
+
+    load = prefix_workload(200, 20.0, seed=1, num_prefixes=4, prefix_len=1000)
+    assert set(load["prefix_id"]) == {0, 1, 2, 3}
+    assert all(p >= 1000 for p in load["prompt_len"])
+    result = simulate_prefix(num_requests=200, request_rate=20.0, num_prefixes=4,
+                             prefix_len=1000, max_num_seqs=64)  # fmt: skip
+    on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
+    assert on["output_tokens"] == off["output_tokens"]
+    assert off["prefix_cache_hit_rate"] == 0.0 and on["prefix_cache_hit_rate"] > 0.8
+    assert on["prefill_tokens"] < 0.25 * off["prefill_tokens"]
+    assert result["ratios"]["ttft_p50_on_over_off"] < 1 < result["ratios"]["throughput_on_over_off"]
+
+
+def test_run_simulates_the_shared_prefix_workload(tmp_path):
+    path = tmp_path / "prefix.json"
+    result = run("h200", "8b", json_path=path, workload="shared-prefix", num_requests=16)
+    assert json.loads(path.read_text()) == result
+    assert set(result["modes"]) == {"cache_off", "cache_on"}

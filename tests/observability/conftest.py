@@ -9,11 +9,13 @@ from iterserve.cluster.metrics import EngineMetrics
 
 def record_activity(metrics: EngineMetrics) -> EngineMetrics:
     """Two requests through admission, prefill, decode and finish, a preemption, a
-    rejection and a worker restart: every family gets at least one sample."""
+    rejection, a prefix cache hit and a worker restart: every family gets at least
+    one sample."""
     metrics.set_state(
         num_running=2, num_waiting=3, num_preempted=1, slots_used=3, slots_total=4,
-        kv_blocks_used=30, kv_blocks_total=120,
+        kv_blocks_used=30, kv_blocks_total=120, kv_blocks_cached=8,
     )  # fmt: skip
+    metrics.on_prefix_cache(queries=34, hits=16, evictions=1)
     for _ in range(2):
         metrics.on_prompt(17)
     metrics.observe_step(

@@ -171,6 +171,22 @@ def test_failure_events():
     assert sample(metrics, "iterserve_worker_restarts_total") == 1
 
 
+def test_prefix_cache_series():
+    metrics = EngineMetrics("demo", 0, "chunked")
+    metrics.on_prefix_cache(queries=40, hits=32, evictions=0)
+    metrics.on_prefix_cache(queries=10, hits=0, evictions=3)
+    metrics.set_state(
+        num_running=1, num_waiting=0, num_preempted=0, slots_used=1, slots_total=8,
+        kv_blocks_used=4, kv_blocks_total=100, kv_blocks_cached=12,
+    )  # fmt: skip
+    assert sample(metrics, "iterserve_prefix_cache_queries_total") == 50
+    assert sample(metrics, "iterserve_prefix_cache_hits_total") == 32
+    assert sample(metrics, "iterserve_prefix_cache_evictions_total") == 3
+    assert sample(metrics, "iterserve_kv_blocks_cached") == 12
+    counters = metrics.totals()["counters"]
+    assert (counters["prefix_cache_queries"], counters["prefix_cache_hits"]) == (50, 32)
+
+
 def test_label_values_outside_the_enums_are_refused():
     metrics = EngineMetrics("demo", 0, "chunked")
     with pytest.raises(ValueError):

@@ -36,6 +36,12 @@ class Arrival:
     # Names this arrival in the log; differs from request_id when a client reuses
     # the id of an earlier request (added once that one has left the scheduler).
     key: str = ""
+    # The prompt's first ``prefix_len`` tokens are those of every arrival naming the
+    # same ``prefix`` (a system prompt); the rest are its own.
+    prefix: str = ""
+    prefix_len: int = 0
+    # The whole prompt, when given (a chat's next turn: an earlier prompt and its answer).
+    prompt: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.key = self.key or self.request_id
@@ -65,6 +71,13 @@ def retiring_ids(sched: Scheduler) -> set[str]:
 def prompt_for(request_id: str, n: int) -> list[int]:
     seed = zlib.crc32(request_id.encode())
     return [3 + (seed + 7 * i) % 97 for i in range(n)]
+
+
+def arrival_prompt(a: Arrival) -> list[int]:
+    if a.prompt is not None:
+        return list(a.prompt)
+    shared = min(a.prefix_len, a.prompt_len) if a.prefix else 0
+    return prompt_for(f"prefix:{a.prefix}", shared) + prompt_for(a.key, a.prompt_len - shared)
 
 
 class Checker:
@@ -176,7 +189,7 @@ def run(
             sched.add_request(
                 Request(
                     a.request_id,
-                    prompt_for(a.key, a.prompt_len),
+                    arrival_prompt(a),
                     params,
                     arrival_time=float(a.step),
                     priority=a.priority,

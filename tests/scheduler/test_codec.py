@@ -56,6 +56,7 @@ plans = st.builds(
             token_ids=st.lists(ints, max_size=50),
             num_prompt_tokens=ints,
             params=params,
+            num_cached_tokens=ints,
         ),
         max_size=4,
     ),
@@ -190,6 +191,9 @@ def test_a_hundred_thousand_fuzzed_inputs_never_escape_codec_error():
 
 
 V = VERSION
+_PARAMS = msgpack.unpackb(encode(StepPlan(1, [NewSequence(0, "r", 0, [1], 1, SamplingParams())])))[
+    3
+][0][5]
 
 
 @pytest.mark.parametrize(
@@ -210,6 +214,10 @@ V = VERSION
         msgpack.packb([2, V, 1, [["r", 5, None, []]], [], 0.0, 0, 0, []]),  # a str seq_id
         msgpack.packb([2, V, 1, [], [], 0.0, 0, 0, [[0, [-0.5], [1]]]]),  # short prompt logprobs
         msgpack.packb([2, V, 1, [], [], 0.0, 0, 0, [[0, [0], [1], [[]]]]]),  # an int logprob
+        # version 4: a new sequence without ``num_cached_tokens``
+        msgpack.packb([1, 4, 1, [[0, "r", 0, [1], 1, _PARAMS]], [], [], [], False]),
+        # a new sequence whose cached tokens are not an int
+        msgpack.packb([1, V, 1, [[0, "r", 0, [1], 1, _PARAMS, None]], [], [], [], False]),
         b"\xc1",  # reserved byte
         b"\x91" * 5000,  # deep nesting
     ],

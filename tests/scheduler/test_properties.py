@@ -6,7 +6,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams, Scheduler, SchedulerConfig
-from tests.scheduler.driver import Arrival, run
+from tests.scheduler.driver import Arrival, arrival_prompt, prompt_for, run
+
+VOCAB = 128
+
+
+def max_tokens_of(a: Arrival, config: SchedulerConfig) -> int:
+    return min(a.max_tokens, config.max_model_len - a.prompt_len)
 
 
 @st.composite
@@ -32,11 +38,15 @@ def workloads(draw, policy: str):
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         batch_timeout_s=float(draw(st.integers(0, 4))),
         batch_wait_s=float(draw(st.integers(0, 2))),
+        enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
     )
     n = draw(st.integers(1, 14))
+    # A few system prompts that some requests start with (whole prompts repeat too).
+    prefixes = draw(st.lists(st.integers(1, max_model_len - 1), min_size=1, max_size=3))
     arrivals = []
     for i in range(n):
         prompt_len = draw(st.integers(1, max_model_len - 1))
+        shared = draw(st.integers(-1, len(prefixes) - 1))
         abort = draw(st.booleans()) and draw(st.booleans())
         arrival = Arrival(
             request_id=f"r{i}",
@@ -47,6 +57,8 @@ def workloads(draw, policy: str):
             priority=draw(st.integers(0, 2)),
             abort_step=draw(st.integers(0, 60)) if abort else None,
             abort_in_flight=draw(st.booleans()),
+            prefix=f"p{shared}" if shared >= 0 else "",
+            prefix_len=prefixes[shared] if shared >= 0 else 0,
         )
         if arrivals and draw(st.integers(0, 4)) == 0:
             # A client reuses an earlier request's id, often right after aborting it
@@ -56,6 +68,18 @@ def workloads(draw, policy: str):
             arrival.output_len = earlier.output_len  # the fake's output is per request_id
             if earlier.abort_step is not None and draw(st.booleans()):
                 arrival.step = earlier.abort_step
+        elif arrivals and draw(st.integers(0, 3)) == 0:
+            # A chat's next turn: an earlier prompt, its answer, and a new question.
+            earlier = draw(st.sampled_from(arrivals))
+            answer, _ = FakeExecutor(
+                vocab_size=VOCAB, output_len=earlier.output_len
+            ).expected_output(
+                earlier.request_id, SamplingParams(max_tokens=max_tokens_of(earlier, config))
+            )
+            history = arrival_prompt(earlier) + answer + prompt_for(arrival.key, prompt_len)
+            arrival.prompt = history[: max_model_len - 1]
+            arrival.prompt_len = len(arrival.prompt)
+            arrival.step = earlier.step + draw(st.integers(0, 30))
         arrivals.append(arrival)
     return config, arrivals
 
@@ -65,12 +89,15 @@ def check_workload(
 ) -> None:
     targets = {a.request_id: a.output_len for a in arrivals}  # equal for a reused id
     executor = FakeExecutor(
-        vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size
+        vocab_size=VOCAB,
+        output_len=targets.__getitem__,
+        block_size=config.block_size,
+        check_kv=True,
     )
     sched = Scheduler(config)
     log = run(sched, executor, arrivals, through_codec=through_codec, ahead=ahead)
     for a in arrivals:
-        max_tokens = min(a.max_tokens, config.max_model_len - a.prompt_len)
+        max_tokens = max_tokens_of(a, config)
         expected, reason = executor.expected_output(
             a.request_id, SamplingParams(max_tokens=max_tokens, temperature=0.0)
         )

@@ -18,7 +18,7 @@ from iterserve.scheduler import (
 )
 from iterserve.scheduler.messages import ScheduledSeq, StepPlan
 from iterserve.scheduler.seq_table import PlanMismatchError
-from tests.scheduler.driver import Arrival, one_step, retiring_ids, run
+from tests.scheduler.driver import Arrival, one_step, prompt_for, retiring_ids, run
 
 
 def make(policy="continuous", **kw) -> Scheduler:
@@ -37,9 +37,10 @@ def make(policy="continuous", **kw) -> Scheduler:
 
 
 def req(request_id, n=5, max_tokens=8, priority=0, t=0.0):
+    # Its own prompt: requests share no prefix here (prefix caching has its own tests).
     return Request(
         request_id,
-        list(range(3, 3 + n)),
+        prompt_for(request_id, n),
         SamplingParams(max_tokens=max_tokens),
         arrival_time=t,
         priority=priority,

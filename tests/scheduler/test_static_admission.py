@@ -24,11 +24,11 @@ def test_a_member_whose_blocks_cannot_be_allocated_waits_for_the_next_batch():
     sched.add_request(Request("b", [5, 6, 7], params, arrival_time=1.0))
     allocate = sched.blocks.allocate
 
-    def refuse_b_once(request_id, num_tokens):
+    def refuse_b_once(request_id, num_tokens, cached=None):
         if request_id == "b" and not refused:
             refused.append(request_id)
             return None
-        return allocate(request_id, num_tokens)
+        return allocate(request_id, num_tokens, cached)
 
     refused: list[str] = []
     sched.blocks.allocate = refuse_b_once

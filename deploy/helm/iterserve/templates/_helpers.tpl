@@ -147,6 +147,7 @@ The Serve config (serveConfigV2) as YAML.
   "max_num_seqs" (int $e.maxNumSeqs)
   "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
   "block_size" (int $e.blockSize)
+  "enable_prefix_caching" $e.enablePrefixCaching
   "max_queue_len" (int $e.maxQueueLen)
   "max_num_partial_prefills" (int $e.maxNumPartialPrefills)
   "long_prefill_token_threshold" (int $e.longPrefillTokenThreshold)

@@ -1,0 +1,244 @@
+"""Prefix caching measured: one workload, the cache on and off, one invocation.
+
+``iterserve bench prefix --workload shared-prefix|multi-turn``. Each mode gets a
+fresh engine (scheduler actor and one model worker on Ray, CPU, TP=1, chunked
+prefill) that differs only in ``enable_prefix_caching``; the requests are the
+same, greedy with ``ignore_eos`` and a fixed output length, so both modes
+compute exactly the same tokens, which is checked token for token (in
+multi-turn, every turn's prompt holds the answers before it). Nothing here
+asserts on time: the figures are printed side by side, with their ratios.
+The workloads are in :mod:`iterserve.bench.workloads`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+from iterserve.bench.report import (
+    RequestTiming,
+    format_table,
+    median_entry,
+    prometheus_values,
+    summarize,
+    write_json,
+)
+from iterserve.bench.workloads import (
+    PREFIX_SPECS,
+    PrefixSpec,
+    conversations,
+    describe_prefix,
+    shared_prefix_requests,
+)
+from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.gc_pauses import freeze_startup_objects
+from iterserve.scheduler import SamplingParams
+
+WALL_CAP_S = 1800.0  # one mode's run never outlives this, whatever the machine
+MODES = {"cache_off": False, "cache_on": True}
+TABLE = [
+    ("throughput_tok_s", "out tok/s", ".1f"),
+    ("total_throughput_tok_s", "total tok/s", ".1f"),
+    ("request_throughput_req_s", "req/s", ".2f"),
+    ("prefix_cache_hit_rate", "hit rate", ".3f"),
+    ("num_prefill_tokens", "prefill tok", "d"),
+    ("ttft_p50_s", "TTFT p50", ".3f"),
+    ("ttft_p99_s", "TTFT p99", ".3f"),
+    ("itl_p50_s", "ITL p50", ".3f"),
+    ("e2e_p50_s", "E2E p50", ".2f"),
+    ("makespan_s", "makespan", ".2f"),
+    ("step_ms_mean", "ms/step", ".1f"),
+]
+
+
+def engine_config(spec: PrefixSpec, model: str, torch_threads: int, cache: bool) -> EngineConfig:
+    return EngineConfig.from_dict(dict(
+        model=model, dtype="float32", device="cpu", kernel_backend="torch", policy="chunked",
+        max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.chunk_budget,
+        max_model_len=spec.max_model_len, block_size=16,
+        # Every slot holds a full-length sequence and the prefixes fit beside them:
+        # neither mode preempts, and the cache only evicts what nobody repeats.
+        num_kv_blocks=(spec.max_num_seqs + 4) * (spec.max_model_len // 16 + 2),
+        enable_prefix_caching=cache, torch_threads=torch_threads, num_cpus_per_worker=1.0,
+    ))  # fmt: skip
+
+
+async def _stream(engine, prompt: list[int], output_len: int, timing: RequestTiming, start: float):
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    tokens: list[int] = []
+    async for out in engine.generate(prompt, params):
+        timing.add(time.perf_counter() - start, len(out.token_ids))
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+async def _shared_prefix(engine, spec, vocab_size, seed, start):
+    requests = shared_prefix_requests(spec, vocab_size, seed)
+
+    async def one(req):
+        await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+        timing = RequestTiming(sent_s=time.perf_counter() - start)
+        return timing, await _stream(engine, req.prompt_ids, req.output_len, timing, start)
+
+    done = await asyncio.gather(*map(one, requests))
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    return [t for t, _ in done], [out for _, out in done], prompt_tokens
+
+
+async def _multi_turn(engine, spec, vocab_size, seed, start):
+    chats = conversations(spec, vocab_size, seed)
+    prompt_tokens = 0
+
+    async def one(chat):
+        nonlocal prompt_tokens
+        await asyncio.sleep(max(0.0, start + chat.start_s - time.perf_counter()))
+        history: list[int] = []
+        turns = []
+        for message in chat.messages:  # each turn right after the previous answer
+            history = history + message
+            prompt_tokens += len(history)
+            timing = RequestTiming(sent_s=time.perf_counter() - start)
+            answer = await _stream(engine, history, chat.output_len, timing, start)
+            turns.append((timing, answer))
+            history = history + answer
+        return turns
+
+    done = [turn for chat in await asyncio.gather(*map(one, chats)) for turn in chat]
+    return [t for t, _ in done], [out for _, out in done], prompt_tokens
+
+
+async def run_mode(config: EngineConfig, spec: PrefixSpec, vocab_size: int, seed: int) -> dict:
+    """Serves the workload through a fresh engine; one mode's entry and its outputs."""
+    from iterserve.cluster.engine import AsyncEngine
+
+    engine = await AsyncEngine(config).start()
+    try:
+        # A short unrelated request first: one-off costs stay out, no prefix goes in.
+        warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        async for _ in engine.generate([vocab_size - 1] * 8, warm):
+            pass
+        before = prometheus_values(await engine.actor.metrics_text.remote())
+        start = time.perf_counter()
+        drive = _shared_prefix if spec.name == "shared-prefix" else _multi_turn
+        timings, outputs, prompt_tokens = await asyncio.wait_for(
+            drive(engine, spec, vocab_size, seed, start), WALL_CAP_S
+        )
+        after = prometheus_values(await engine.actor.metrics_text.remote())
+    finally:
+        await engine.shutdown()
+    return mode_entry(timings, prompt_tokens, before, after), outputs
+
+
+def mode_entry(timings: list[RequestTiming], prompt_tokens: int, before: dict, after: dict):
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    makespan = max(t.chunks[-1][0] for t in timings if t.chunks) - min(t.sent_s for t in timings)
+    entry = summarize(timings, makespan)
+    queries = delta("iterserve_prefix_cache_queries_total")
+    steps = delta("iterserve_step_duration_seconds_count")
+    entry.update(
+        num_prompt_tokens=prompt_tokens,
+        total_throughput_tok_s=round((prompt_tokens + entry["num_output_tokens"]) / makespan, 2),
+        num_prefill_tokens=int(delta("iterserve_step_tokens_sum", kind="prefill")),
+        prefix_cache_hit_rate=round(delta("iterserve_prefix_cache_hits_total") / queries, 4)
+        if queries else 0.0,
+        num_steps=int(steps),
+        step_ms_mean=round(1000 * delta("iterserve_step_duration_seconds_sum") / steps, 2)
+        if steps else 0.0,
+    )  # fmt: skip
+    return entry
+
+
+def ratios(result: dict) -> dict:
+    on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    return {
+        "ttft_p50_on_over_off": ratio(on["ttft_p50_s"], off["ttft_p50_s"]),
+        "ttft_p99_on_over_off": ratio(on["ttft_p99_s"], off["ttft_p99_s"]),
+        "throughput_on_over_off": ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
+        "prefill_tokens_on_over_off": ratio(on["num_prefill_tokens"], off["num_prefill_tokens"]),
+    }
+
+
+def targets(workload: str, r: dict) -> list[dict]:
+    if workload != "shared-prefix":
+        return []
+    rows = [("TTFT p50, cache on / off", r["ttft_p50_on_over_off"], "<= 0.25", lambda v: v <= 0.25),
+            ("throughput, cache on / off", r["throughput_on_over_off"], ">= 2", lambda v: v >= 2)]  # fmt: skip
+    return [{"name": n, "value": v, "target": t, "met": bool(ok(v))}
+            for n, v, t, ok in rows if v is not None]  # fmt: skip
+
+
+def compare(workload="shared-prefix", model=None, *, seed=0, torch_threads=1, scale="full",
+            repeats=None, log=print) -> dict:  # fmt: skip
+    """Runs ``workload`` with the cache off and on, ``repeats`` rounds (each mode once
+    per round, in the same order); each figure is the median over the rounds."""
+    from iterserve.bench.engine_bench import _default_model, ensure_ray
+    from iterserve.bench.policies import vocab_size as checkpoint_vocab
+
+    model = model or _default_model()
+    spec = PREFIX_SPECS[workload][scale]
+    repeats = repeats or spec.repeats
+    vocab = checkpoint_vocab(model)
+    ensure_ray()
+    freeze_startup_objects()  # this process times every token
+    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    reference = None
+    for round_idx in range(repeats):
+        for name, cache in MODES.items():
+            log(f"[{workload}] {name} ({round_idx + 1}/{repeats}) ...")
+            config = engine_config(spec, model, torch_threads, cache)
+            entry, outputs = asyncio.run(run_mode(config, spec, vocab, seed))
+            entry["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            if entry["num_errors"] or (reference is not None and outputs != reference):
+                # The same tokens in every mode, or the comparison means nothing.
+                raise RuntimeError(f"{name}: outputs differ from the first run's, or failed")
+            reference = outputs
+            runs[name].append(entry)
+            log(f"  {entry['throughput_tok_s']} tok/s, TTFT p50 {entry['ttft_p50_s']} s")
+    result = {"workload": {**describe_prefix(spec, seed), "model": model,
+                           "torch_threads": torch_threads, "repeats": repeats},
+              "modes": {name: median_entry(entries) for name, entries in runs.items()}}  # fmt: skip
+    result["ratios"] = ratios(result)
+    result["targets"] = targets(workload, result["ratios"])
+    return result
+
+
+def render(result: dict) -> str:
+    lines = [format_table(result["modes"], TABLE), ""]
+    lines += [f"{name}: {value}" for name, value in result["ratios"].items()]
+    for t in result["targets"]:
+        lines.append(f"{t['name']}: {t['value']} (target {t['target']}) "
+                     f"{'met' if t['met'] else 'MISSED'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> None:
+    result = compare(args.workload, args.model, seed=args.seed, torch_threads=args.torch_threads,
+                     scale=args.scale, repeats=args.repeats)  # fmt: skip
+    write_json(result, args.json)
+    print(render(result))
+    print(json.dumps(result, indent=2))
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Adds ``prefix`` to the ``iterserve bench`` sub-commands."""
+    p = subparsers.add_parser("prefix", help="one workload with the prefix cache on and off")
+    p.add_argument("--workload", choices=sorted(PREFIX_SPECS), default="shared-prefix")
+    p.add_argument("--model", help="checkpoint directory (default: the demo model)")
+    p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, help="rounds of both modes; figures are medians")
+    p.add_argument("--torch-threads", type=int, default=1, help="the worker's torch threads")
+    p.add_argument("--scale", choices=["full", "small"], default="full",
+                   help="small: a seconds-long smoke run of the same shape")  # fmt: skip
+    p.set_defaults(func=main)
+    return p
