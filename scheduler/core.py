@@ -257,8 +257,12 @@ class Scheduler:
 
     def prefix_hit(self, request: Request) -> list[int]:
         """The cached blocks a waiting request would start with: the longest run of
-        its first blocks, short of its last token, which is always computed."""
+        its first blocks, short of its last token, which is always computed. A
+        prompt whose logprobs were asked for is computed whole: they come from its
+        logits, which a cached block does not keep."""
         if not self.prefix_caching:
+            return []
+        if request.params.prompt_logprobs is not None and not request.num_output_tokens:
             return []
         block_size = self.config.block_size
         max_blocks = (request.num_tokens - 1) // block_size
@@ -339,8 +343,10 @@ class Scheduler:
             self.blocks.free(request.request_id)  # the workers' state is not trusted
         else:
             # The KV of every known token is computed, or will be by a step already
-            # planned, except that of a last sampled token: that is never computed.
-            known = request.num_tokens - (reason != FinishReason.ABORT)
+            # planned, except that of a last sampled token: that is never computed
+            # (a prompt-only request, max_tokens 0, sampled none).
+            sampled_last = reason != FinishReason.ABORT and request.num_output_tokens > 0
+            known = request.num_tokens - sampled_last
             self.release_blocks(request, min(request.num_computed_tokens, known))
         if was != RequestStatus.RUNNING:
             return

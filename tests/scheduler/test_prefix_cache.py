@@ -289,3 +289,17 @@ def test_a_plan_built_ahead_admits_on_cached_blocks():
     assert sched.requests == {} and all(
         r.status != RequestStatus.RUNNING for r in sched.running.values()
     )
+
+
+def test_a_prompt_asking_for_its_logprobs_is_computed_whole():
+    """Prompt logprobs come from the prompt's logits: a cached block has none."""
+    sched, executor = make(), fake()
+    sched.add_request(req("a", PROMPT))
+    drain(sched, executor)
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    sched.add_request(Request("b", list(PROMPT), params))
+    plans: list = []
+    outs = drain(sched, executor, plans)
+    new = new_seq(plans, "b")
+    assert new.num_cached_tokens == 0 and first_entry(plans, new).start_pos == 0
+    assert outs["b"][0].num_cached_tokens == 0
