@@ -43,6 +43,8 @@ class GenerationOutput:
     logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob), ...]) per token
     finish_reason: str | None = None  # eos | stop_token | length | abort | error
     error: str | None = None
+    # On the first output with tokens: prompt tokens found in the prefix cache.
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,13 +100,13 @@ class AsyncEngine:
             except Exception as exc:  # the actor is gone: end every stream with an error
                 self.error = f"the engine is unavailable: {type(exc).__name__}: {exc}"
                 for queue in list(self.queues.values()):
-                    queue.put_nowait(([], [], "error", self.error))
+                    queue.put_nowait(([], [], "error", self.error, None))
                 await asyncio.sleep(0.5)
                 continue
-            for key, token_ids, logprobs, reason, error in records:
+            for key, *record in records:
                 queue = self.queues.get(key)
                 if queue is not None:
-                    queue.put_nowait((token_ids, logprobs, reason, error))
+                    queue.put_nowait(record)
 
     async def generate(
         self,

@@ -288,7 +288,7 @@ class EngineConnection:
                 answer.set_result(["unavailable", message])
         self.pending.clear()
         for stream in list(self.streams.values()):
-            stream.feed(([], [], "error", message))
+            stream.feed(([], [], "error", message, None))
         self.streams.clear()
         self.on_close(self)
 

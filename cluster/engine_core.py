@@ -235,7 +235,7 @@ class EngineCore:
                 self.scheduler.finish_with_error(request_id)
             except Exception:
                 logger.exception("%s: ending it in the scheduler failed", request_id)
-            self.outputs.push((request_id, [], [], FinishReason.ERROR.value, message))
+            self.outputs.push((request_id, [], [], FinishReason.ERROR.value, message, None))
             self.recorder.finished(request_id, FinishReason.ERROR)
         with contextlib.suppress(Exception):
             self.recorder.state(self.scheduler)
@@ -246,7 +246,16 @@ class EngineCore:
         self.recorder.outputs(outputs)
         for out in outputs:
             reason = out.finish_reason.value if out.finish_reason else None
-            self.outputs.push((out.request_id, out.new_token_ids, out.new_logprobs, reason, None))
+            self.outputs.push(
+                (
+                    out.request_id,
+                    out.new_token_ids,
+                    out.new_logprobs,
+                    reason,
+                    None,
+                    out.num_cached_tokens,
+                )
+            )
 
     async def poll(self, consumer_id: str, timeout_s: float = 1.0) -> list[Record]:
         """Everything published for ``consumer_id`` since its last poll."""
@@ -299,7 +308,7 @@ class EngineCore:
         if out is None:
             return False
         self.recorder.finished(request_id, FinishReason.ABORT)
-        self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None))
+        self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None, None))
         return True
 
     # -- introspection ----------------------------------------------------------------------

@@ -12,8 +12,10 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable
 
-# One published record: (request_id, new_token_ids, new_logprobs, finish_reason, error)
-Record = tuple[str, list[int], list, str | None, str | None]
+# One published record: (request_id, new_token_ids, new_logprobs, finish_reason, error,
+# num_cached_tokens); the last is set on a request's first record with tokens: how
+# many of its prompt tokens were found in the prefix cache.
+Record = tuple[str, list[int], list, str | None, str | None, int | None]
 Sink = Callable[[list[Record]], None]
 
 

@@ -2,7 +2,7 @@
 
 A request with ``n`` choices (or several prompts) becomes that many engine
 requests with distinct ids. Each engine stream yields batches of records
-``(new_token_ids, new_logprobs, finish_reason, error)``; a :class:`Choice` turns
+``(new_token_ids, new_logprobs, finish_reason, error, num_cached_tokens)``; a :class:`Choice` turns
 them into text deltas (detokenized, stop strings applied). Whatever way the
 request ends — finished, stop string, timeout, client gone — :meth:`Generation.close`
 cancels every engine stream still open, which aborts its engine request.
@@ -91,6 +91,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache held
 
     @property
     def finished(self) -> bool:
@@ -98,9 +99,11 @@ class Choice:
 
     def consume(self, records: list[tuple]) -> Delta:
         delta = Delta()
-        for token_ids, logprobs, reason, error in records:
+        for token_ids, logprobs, reason, error, cached in records:
             if reason == "error":
                 raise EngineFailure(error or "the engine failed this request")
+            if cached is not None:
+                self.num_cached_tokens = cached
             prompt, logprobs = split_prompt_logprobs(logprobs)  # they lead, once
             if prompt is not None:
                 delta.prompt_logprobs = self.prompt_logprobs = prompt

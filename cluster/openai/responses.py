@@ -12,12 +12,28 @@ from iterserve.cluster.openai.generation import Choice, Delta
 from iterserve.cluster.openai.tool_parsers import Parsed, ToolCall, ToolCallParser
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` (prompt tokens
+    the prefix cache held) once the engine has said."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def cached_prompt_tokens(choices: list[Choice], n: int) -> int | None:
+    """Cached tokens of the request's prompts, each counted once as its tokens are
+    (by its first choice that reported any: the ``n`` choices of a prompt are
+    separate engine requests, and the later ones may find what the first computed)."""
+    per_prompt: dict[int, int] = {}
+    for choice in sorted(choices, key=lambda c: c.index):
+        if choice.num_cached_tokens is not None:
+            per_prompt.setdefault(choice.index // n, choice.num_cached_tokens)
+    return sum(per_prompt.values()) if per_prompt else None
 
 
 class ChatText:
@@ -146,7 +162,7 @@ class ResponseBuilder:
         if delta.prompt_logprobs is not None and self.want_prompt_logprobs:
             self._put_prompt_logprobs(body, entry, choice)
         if self.continuous_usage:
-            body["usage"] = usage(self.prompt_tokens, choice.num_tokens)
+            body["usage"] = usage(self.prompt_tokens, choice.num_tokens, choice.num_cached_tokens)
         return body
 
     def _chat_delta(self, delta: Delta, chat_text: ChatText) -> tuple[dict, str | None]:
@@ -164,10 +180,11 @@ class ResponseBuilder:
             body["tool_calls"] = [c.as_dict(first + k) for k, c in enumerate(parsed.calls)]
         return body, chat_text.finish_reason(delta.finish_reason)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, choices: list[Choice]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [])
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        completion_tokens = sum(c.num_tokens for c in choices)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n))
         return body
 
     # -- whole responses ------------------------------------------------------------
@@ -206,7 +223,8 @@ class ResponseBuilder:
                 self._put_prompt_logprobs(body, entry, choice)
             entries.append(entry)
         body["choices"] = entries
-        body["usage"] = usage(prompt_tokens, sum(c.num_tokens for c in choices))
+        completion_tokens = sum(c.num_tokens for c in choices)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n))
         return body
 
     # -- echo and prompt logprobs ------------------------------------------------------

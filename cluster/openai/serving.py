@@ -298,8 +298,8 @@ class OpenAIServing:
                 if chunk is not None:
                     yield sse(chunk)
             if builder.include_usage_field:
-                completion_tokens = sum(job.choice.num_tokens for job in generation.jobs)
-                yield sse(builder.usage_chunk(prompt_tokens, completion_tokens))
+                choices = [job.choice for job in generation.jobs]
+                yield sse(builder.usage_chunk(prompt_tokens, choices))
         except APIError as exc:  # headers are sent: the error travels as an event
             yield sse(exc.body(request_id))
         finally:

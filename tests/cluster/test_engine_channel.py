@@ -63,12 +63,12 @@ async def test_requests_get_their_own_tokens_in_order(local):
         a = await connection.add("k1", "client-1", [5, 6], {"max_tokens": 4}, 0)
         b = await connection.add("k2", "client-2", [7], {"max_tokens": 4}, 1)
         assert [entry[:2] for entry in core.added] == [("k1", "client-1"), ("k2", "client-2")]
-        core.publish(("k1", [10], [], None, None), ("k2", [20], [], None, None))
-        core.publish(("k1", [11, 12], [], "length", None))
-        core.publish(("k2", [21], [], "eos", None))
+        core.publish(("k1", [10], [], None, None, 0), ("k2", [20], [], None, None, 0))
+        core.publish(("k1", [11, 12], [], "length", None, None))
+        core.publish(("k2", [21], [], "eos", None, None))
         first, second = await _batches(a, 1), await _batches(b, 1)
-        assert first == [[[[10], [], None, None], [[11, 12], [], "length", None]]]
-        assert second == [[[[20], [], None, None], [[21], [], "eos", None]]]
+        assert first == [[[[10], [], None, None, 0], [[11, 12], [], "length", None, None]]]
+        assert second == [[[[20], [], None, None, 0], [[21], [], "eos", None, None]]]
         with pytest.raises(StopAsyncIteration):
             await a.__anext__()
         assert connection.load == 0

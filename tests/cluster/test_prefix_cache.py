@@ -206,3 +206,20 @@ def single_process_outputs(path, prompts, params, **config) -> list[list[int]]:
         for out in sched.update(step, runner.execute(step.plan)):
             outputs[out.request_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.usefixtures("ray_session")
+async def test_the_first_output_says_how_many_prompt_tokens_were_cached(tiny_llama):
+    """What usage.prompt_tokens_details.cached_tokens reports: whole blocks found,
+    short of the last prompt token, on the request's first output only."""
+    engine = await start_engine(model_config(tiny_llama))
+    prompt = prompt_for("system", 21)  # five full blocks of 4 and one token
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    try:
+        first = [out async for out in engine.generate(prompt, params)]
+        again = [out async for out in engine.generate(prompt, params)]
+        assert first[0].num_cached_tokens == 0 and again[0].num_cached_tokens == 20
+        assert all(out.num_cached_tokens is None for out in first[1:] + again[1:])
+        assert [t for o in again for t in o.token_ids] == [t for o in first for t in o.token_ids]
+    finally:
+        await engine.shutdown()

@@ -134,7 +134,7 @@ class EchoStream:
                 prompt_logprobs_entry(PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top))
             ]
         if not self.tokens:  # max_tokens 0: the prompt alone
-            yield [([], lead, "length", None)]
+            yield [([], lead, "length", None, 0)]
             return
         for n, token in enumerate(self.tokens, start=1):
             if self.cancelled:
@@ -143,7 +143,8 @@ class EchoStream:
             logprobs = []
             if self.params.logprobs is not None:
                 logprobs = [(-0.5, [(token, -0.5)][: self.params.logprobs])]
-            yield [([token], lead + logprobs, reason.value if reason else None, None)]
+            cached = 0 if n == 1 else None
+            yield [([token], lead + logprobs, reason.value if reason else None, None, cached)]
             lead = []
             if reason is not None:
                 return

@@ -71,6 +71,7 @@ def test_completion_is_the_engines_tokens_as_text(http, tok, predict):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 5,
         "total_tokens": prompt_tokens + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

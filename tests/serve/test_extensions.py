@@ -230,7 +230,8 @@ def test_max_tokens_zero_with_echo_returns_the_prompt_alone(app, tok):
     assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
     assert len(choice["logprobs"]["tokens"]) == len(prompt_ids)
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
-                             "total_tokens": len(prompt_ids)}  # fmt: skip
+                             "total_tokens": len(prompt_ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     params = engine.opened[-1][1]
     assert params["max_tokens"] == 0 and params["prompt_logprobs"] == 0
     plain = complete(http, prompt=[5, 6, 7], max_tokens=0, echo=True)["choices"][0]
