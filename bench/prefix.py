@@ -2,7 +2,10 @@
 
 ``iterserve bench prefix --workload shared-prefix|multi-turn``. Each mode gets a
 fresh engine (scheduler actor and one model worker on Ray, CPU, TP=1, chunked
-prefill) that differs only in ``enable_prefix_caching``; the requests are the
+prefill) that differs only in ``enable_prefix_caching``. With ``--routing`` the
+two modes are instead two engine replicas with the cache on, the requests
+spread over them by the ingress's :class:`PrefixRouter` or by load alone
+(fewest requests in flight), as ``iterserve serve --routing`` does. The requests are the
 same, greedy with ``ignore_eos`` and a fixed output length, so both modes
 compute exactly the same tokens, which is checked token for token (in
 multi-turn, every turn's prompt holds the answers before it). Nothing here
@@ -35,10 +38,13 @@ from iterserve.bench.workloads import (
 )
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
+from iterserve.cluster.prefix_router import PrefixRouter
 from iterserve.scheduler import SamplingParams
 
 WALL_CAP_S = 1800.0  # one mode's run never outlives this, whatever the machine
-MODES = {"cache_off": False, "cache_on": True}
+# mode -> (prefix cache on, engine replicas, routing over them)
+CACHE_MODES = {"cache_off": (False, 1, "load"), "cache_on": (True, 1, "load")}
+ROUTING_MODES = {"routing_load": (True, 2, "load"), "routing_prefix": (True, 2, "prefix")}
 TABLE = [
     ("throughput_tok_s", "out tok/s", ".1f"),
     ("total_throughput_tok_s", "total tok/s", ".1f"),
@@ -54,7 +60,9 @@ TABLE = [
 ]
 
 
-def engine_config(spec: PrefixSpec, model: str, torch_threads: int, cache: bool) -> EngineConfig:
+def engine_config(
+    spec: PrefixSpec, model: str, torch_threads: int, cache: bool, replicas: int = 1
+) -> EngineConfig:
     return EngineConfig.from_dict(dict(
         model=model, dtype="float32", device="cpu", kernel_backend="torch", policy="chunked",
         max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.chunk_budget,
@@ -62,8 +70,32 @@ def engine_config(spec: PrefixSpec, model: str, torch_threads: int, cache: bool)
         # Every slot holds a full-length sequence and the prefixes fit beside them:
         # neither mode preempts, and the cache only evicts what nobody repeats.
         num_kv_blocks=(spec.max_num_seqs + 4) * (spec.max_model_len // 16 + 2),
-        enable_prefix_caching=cache, torch_threads=torch_threads, num_cpus_per_worker=1.0,
+        enable_prefix_caching=cache, torch_threads=torch_threads,
+        num_cpus_per_worker=1.0 / replicas,  # placed side by side on the machine's cores
     ))  # fmt: skip
+
+
+class RoutedEngines:
+    """Engine replicas behind one router, the way the ingress spreads requests:
+    by the prompt's prefix (``router``) or, with None, to the fewest in flight."""
+
+    def __init__(self, engines: list, router: PrefixRouter | None):
+        self.engines = {f"engine{i}": engine for i, engine in enumerate(engines)}
+        self.router = router
+        self.in_flight = dict.fromkeys(self.engines, 0)
+
+    async def generate(self, prompt: list[int], params: SamplingParams):
+        loads = self.in_flight
+        if self.router is None:
+            name = min(loads, key=loads.__getitem__)
+        else:
+            name = self.router.pick(prompt, loads)
+        loads[name] += 1
+        try:
+            async for out in self.engines[name].generate(prompt, params):
+                yield out
+        finally:
+            loads[name] -= 1
 
 
 async def _stream(engine, prompt: list[int], output_len: int, timing: RequestTiming, start: float):
@@ -110,25 +142,45 @@ async def _multi_turn(engine, spec, vocab_size, seed, start):
     return [t for t, _ in done], [out for _, out in done], prompt_tokens
 
 
-async def run_mode(config: EngineConfig, spec: PrefixSpec, vocab_size: int, seed: int) -> dict:
-    """Serves the workload through a fresh engine; one mode's entry and its outputs."""
+async def _metrics(engines: list) -> dict:
+    """The engines' metrics, summed over them."""
+    total: dict = {}
+    for engine in engines:
+        for key, value in prometheus_values(await engine.actor.metrics_text.remote()).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+async def run_mode(
+    config: EngineConfig,
+    spec: PrefixSpec,
+    vocab_size: int,
+    seed: int,
+    replicas: int = 1,
+    routing: str = "load",
+) -> tuple[dict, list]:
+    """Serves the workload through fresh engines; one mode's entry and its outputs."""
     from iterserve.cluster.engine import AsyncEngine
 
-    engine = await AsyncEngine(config).start()
+    engines = [await AsyncEngine(config).start() for _ in range(replicas)]
     try:
         # A short unrelated request first: one-off costs stay out, no prefix goes in.
         warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        async for _ in engine.generate([vocab_size - 1] * 8, warm):
-            pass
-        before = prometheus_values(await engine.actor.metrics_text.remote())
+        for engine in engines:
+            async for _ in engine.generate([vocab_size - 1] * 8, warm):
+                pass
+        router = PrefixRouter(config.scheduler.block_size) if routing == "prefix" else None
+        target = engines[0] if replicas == 1 else RoutedEngines(engines, router)
+        before = await _metrics(engines)
         start = time.perf_counter()
         drive = _shared_prefix if spec.name == "shared-prefix" else _multi_turn
         timings, outputs, prompt_tokens = await asyncio.wait_for(
-            drive(engine, spec, vocab_size, seed, start), WALL_CAP_S
+            drive(target, spec, vocab_size, seed, start), WALL_CAP_S
         )
-        after = prometheus_values(await engine.actor.metrics_text.remote())
+        after = await _metrics(engines)
     finally:
-        await engine.shutdown()
+        for engine in engines:
+            await engine.shutdown()
     return mode_entry(timings, prompt_tokens, before, after), outputs
 
 
@@ -155,21 +207,25 @@ def mode_entry(timings: list[RequestTiming], prompt_tokens: int, before: dict, a
 
 
 def ratios(result: dict) -> dict:
-    on, off = result["modes"]["cache_on"], result["modes"]["cache_off"]
+    """The second mode's figures over the first's: cache on / off, or prefix-aware
+    routing / load-only routing."""
+    names = list(result["modes"])
+    base, test = result["modes"][names[0]], result["modes"][names[1]]
+    tag = "on_over_off" if names[0] == "cache_off" else "prefix_over_load"
 
     def ratio(a, b):
         return round(a / b, 3) if a is not None and b else None
 
     return {
-        "ttft_p50_on_over_off": ratio(on["ttft_p50_s"], off["ttft_p50_s"]),
-        "ttft_p99_on_over_off": ratio(on["ttft_p99_s"], off["ttft_p99_s"]),
-        "throughput_on_over_off": ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
-        "prefill_tokens_on_over_off": ratio(on["num_prefill_tokens"], off["num_prefill_tokens"]),
+        f"ttft_p50_{tag}": ratio(test["ttft_p50_s"], base["ttft_p50_s"]),
+        f"ttft_p99_{tag}": ratio(test["ttft_p99_s"], base["ttft_p99_s"]),
+        f"throughput_{tag}": ratio(test["throughput_tok_s"], base["throughput_tok_s"]),
+        f"prefill_tokens_{tag}": ratio(test["num_prefill_tokens"], base["num_prefill_tokens"]),
     }
 
 
 def targets(workload: str, r: dict) -> list[dict]:
-    if workload != "shared-prefix":
+    if workload != "shared-prefix" or "ttft_p50_on_over_off" not in r:
         return []
     rows = [("TTFT p50, cache on / off", r["ttft_p50_on_over_off"], "<= 0.25", lambda v: v <= 0.25),
             ("throughput, cache on / off", r["throughput_on_over_off"], ">= 2", lambda v: v >= 2)]  # fmt: skip
@@ -178,9 +234,10 @@ def targets(workload: str, r: dict) -> list[dict]:
 
 
 def compare(workload="shared-prefix", model=None, *, seed=0, torch_threads=1, scale="full",
-            repeats=None, log=print) -> dict:  # fmt: skip
-    """Runs ``workload`` with the cache off and on, ``repeats`` rounds (each mode once
-    per round, in the same order); each figure is the median over the rounds."""
+            repeats=None, routing=False, log=print) -> dict:  # fmt: skip
+    """Runs ``workload`` with the cache off and on (``routing``: over two replicas
+    routed by load, then by prefix), ``repeats`` rounds (each mode once per round,
+    in the same order); each figure is the median over the rounds."""
     from iterserve.bench.engine_bench import _default_model, ensure_ray
     from iterserve.bench.policies import vocab_size as checkpoint_vocab
 
@@ -190,13 +247,14 @@ def compare(workload="shared-prefix", model=None, *, seed=0, torch_threads=1, sc
     vocab = checkpoint_vocab(model)
     ensure_ray()
     freeze_startup_objects()  # this process times every token
-    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    modes = ROUTING_MODES if routing else CACHE_MODES
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
     reference = None
     for round_idx in range(repeats):
-        for name, cache in MODES.items():
+        for name, (cache, replicas, how) in modes.items():
             log(f"[{workload}] {name} ({round_idx + 1}/{repeats}) ...")
-            config = engine_config(spec, model, torch_threads, cache)
-            entry, outputs = asyncio.run(run_mode(config, spec, vocab, seed))
+            config = engine_config(spec, model, torch_threads, cache, replicas)
+            entry, outputs = asyncio.run(run_mode(config, spec, vocab, seed, replicas, how))
             entry["load_avg_1m"] = round(os.getloadavg()[0], 2)
             if entry["num_errors"] or (reference is not None and outputs != reference):
                 # The same tokens in every mode, or the comparison means nothing.
@@ -205,7 +263,8 @@ def compare(workload="shared-prefix", model=None, *, seed=0, torch_threads=1, sc
             runs[name].append(entry)
             log(f"  {entry['throughput_tok_s']} tok/s, TTFT p50 {entry['ttft_p50_s']} s")
     result = {"workload": {**describe_prefix(spec, seed), "model": model,
-                           "torch_threads": torch_threads, "repeats": repeats},
+                           "torch_threads": torch_threads, "repeats": repeats,
+                           "engine_replicas": 2 if routing else 1},
               "modes": {name: median_entry(entries) for name, entries in runs.items()}}  # fmt: skip
     result["ratios"] = ratios(result)
     result["targets"] = targets(workload, result["ratios"])
@@ -223,7 +282,7 @@ def render(result: dict) -> str:
 
 def main(args: argparse.Namespace) -> None:
     result = compare(args.workload, args.model, seed=args.seed, torch_threads=args.torch_threads,
-                     scale=args.scale, repeats=args.repeats)  # fmt: skip
+                     scale=args.scale, repeats=args.repeats, routing=args.routing)  # fmt: skip
     write_json(result, args.json)
     print(render(result))
     print(json.dumps(result, indent=2))
@@ -238,6 +297,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, help="rounds of both modes; figures are medians")
     p.add_argument("--torch-threads", type=int, default=1, help="the worker's torch threads")
+    p.add_argument("--routing", action="store_true",
+                   help="two engine replicas, the cache on: prefix-aware routing vs by load")  # fmt: skip
     p.add_argument("--scale", choices=["full", "small"], default="full",
                    help="small: a seconds-long smoke run of the same shape")  # fmt: skip
     p.set_defaults(func=main)

@@ -2,8 +2,9 @@
 channels, everything else (health, stats, model facts) through Serve.
 
 Serve keeps the replicas running and says which exist; the ingress routes each
-request itself, to the replica with the fewest of its requests in flight, and
-opens one channel per replica (a Unix socket when they share a node). A replica
+request itself: to the replica likely to hold its prompt's prefix in its cache
+(:class:`PrefixRouter`), within a bound on imbalance, else to the one with the
+fewest of its requests in flight. It opens one channel per replica (a Unix socket when they share a node). A replica
 Serve replaces closes its channel: the requests on it end with an error, and
 the next refresh finds the new one.
 """
@@ -19,6 +20,7 @@ import ray
 
 from iterserve.cluster.engine_channel import EngineConnection, RefusedError, RequestStream
 from iterserve.cluster.openai.errors import EngineRefusal
+from iterserve.cluster.prefix_router import PrefixRouter
 from iterserve.cluster.step_channel import ChannelClosed
 
 logger = logging.getLogger(__name__)
@@ -29,8 +31,9 @@ ENDPOINT_TIMEOUT_S = 10.0
 class ChannelEngineClient:
     """What the HTTP layer needs from the engine replicas (see ``EngineClient``)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, router: PrefixRouter | None = None):
         self.handle = handle  # the EngineServer deployment: control-plane calls
+        self.router = router  # None: by load alone
         self.ingress_id = uuid.uuid4().hex[:12]
         self.keys = itertools.count()
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -41,12 +44,12 @@ class ChannelEngineClient:
     # -- routing ------------------------------------------------------------------------
 
     async def open(self, request_id, prompt_token_ids, params, priority) -> RequestStream:
-        """Queues a request on the least loaded replica; raises EngineRefusal."""
+        """Queues a request on the replica chosen for it; raises EngineRefusal."""
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         key = f"{self.ingress_id}.{next(self.keys)}"
         for attempt in range(2):  # once more after a refresh, if the first replica was gone
-            connection = await self._pick()
+            connection = await self._pick(prompt_token_ids)
             try:
                 return await connection.add(key, request_id, prompt_token_ids, params, priority)
             except RefusedError as exc:
@@ -58,14 +61,17 @@ class ChannelEngineClient:
             await self._refresh()
         raise AssertionError("unreachable")
 
-    async def _pick(self) -> EngineConnection:
-        live = [c for c in self.connections.values() if not c.closed]
+    async def _pick(self, prompt_token_ids: list[int]) -> EngineConnection:
+        live = {r: c for r, c in self.connections.items() if not c.closed}
         if not live:
             await self._refresh()
-            live = [c for c in self.connections.values() if not c.closed]
+            live = {r: c for r, c in self.connections.items() if not c.closed}
             if not live:
                 raise EngineRefusal("unavailable", "no engine replica is ready")
-        return min(live, key=lambda c: c.load)
+        if self.router is None or len(live) == 1:
+            return min(live.values(), key=lambda c: c.load)
+        loads = {replica: c.load for replica, c in live.items()}
+        return live[self.router.pick(prompt_token_ids, loads)]
 
     # -- replicas -------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.metrics_hub import get_or_create_hub, render
 from iterserve.cluster.openai.app import APISettings, build_api
 from iterserve.cluster.openai.serving import OpenAIServing
+from iterserve.cluster.prefix_router import PrefixRouter
 
 logger = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
@@ -73,7 +74,10 @@ class OpenAIIngress:
             max_ongoing_requests=args.max_ongoing_requests(config) if direct else None,
         )
         self.metrics_hub = metrics_hub_name(args.served_model_name(config))
-        self.engines = ChannelEngineClient(engine)
+        router = None
+        if args.routing == "prefix" and config.scheduler.enable_prefix_caching:
+            router = PrefixRouter(config.scheduler.block_size)
+        self.engines = ChannelEngineClient(engine, router)
         self.serving = OpenAIServing(
             self.engines,
             Tokenizer(config.model_path),

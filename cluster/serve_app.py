@@ -22,7 +22,7 @@ and answers 503 beyond; each engine's own bounded queue answers 429.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
@@ -86,6 +86,11 @@ class ServeArgs(BaseModel):
     )
     cors_allow_credentials: bool = Field(False, description="Let browsers send credentials.")
     metrics_require_api_key: bool = Field(True, description="Whether /metrics needs the key.")
+    routing: Literal["prefix", "load"] = Field(
+        "prefix",
+        description="How the ingress spreads requests over engine replicas: prefix (to the "
+        "one likely to hold the prompt's prefix, load as the bound) or load alone.",
+    )
     http_host: str = Field(
         "127.0.0.1", description="Where the ingress answers HTTP itself, with http_port."
     )

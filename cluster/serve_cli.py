@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+from iterserve.cluster.prefix_router import ROUTINGS
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -65,6 +66,7 @@ def run_server(
     cors_allowed_origins: list[str] | None = None,
     cors_allow_credentials: bool = False,
     metrics_require_api_key: bool = True,
+    routing: str = "prefix",
 ) -> str:
     """Serves the OpenAI-compatible API; returns the base URL.
 
@@ -84,6 +86,8 @@ def run_server(
     tool_call_parser: how tool calls are read from the output (``hermes``, ``llama3_json``).
     cors_allowed_origins, cors_allow_credentials: origins browsers may call from.
     metrics_require_api_key: whether /metrics needs the API key too.
+    routing: how the ingress spreads requests over engine replicas: ``prefix``
+        (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
     """
     from iterserve.cluster.serve_app import ServeArgs, build_app
 
@@ -102,6 +106,7 @@ def run_server(
         cors_allowed_origins=cors_allowed_origins or [],
         cors_allow_credentials=cors_allow_credentials,
         metrics_require_api_key=metrics_require_api_key,
+        routing=routing,
         http_host=host,
         http_port=port,
     )
@@ -227,6 +232,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         action="store_false",
         help="serve /metrics without the API key (for scrapers that have none)",
     )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="prefix",
+        help="how requests spread over engine replicas: to the one likely to hold the "
+        "prompt's prefix, load as the bound (prefix, the default), or by load alone",
+    )
     parser.set_defaults(func=serve_from_args)
     return parser
 
@@ -249,6 +261,7 @@ def serve_from_args(args: argparse.Namespace) -> None:
         cors_allowed_origins=args.cors_allowed_origins,
         cors_allow_credentials=args.cors_allow_credentials,
         metrics_require_api_key=args.metrics_require_api_key,
+        routing=args.routing,
     )
 
 

@@ -46,6 +46,25 @@ def test_both_modes_compute_the_same_tokens_and_the_cache_saves_prefill(
     json.dumps(result)  # the result is plain JSON
 
 
+@pytest.mark.slow
+def test_prefix_aware_routing_keeps_each_chat_on_the_replica_holding_its_history(
+    ray_session, tiny_model
+):
+    """Two replicas, the same tokens either way; routed by prefix, every later turn
+    finds its history cached (the slack is never reached at this load), so the
+    hit rate is at least load-only routing's."""
+    result = prefix.compare("multi-turn", tiny_model, scale="small", routing=True,
+                            log=lambda *_: None)  # fmt: skip
+    by_load, by_prefix = result["modes"]["routing_load"], result["modes"]["routing_prefix"]
+    assert result["workload"]["engine_replicas"] == 2
+    assert by_load["num_output_tokens"] == by_prefix["num_output_tokens"]
+    assert by_prefix["prefix_cache_hit_rate"] >= by_load["prefix_cache_hit_rate"]
+    assert by_prefix["prefix_cache_hit_rate"] > 0
+    assert by_prefix["num_prefill_tokens"] <= by_load["num_prefill_tokens"]
+    assert set(result["ratios"]) >= {"ttft_p50_prefix_over_load", "throughput_prefix_over_load"}
+    assert result["targets"] == []
+
+
 def test_shared_prefix_requests_start_with_one_of_a_few_system_prompts():
     spec = workloads.PREFIX_SPECS["shared-prefix"]["full"]
     requests = workloads.shared_prefix_requests(spec, 4096, seed=0)
