@@ -25,6 +25,7 @@ import time
 import zlib
 from collections.abc import Callable
 
+from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.sampling import SamplingParams
@@ -101,7 +102,7 @@ class FakeExecutor:
         for entry in plan.scheduled:
             seq = self.table.get(entry.slot_idx)
             if self.check_blocks and self.block_size:
-                needed = -(-(entry.start_pos + entry.num_tokens) // self.block_size)
+                needed = blocks_for(entry.start_pos + entry.num_tokens, self.block_size)
                 if len(seq.block_ids) < needed:
                     raise AssertionError(
                         f"{seq.request_id}: {len(seq.block_ids)} blocks cannot hold "
