@@ -48,7 +48,9 @@ def test_cpu_attention_takes_a_strided_query():
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
-def test_threads_split_the_sequences_without_changing_a_bit():
+def test_threads_split_the_sequences_with_the_same_results():
+    """To rounding: the serial and the parallel loop are compiled apart, and fastmath
+    lets each vectorize its sums its own way."""
     b = on_cpu(make_batch(LONG_DECODES * 3, 8, 2, 64, 16, torch.float32, seed=4))
     threads = torch.get_num_threads()
     try:
@@ -58,7 +60,7 @@ def test_threads_split_the_sequences_without_changing_a_bit():
         parallel = cpu_attention.paged_attention(*b.args())
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(serial, parallel)
+    torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
 
 
 def test_fp16_takes_the_reference_path():
