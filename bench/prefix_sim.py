@@ -80,8 +80,12 @@ def simulate_prefix(
     load = prefix_workload(num_requests, request_rate, seed, num_prefixes, prefix_len)
     modes = {
         name: simulate_policy(
-            policy, cost, load, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            policy,
+            cost,
+            load,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             enable_prefix_caching=on,
         )  # fmt: skip
         for name, on in MODES.items()

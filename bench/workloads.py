@@ -200,4 +200,3 @@ def describe_prefix(spec: PrefixSpec, seed: int) -> dict:
         for key in ("num_prefixes", "prefix_len", "num_requests", "question_len", "request_rate"):
             out.pop(key)
     return out
-

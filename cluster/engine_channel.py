@@ -221,7 +221,9 @@ class EngineConnection:
         self.task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, endpoint: dict, ingress_id: str, local: bool, on_close) -> EngineConnection:
+    async def connect(
+        cls, endpoint: dict, ingress_id: str, local: bool, on_close
+    ) -> EngineConnection:
         if local:
             reader, writer = await asyncio.open_unix_connection(endpoint["unix"])
         else:

@@ -135,7 +135,10 @@ def get_or_create_hub(
     # DEFAULT scheduling: an engine replica's placement group captures the actors it
     # creates, and the hub must neither take a bundle nor die with that replica.
     return MetricsHub.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+        name=name,
+        namespace=namespace,
+        lifetime="detached",
+        get_if_exists=True,
         scheduling_strategy="DEFAULT",
     ).remote(max_age_s)
 

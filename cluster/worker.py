@@ -62,7 +62,9 @@ class EngineWorker:
         if niceness > 0:
             logger.warning(
                 "rank %d runs at nice %d: any process at nice 0 on this node takes the CPU "
-                "from it first; start Ray with RAY_worker_niceness=0", rank, niceness
+                "from it first; start Ray with RAY_worker_niceness=0",
+                rank,
+                niceness,
             )
         keep_freed_memory()
         if config.torch_threads:

@@ -166,7 +166,9 @@ class _Common(RequestModel):
     guided_json: str | dict[str, Any] | None = Field(
         None, description="The output follows this JSON schema (an object or its text)."
     )
-    guided_regex: str | None = Field(None, description="The output matches this regular expression.")
+    guided_regex: str | None = Field(
+        None, description="The output matches this regular expression."
+    )
     guided_choice: list[str] | None = Field(None, description="The output is one of these strings.")
     guided_grammar: str | None = Field(
         None, description="The output follows this grammar: xgrammar's EBNF (with ::=), else Lark."

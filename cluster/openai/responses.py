@@ -184,7 +184,9 @@ class ResponseBuilder:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [])
         completion_tokens = sum(c.num_tokens for c in choices)
-        body["usage"] = usage(prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n))
+        body["usage"] = usage(
+            prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n)
+        )
         return body
 
     # -- whole responses ------------------------------------------------------------
@@ -224,7 +226,9 @@ class ResponseBuilder:
             entries.append(entry)
         body["choices"] = entries
         completion_tokens = sum(c.num_tokens for c in choices)
-        body["usage"] = usage(prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n))
+        body["usage"] = usage(
+            prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n)
+        )
         return body
 
     # -- echo and prompt logprobs ------------------------------------------------------

@@ -88,8 +88,9 @@ def single_process(path: str, prompts, params, policy="chunked") -> list[list[in
 
     config = model_config(path, policy=policy)
     sched = Scheduler(config.scheduler.resolved(num_kv_blocks=96, max_model_len=64))
-    runner = ModelRunner(path, dtype="float32", num_kv_blocks=96, block_size=4,
-                         kernel_backend="torch")
+    runner = ModelRunner(
+        path, dtype="float32", num_kv_blocks=96, block_size=4, kernel_backend="torch"
+    )
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"r{i}", list(prompt), params))
     outputs = {f"r{i}": [] for i in range(len(prompts))}

@@ -25,12 +25,22 @@ async def collect(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 
 
 async def main(prompts: list[list[int]], max_tokens: int) -> dict:
-    config = EngineConfig.from_dict(dict(
-        dtype="float32", tensor_parallel_size=2, placement_strategy="STRICT_SPREAD",
-        num_kv_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-        max_model_len=64, num_cpus_per_worker=1.0, torch_threads=1, step_timeout_s=30,
-        max_restarts=0,
-    ))
+    config = EngineConfig.from_dict(
+        dict(
+            dtype="float32",
+            tensor_parallel_size=2,
+            placement_strategy="STRICT_SPREAD",
+            num_kv_blocks=64,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            num_cpus_per_worker=1.0,
+            torch_threads=1,
+            step_timeout_s=30,
+            max_restarts=0,
+        )
+    )
     engine = await AsyncEngine(config).start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -19,6 +19,7 @@ from tests.cluster.conftest import (
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_every_policy_matches_the_single_process_runner(tiny_llama, reference, policy):
     engine = await start_engine(model_config(tiny_llama, policy=policy))
@@ -71,9 +72,7 @@ async def test_a_sequence_ending_on_a_stop_token_while_the_next_step_is_planned(
     rank computes that sequence's row as padding, and every output is still the
     single-process runner's."""
     stop = reference[1][2]  # the third token of the second prompt's output
-    params = SamplingParams(
-        temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)
-    )
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,))
     expected = single_process(tiny_llama, PROMPTS, params, policy="continuous")
     assert any(len(tokens) < 10 for tokens in expected)
     config = model_config(tiny_llama, policy="continuous", async_scheduling=async_scheduling)

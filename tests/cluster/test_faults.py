@@ -50,14 +50,18 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
 
 
 async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
-    config = fake_config(executor=FAULTY, executor_options={
-        "output_len": 12, "max_model_len": 128, "fault_crash_at_step": 5})
+    config = fake_config(
+        executor=FAULTY,
+        executor_options={"output_len": 12, "max_model_len": 128, "fault_crash_at_step": 5},
+    )
     engine = await start_engine(config)
     try:
         params = SamplingParams(max_tokens=20, temperature=0)
         ids = [f"crash-{i}" for i in range(6)]
-        results = await asyncio.wait_for(asyncio.gather(*(
-            collect(engine, [3, 4, 5], params, request_id=rid) for rid in ids)), HANG_GUARD_S)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(engine, [3, 4, 5], params, request_id=rid) for rid in ids)),
+            HANG_GUARD_S,
+        )
         reference = FakeExecutor(vocab_size=1000, output_len=12)
         assert results == [reference.expected_output(rid, params) for rid in ids]
         stats = await engine.stats()
@@ -67,13 +71,20 @@ async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
 
 
 async def test_hung_worker_is_caught_by_the_step_timeout():
-    config = fake_config(step_timeout_s=3.0, executor=FAULTY, executor_options={
-        "output_len": 8, "max_model_len": 128, "fault_hang_at_step": 3})
+    config = fake_config(
+        step_timeout_s=3.0,
+        executor=FAULTY,
+        executor_options={"output_len": 8, "max_model_len": 128, "fault_hang_at_step": 3},
+    )
     engine = await start_engine(config)
     try:
         params = SamplingParams(max_tokens=20, temperature=0)
-        results = await asyncio.wait_for(asyncio.gather(*(
-            collect(engine, [3], params, request_id=f"hang-{i}") for i in range(4))), HANG_GUARD_S)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(collect(engine, [3], params, request_id=f"hang-{i}") for i in range(4))
+            ),
+            HANG_GUARD_S,
+        )
         reference = FakeExecutor(vocab_size=1000, output_len=8)
         assert results == [reference.expected_output(f"hang-{i}", params) for i in range(4)]
         assert (await engine.stats())["worker_restarts"] == 1
@@ -85,15 +96,24 @@ async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_
     """A step result that contradicts the scheduler is a bug, not a worker failure:
     nothing can be recomputed on trust. Every request ends at once with an error,
     health says why, and new requests are refused rather than left to hang."""
-    config = fake_config(executor=FAULTY, executor_options={
-        "output_len": None, "max_model_len": 128, "step_sleep_s": 0.01,
-        "fault_bad_result_at_step": 4})
+    config = fake_config(
+        executor=FAULTY,
+        executor_options={
+            "output_len": None,
+            "max_model_len": 128,
+            "step_sleep_s": 0.01,
+            "fault_bad_result_at_step": 4,
+        },
+    )
     engine = await start_engine(config)
     try:
         params = SamplingParams(max_tokens=100)
-        results = await asyncio.wait_for(asyncio.gather(
-            *(collect(engine, [3], params) for _ in range(5)), return_exceptions=True),
-            HANG_GUARD_S)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(collect(engine, [3], params) for _ in range(5)), return_exceptions=True
+            ),
+            HANG_GUARD_S,
+        )
         assert all(isinstance(r, EngineError) for r in results), results
         assert all("ProtocolError" in str(r) for r in results)
         healthy, message = await engine.health()
@@ -105,15 +125,25 @@ async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_
 
 
 async def test_without_restarts_every_in_flight_request_ends_with_a_clear_error():
-    config = fake_config(max_restarts=0, executor=FAULTY, executor_options={
-        "output_len": None, "max_model_len": 128, "step_sleep_s": 0.01,
-        "fault_crash_at_step": 4})
+    config = fake_config(
+        max_restarts=0,
+        executor=FAULTY,
+        executor_options={
+            "output_len": None,
+            "max_model_len": 128,
+            "step_sleep_s": 0.01,
+            "fault_crash_at_step": 4,
+        },
+    )
     engine = await start_engine(config)
     try:
         params = SamplingParams(max_tokens=100)
-        results = await asyncio.wait_for(asyncio.gather(
-            *(collect(engine, [3], params) for _ in range(5)), return_exceptions=True),
-            HANG_GUARD_S)
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(collect(engine, [3], params) for _ in range(5)), return_exceptions=True
+            ),
+            HANG_GUARD_S,
+        )
         assert all(isinstance(r, EngineError) for r in results), results
         assert all("could not be restarted" in str(r) for r in results)
         healthy, message = await engine.health()

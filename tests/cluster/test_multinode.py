@@ -21,7 +21,10 @@ def test_ranks_on_two_nodes_generate_what_one_process_generates():
     # Its own process: a second Ray cluster cannot share this session's driver.
     request = json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS})
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), request], capture_output=True, text=True, timeout=300,
+        [sys.executable, str(SCRIPT), request],
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=SCRIPT.parents[2],
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -23,8 +23,12 @@ async def _load(base_url: str, model: str, seconds: float) -> None:
     deadline = loop.time() + seconds
 
     async def one(client: httpx.AsyncClient) -> None:
-        body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": rng.randint(4, 24),
-                "stream": True}
+        body = {
+            "model": model,
+            "prompt": [5, 6, 7, 8],
+            "max_tokens": rng.randint(4, 24),
+            "stream": True,
+        }
         async with client.stream("POST", "/v1/completions", json=body) as response:
             quit_after = rng.choice([None, None, 2])
             async for i, _line in _enumerate(response.aiter_lines()):
@@ -45,8 +49,9 @@ async def _enumerate(ait):
 
 def test_every_panel_query_returns_data_from_a_live_server(serve_url, tokenizer_dir, vocab_size):
     config = fake_engine(vocab_size, executor_options={"step_sleep_s": 0.005})
-    base_url = deploy(serve_url, APP, model=str(tokenizer_dir), config=config,
-                      model_name="observed-model")
+    base_url = deploy(
+        serve_url, APP, model=str(tokenizer_dir), config=config, model_name="observed-model"
+    )
     try:
         host_port = serve_url.removeprefix("http://")
         with run_prometheus(host_port, metrics_path=f"/{APP}/metrics") as prom:

@@ -34,7 +34,9 @@ def test_compare_reports_both_servers_medians_and_ratios(bench_url, tokenizer_di
     for name in ("iterserve", "again"):
         server = result["servers"][name]
         assert len(server["rounds"]) == 2
-        assert all(r["num_output_tokens"] == 6 * 5 and r["num_errors"] == 0 for r in server["rounds"])
+        assert all(
+            r["num_output_tokens"] == 6 * 5 and r["num_errors"] == 0 for r in server["rounds"]
+        )
         assert server["throughput_tok_s"] > 0 and server["ttft_p50_s"] > 0
     assert set(result["ratios_a_over_b"]) == {k for k, _, _ in compare.METRICS}
     assert all(v > 0 for v in result["ratios_a_over_b"].values())

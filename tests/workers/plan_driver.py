@@ -48,7 +48,9 @@ class PlanDriver:
         seq = Seq(request_id, self.next_slot, list(prompt), len(prompt), params)
         self.next_slot += 1
         self.active[seq.slot] = seq
-        self._new.append(NewSequence(seq.slot, request_id, seq.slot, list(prompt), len(prompt), params))
+        self._new.append(
+            NewSequence(seq.slot, request_id, seq.slot, list(prompt), len(prompt), params)
+        )
         return seq
 
     def plan(
