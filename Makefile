@@ -23,7 +23,8 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check scheduler tests/scheduler
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy scheduler
 
 format: install
 	$(BIN)/ruff format .
