@@ -60,7 +60,7 @@ class SchedulerConfig:
         "batching policy: `static`, `dynamic`, `continuous` or `chunked`",
         choices=POLICIES,
     )
-    max_num_seqs: int = knob(64, "slots: sequences running at once", minimum=1)
+    max_num_seqs: int = knob(128, "slots: sequences running at once", minimum=1)
     max_num_batched_tokens: int = knob(
         2048, "per-step token budget, padding included (≥ max_num_seqs)", minimum=1
     )
