@@ -159,9 +159,13 @@ class Sampler:
     ) -> torch.Tensor:
         """Steps 1-6: masks, bias and penalties, on a float copy of ``logits``."""
         batch = StepParams(self, rows, logits.shape[1], grammar)
-        return self._process(logits.float(), rows, batch)
+        out = self._process(logits.float(), rows, batch)
+        return out.clone() if out is logits else out
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], batch: StepParams):
+        if not (batch.grammar is not None or batch.allowed or batch.banned_rows
+                or batch.biased or batch.rep or batch.oa):  # fmt: skip
+            return logits  # nothing to change: no copy (a greedy batch's common case)
         logits = logits.clone()
         if batch.grammar is not None:
             from iterserve.workers.grammar import apply_token_bitmask
