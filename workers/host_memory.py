@@ -9,6 +9,9 @@ At 256 decode rows of the demo model that doubled the forward's time.
 :func:`keep_freed_memory` fixes both thresholds, so freed memory stays in the
 heap for the next step. The heap then holds on to at most the largest step's
 temporaries, which the next step needs again.
+
+:func:`advise_huge_pages` asks for transparent huge pages under a tensor not yet
+touched: the KV cache, whose blocks a decode step reads from all over it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import ctypes.util
 import logging
 import sys
 
+import torch
+
 logger = logging.getLogger(__name__)
 
+MADV_HUGEPAGE = 14
+HUGE_PAGE_BYTES = 2 << 20
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: bigger blocks are still mapped
@@ -41,3 +48,25 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("could not set malloc's thresholds: CPU steps page-fault their buffers")
     return ok
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Asks the kernel to back ``tensor``'s memory with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``, which a kernel in THP's ``madvise`` mode needs);
+    only the whole 2 MiB pages inside it. Effective for memory not touched yet;
+    False where there is no such page or the call is refused (another OS, THP off)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    start = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(start, end - start, MADV_HUGEPAGE) == 0

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.workers.host_memory import advise_huge_pages
+
 
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -103,12 +105,22 @@ class KVCache:
                 "that int32 slot ids address"
             )
         shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-        # Zeroed, not empty: a kernel that reads a never-written slot must see
-        # finite values, or a NaN could leak through 0 * NaN in a softmax.
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        keys = [_zeroed(shape, dtype, device) for _ in range(num_layers)]
+        values = [_zeroed(shape, dtype, device) for _ in range(num_layers)]
         return cls(keys=keys, values=values, num_blocks=num_blocks, block_size=block_size)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. Zeroed, not empty: a kernel that reads a never-written
+    slot must see finite values, or a NaN could leak through 0 * NaN in a softmax.
+    On the host it is backed by huge pages where the kernel grants them, asked for
+    before the zeroing touches it: a decode step reads its sequences' blocks from
+    all over the cache, and with 4 KiB pages every block costs TLB misses."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    if tensor.device.type == "cpu":
+        advise_huge_pages(tensor)
+    return tensor.zero_()

@@ -15,3 +15,30 @@ def test_keep_freed_memory_sets_the_thresholds():
     code = "from iterserve.workers.host_memory import keep_freed_memory; print(keep_freed_memory())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+def _huge_pages_possible() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _huge_pages_possible(), reason="no transparent huge pages here")
+def test_a_large_host_tensor_is_advised_onto_huge_pages_and_a_small_one_is_not():
+    import torch
+
+    from iterserve.workers.host_memory import advise_huge_pages
+
+    assert advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8))  # holds whole 2 MiB pages
+    assert not advise_huge_pages(torch.empty(1024, dtype=torch.uint8))  # holds none
+
+
+def test_the_kv_cache_starts_zeroed():
+    import torch
+
+    from iterserve.workers.kv_cache import KVCache
+
+    cache = KVCache.allocate(2, 600, 16, 2, 64, torch.float32, "cpu")  # 9.8 MB a tensor
+    assert all(int(t.count_nonzero()) == 0 for t in cache.keys + cache.values)
