@@ -46,7 +46,7 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
     for request in finishing:
         # Its KV up to its last known token is computed by the step in flight.
         known = min(request.num_computed_tokens, request.num_tokens)
-        sched.retiring[request.seq_id] = (request, sched.release_blocks(request, known))
+        sched.retiring[request.seq_id] = (request, sched.prefix.release(request, known))
         sched.slots.release(request.slot_idx)
         request.slot_idx = -1
         del sched.running[request.request_id]

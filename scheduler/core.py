@@ -10,17 +10,8 @@ the KV block manager, the waiting queue, preemption and finishing.
 Scheduling ahead (a plan built while the step before it runs) is explained in
 :mod:`~iterserve.scheduler.ahead`.
 
-Prefix caching (``enable_prefix_caching``; continuous and chunked batching). A
-full block of a prompt (or of a recompute) is registered under its content
-hash as soon as a planned step computes it, so a request admitted in the same
-step can start on it; the blocks decodes fill are registered when their
-sequence ends or is preempted, once their tokens are known (a token a running
-step samples is not, yet). A waiting request is admitted on the longest run of
-its first blocks found cached, short of its last token (always computed, so
-that there are logits to sample), and starts computing there. Finishing,
-aborting and preempting drop references and keep the hashes: the blocks wait,
-evictable, until a fresh block needs them. A restart of the workers drops
-every hash.
+Prefix caching (which blocks are shared by content, and when) is explained in
+:mod:`~iterserve.scheduler.prefix_cache`.
 """
 
 from __future__ import annotations
@@ -28,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 
 from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
-from iterserve.scheduler.block_hash import prompt_block_hashes
 from iterserve.scheduler.blocks import BlockManager
 from iterserve.scheduler.config import SchedulerConfig
 from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
 from iterserve.scheduler.messages import NewSequence, StepResult
 from iterserve.scheduler.policies import make_policy
+from iterserve.scheduler.prefix_cache import PrefixCache
 from iterserve.scheduler.queue import WaitingQueue
 from iterserve.scheduler.request import (
     FinishReason,
@@ -54,6 +45,7 @@ class Scheduler:
         slab = config.max_model_len if config.kv_layout == "slab" else 0
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
         self.prefix_caching = config.prefix_caching
+        self.prefix = PrefixCache(self.blocks, config.block_size, config.prefix_caching)
         self.waiting = WaitingQueue(config.max_queue_len)
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -255,48 +247,6 @@ class Scheduler:
             num_cached_tokens=num_cached_tokens,
         )
 
-    def prefix_hit(self, request: Request) -> list[int]:
-        """The cached blocks a waiting request would start with: the longest run of
-        its first blocks, short of its last token, which is always computed. A
-        prompt whose logprobs were asked for is computed whole: they come from its
-        logits, which a cached block does not keep."""
-        if not self.prefix_caching:
-            return []
-        if request.params.prompt_logprobs is not None and not request.num_output_tokens:
-            return []
-        block_size = self.config.block_size
-        max_blocks = (request.num_tokens - 1) // block_size
-        if max_blocks == 0:
-            return []
-        return self.blocks.lookup(request.full_block_hashes(block_size), max_blocks)
-
-    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
-        """Registers the request's full blocks among its first ``num_tokens`` (default:
-        those both computed by a planned step and known to the scheduler)."""
-        if num_tokens is None:
-            num_tokens = min(request.num_computed_tokens, request.num_tokens)
-        num_full = num_tokens // self.config.block_size
-        if num_full > self.blocks.num_registered(request.request_id):
-            hashes = request.full_block_hashes(self.config.block_size)
-            self.blocks.register(request.request_id, hashes, num_full)
-
-    def release_blocks(self, request: Request, num_valid_tokens: int) -> list[int]:
-        """Drops the request's blocks, registering first those whose KV is computed
-        (its first ``num_valid_tokens``); a block registered beyond them loses its hash."""
-        if not self.prefix_caching or request.request_id not in self.blocks.tables:
-            return self.blocks.free(request.request_id)
-        self.cache_full_blocks(request, num_valid_tokens)
-        return self.blocks.free(request.request_id, num_valid_tokens // self.config.block_size)
-
-    def num_cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
-        """How many leading tokens of a prompt this engine holds cached now (whole
-        blocks): what a router may ask before choosing a replica."""
-        if not self.prefix_caching:
-            return 0
-        block_size = self.config.block_size
-        hashes = prompt_block_hashes(prompt_token_ids, block_size, salt=cache_salt)
-        return len(self.blocks.lookup(hashes, len(hashes))) * block_size
-
     def preempt(self, request: Request, *, kv_lost: bool = False) -> None:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
         every token it produced, to be recomputed later, from its blocks still
@@ -305,7 +255,7 @@ class Scheduler:
         if kv_lost:
             self.blocks.free(request.request_id)
         else:  # nothing is in flight: every planned position is computed
-            self.release_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            self.prefix.release(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
             self._release_slot(request)
@@ -347,7 +297,7 @@ class Scheduler:
             # (a prompt-only request, max_tokens 0, sampled none).
             sampled_last = reason != FinishReason.ABORT and request.num_output_tokens > 0
             known = request.num_tokens - sampled_last
-            self.release_blocks(request, min(request.num_computed_tokens, known))
+            self.prefix.release(request, min(request.num_computed_tokens, known))
         if was != RequestStatus.RUNNING:
             return
         del self.running[request.request_id]
@@ -396,21 +346,10 @@ class Scheduler:
         self.blocks.check_integrity()
         for request_id in self.blocks.tables:
             assert request_id in self.running, f"{request_id} holds blocks but is not running"
-        block_size = self.config.block_size
         for request in self.running.values():
             assert self.slots.owner(request.slot_idx) == request.request_id, "slot owner mismatch"
             assert request.status == RequestStatus.RUNNING
-            # A registered block holds this sequence's own content, computed by a
-            # planned step: its hash is the sequence's hash of that block.
-            num_registered = self.blocks.num_registered(request.request_id)
-            assert num_registered * block_size <= request.num_computed_tokens
-            hashes = request.block_hashes
-            table = self.blocks.table(request.request_id)
-            for i in range(num_registered):
-                h = self.blocks.block_hashes[table[i]]
-                assert h is None or h == hashes[i], f"{request.request_id}: block {i} hash"
-            for block in table[num_registered:]:
-                assert self.blocks.block_hashes[block] is None, "a block is hashed ahead"
+            self.prefix.check_request(request)
         for request, _ in self.retiring.values():
             assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
         live = [*self.running.values(), *(request for request, _ in self.retiring.values())]

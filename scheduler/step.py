@@ -80,7 +80,7 @@ class StepBuilder:
         """Tokens ``request`` computes before its next sample: for a waiting request,
         those after the prefix it would find cached."""
         if request.slot_idx < 0:
-            hit = self.sched.prefix_hit(request)
+            hit = self.sched.prefix.hit(request)
             return request.num_remaining_tokens - len(hit) * self.sched.config.block_size
         return request.num_remaining_tokens
 
@@ -103,7 +103,7 @@ class StepBuilder:
         the KV blocks cannot be allocated."""
         sched = self.sched
         admitting = request.slot_idx < 0
-        hit = sched.prefix_hit(request) if admitting else []
+        hit = sched.prefix.hit(request) if admitting else []
         start = len(hit) * sched.config.block_size if admitting else request.num_computed_tokens
         target = start + num_tokens
         new_blocks = sched.blocks.allocate(request.request_id, max(target, reserve_tokens), hit)
@@ -116,8 +116,7 @@ class StepBuilder:
             request.slot_idx, start, num_tokens, new_blocks, sample, num_pad_tokens
         ))  # fmt: skip
         self.budget_left -= num_tokens + num_pad_tokens
-        if sched.prefix_caching:
-            sched.cache_full_blocks(request)
+        sched.prefix.register(request)
         return True
 
     def schedule_decodes(self, requests: list[Request]) -> None:
@@ -125,7 +124,7 @@ class StepBuilder:
         their new blocks fit. The hot path of every step."""
         allocate = self.sched.blocks.allocate
         # The blocks decodes fill are registered when the sequence ends or is
-        # preempted (Scheduler.release_blocks): what reuses generated tokens (a
+        # preempted (PrefixCache.release): what reuses generated tokens (a
         # chat's next turn, the sequence's own recompute) only comes after that.
         for request in requests:
             pos = request.num_computed_tokens

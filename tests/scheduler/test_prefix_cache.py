@@ -167,7 +167,7 @@ def test_evictable_blocks_stay_until_fresh_ones_run_out_then_go_least_recent_fir
     drain(sched, executor)
     assert sched.blocks.num_evictions == 2
     cached = {
-        name: sched.num_cached_prefix_tokens(prompt_for(name, n))
+        name: sched.prefix.cached_tokens(prompt_for(name, n))
         for name, n in (("old", 8), ("new", 8), ("big", 20))
     }
     assert cached == {"old": 0, "new": 8, "big": 20}
@@ -264,12 +264,12 @@ def test_a_router_hashes_prompts_as_the_scheduler_does():
     assert prompt_block_hashes(PROMPT, BS) == request.full_block_hashes(BS)
     assert prompt_block_hashes(PROMPT, BS, max_blocks=1) == request.full_block_hashes(BS)[:1]
     assert prompt_block_hashes(PROMPT, BS, salt="x") != request.full_block_hashes(BS)
-    assert sched.num_cached_prefix_tokens(PROMPT) == 0
+    assert sched.prefix.cached_tokens(PROMPT) == 0
     sched.add_request(request)
     drain(sched, executor)
-    assert sched.num_cached_prefix_tokens(PROMPT) == 8
-    assert sched.num_cached_prefix_tokens(PROMPT[:4] + [1, 2, 3, 4]) == 4
-    assert sched.num_cached_prefix_tokens(PROMPT, cache_salt="x") == 0
+    assert sched.prefix.cached_tokens(PROMPT) == 8
+    assert sched.prefix.cached_tokens(PROMPT[:4] + [1, 2, 3, 4]) == 4
+    assert sched.prefix.cached_tokens(PROMPT, cache_salt="x") == 0
 
 
 def test_a_plan_built_ahead_admits_on_cached_blocks():
