@@ -133,7 +133,7 @@ class EngineCore:
 
     async def _loop(self) -> None:
         try:
-            while True:
+            while self.dead_reason is None:
                 if not self.scheduler.has_work and not self.in_flight:
                     self.wake.clear()
                     await self.wake.wait()
@@ -146,8 +146,7 @@ class EngineCore:
                 if not ran:  # waiting for a batch to fill (static, dynamic)
                     await self._sleep_until(self.scheduler.next_deadline())
         except Exception as exc:  # a bug: the scheduler's state can no longer be trusted
-            logger.exception("the engine loop failed")
-            await self._stop_serving(f"the engine failed: {type(exc).__name__}: {exc}")
+            await self._engine_failed(exc)
 
     async def tick(self) -> bool:
         """One iteration (see the module docstring). False when nothing ran."""
@@ -185,9 +184,21 @@ class EngineCore:
 
     async def _drain(self) -> None:
         """Collects every step in flight (under ``step_lock``), so that nothing runs
-        behind a health check or an integrity check."""
+        behind a health check or an integrity check. A result that breaks the
+        scheduler here ends the engine as it would in the loop."""
         while self.in_flight:
-            self.publish(await self._collect())
+            try:
+                outputs = await self._collect()
+            except WorkerFailure:
+                raise
+            except Exception as exc:
+                await self._engine_failed(exc)
+                return
+            self.publish(outputs)
+
+    async def _engine_failed(self, exc: BaseException) -> None:
+        logger.error("the engine failed", exc_info=exc)
+        await self._stop_serving(f"the engine failed: {type(exc).__name__}: {exc}")
 
     async def _sleep_until(self, deadline: float | None) -> None:
         self.wake.clear()
@@ -228,8 +239,10 @@ class EngineCore:
 
     def _fail_all(self, message: str) -> None:
         """Ends every request with an error; works from the consumers' side too, so
-        that a scheduler whose state is broken cannot keep a request from ending."""
-        self.dead_reason = message
+        that a scheduler whose state is broken cannot keep a request from ending.
+        The first reason is the one the engine keeps reporting."""
+        if self.dead_reason is None:
+            self.dead_reason = message
         for request_id in {*self.scheduler.requests, *self.outputs.owner}:
             try:
                 self.scheduler.finish_with_error(request_id)
@@ -332,6 +345,8 @@ class EngineCore:
     async def check_integrity(self) -> None:
         async with self.step_lock:
             await self._drain()
+            if self.dead_reason is not None:
+                raise RuntimeError(self.dead_reason)
             self.scheduler.check_integrity()
 
     async def health(self) -> tuple[bool, str]:
@@ -341,6 +356,8 @@ class EngineCore:
         try:
             async with self.step_lock:
                 await self._drain()
+                if self.dead_reason is not None:  # the drain met a bug
+                    return False, self.dead_reason
                 await self.workers.ping()
         except WorkerFailure as exc:
             # An idle engine learns of a dead worker here: restart it now.

@@ -144,6 +144,36 @@ async def test_health_and_integrity_checks_while_steps_are_planned_ahead():
         await engine.shutdown()
 
 
+async def test_a_bad_result_a_health_check_collects_ends_the_engine_with_its_own_error():
+    """Health checks drain the step built ahead; when that step's result breaks the
+    scheduler, the engine stops as the loop would have, naming the ProtocolError,
+    and never steps again on the scheduler's broken count of steps in flight."""
+    engine = await start_engine(
+        fake_config(
+            executor="tests.faults:faulty",
+            executor_options={"output_len": None, "step_sleep_s": 0.3,
+                              "fault_bad_result_at_step": 5},
+        )
+    )  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0)
+        streams = asyncio.gather(
+            *(collect(engine, [3, 4, 5], params) for _ in range(3)), return_exceptions=True
+        )
+        for _ in range(2000):  # until step 5 is built ahead, while step 4 runs
+            if (await engine.stats())["step"] >= 5:
+                break
+            await asyncio.sleep(0.01)
+        # Queued behind the loop's wait for step 4, the check then collects step 5.
+        health = await engine.health()
+        assert not health[0] and "ProtocolError" in health[1], health
+        for result in await asyncio.wait_for(streams, 60):
+            assert isinstance(result, EngineError) and "ProtocolError" in str(result)
+        assert (await engine.health())[1] == health[1]  # the first reason stays
+    finally:
+        await engine.shutdown()
+
+
 async def test_engine_error_type_is_exported():
     assert issubclass(EngineError, RuntimeError)
 
