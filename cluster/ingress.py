@@ -75,7 +75,7 @@ class OpenAIIngress:
         )
         self.metrics_hub = metrics_hub_name(args.served_model_name(config))
         router = None
-        if args.routing == "prefix" and config.scheduler.enable_prefix_caching:
+        if args.routing == "prefix" and config.scheduler.prefix_caching:
             router = PrefixRouter(config.scheduler.block_size)
         self.engines = ChannelEngineClient(engine, router)
         self.serving = OpenAIServing(
@@ -87,6 +87,13 @@ class OpenAIIngress:
             request_timeout_s=args.request_timeout_s,
             strict_fields=args.strict_fields,
             tool_call_parser=args.tool_call_parser,
+            settings={
+                "policy": config.scheduler.policy,
+                "max_num_seqs": config.scheduler.max_num_seqs,
+                "prefix_caching": config.scheduler.prefix_caching,  # on, and a policy using it
+                "engine_replicas": args.num_engine_replicas,
+                "routing": args.routing if router is not None else "load",
+            },
         )
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)
         if direct:

@@ -72,8 +72,11 @@ class OpenAIServing:
         request_timeout_s: float | None,
         strict_fields: bool = False,
         tool_call_parser: str | None = None,
+        settings: dict[str, Any] | None = None,
     ):
         self.engine = engine
+        # What GET /version shows of how this server runs (policy, prefix caching, ...).
+        self.settings = dict(settings or {})
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_n = max_n

@@ -252,6 +252,12 @@ def test_tokenize_and_a_cors_preflight_through_the_proxy(url):
     assert httpx.get(f"{url}/version", headers=AUTH).json()["version"]
 
 
+def test_version_shows_how_the_server_runs(url):
+    body = httpx.get(f"{url}/version", headers=AUTH).json()
+    assert body["prefix_caching"] is True and body["routing"] == "prefix"
+    assert body["engine_replicas"] == 1 and body["policy"] and body["max_num_seqs"] >= 1
+
+
 async def test_no_request_left_anything_behind(url):
     async with httpx.AsyncClient(base_url=url, headers=AUTH) as client:
         stats = await _wait_idle(client)
