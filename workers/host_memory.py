@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -33,15 +34,23 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: bigger blocks are still mapp
 TRIM_THRESHOLD_BYTES = 1 << 30
 
 
+@functools.cache
+def _libc_function(name: str):
+    """``name`` from this process's C library, or None off Linux or where it lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return getattr(libc, name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Sets glibc's malloc thresholds in this process; False where there is no
     glibc (another libc, or an allocator preloaded in its place is left alone)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and ok
@@ -55,18 +64,14 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     (``madvise(MADV_HUGEPAGE)``, which a kernel in THP's ``madvise`` mode needs);
     only the whole 2 MiB pages inside it. Effective for memory not touched yet;
     False where there is no such page or the call is refused (another OS, THP off)."""
-    if not sys.platform.startswith("linux"):
+    madvise = _libc_function("madvise")
+    if madvise is None:
         return False
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     start = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if end <= start:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(start, end - start, MADV_HUGEPAGE) == 0
