@@ -183,10 +183,7 @@ class ResponseBuilder:
     def usage_chunk(self, prompt_tokens: int, choices: list[Choice]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         body = self._envelope(obj, [])
-        completion_tokens = sum(c.num_tokens for c in choices)
-        body["usage"] = usage(
-            prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n)
-        )
+        body["usage"] = self._usage(prompt_tokens, choices)
         return body
 
     # -- whole responses ------------------------------------------------------------
@@ -225,11 +222,13 @@ class ResponseBuilder:
                 self._put_prompt_logprobs(body, entry, choice)
             entries.append(entry)
         body["choices"] = entries
-        completion_tokens = sum(c.num_tokens for c in choices)
-        body["usage"] = usage(
-            prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n)
-        )
+        body["usage"] = self._usage(prompt_tokens, choices)
         return body
+
+    def _usage(self, prompt_tokens: int, choices: list[Choice]) -> dict:
+        """The whole request's usage: every choice's tokens, each prompt's cache hits."""
+        completion_tokens = sum(c.num_tokens for c in choices)
+        return usage(prompt_tokens, completion_tokens, cached_prompt_tokens(choices, self.n))
 
     # -- echo and prompt logprobs ------------------------------------------------------
 
