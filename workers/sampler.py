@@ -163,8 +163,7 @@ class Sampler:
         return out.clone() if out is logits else out
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], batch: StepParams):
-        if not (batch.grammar is not None or batch.allowed or batch.banned_rows
-                or batch.biased or batch.rep or batch.oa):  # fmt: skip
+        if not batch.changes_logits:
             return logits  # nothing to change: no copy (a greedy batch's common case)
         logits = logits.clone()
         if batch.grammar is not None:

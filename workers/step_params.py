@@ -99,6 +99,19 @@ class StepParams:
     def get(self, name: str) -> torch.Tensor:
         return self._views[name]
 
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any row has a mask, bias or penalty (``Sampler._process`` applies
+        them); False lets a batch sample from the logits as they are."""
+        return bool(
+            self.grammar is not None
+            or self.allowed
+            or self.banned_rows
+            or self.biased
+            or self.rep
+            or self.oa
+        )
+
 
 def _banned(row: SampleRow, eos_token_ids: list[int]) -> list[int]:
     """The tokens a row may not sample now: the stop and EOS tokens before
