@@ -38,7 +38,7 @@ from iterserve.bench.workloads import (
 )
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.prefix_router import PrefixRouter
+from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
 from iterserve.scheduler import SamplingParams
 
 WALL_CAP_S = 1800.0  # one mode's run never outlives this, whatever the machine
@@ -85,17 +85,13 @@ class RoutedEngines:
         self.in_flight = dict.fromkeys(self.engines, 0)
 
     async def generate(self, prompt: list[int], params: SamplingParams):
-        loads = self.in_flight
-        if self.router is None:
-            name = min(loads, key=loads.__getitem__)
-        else:
-            name = self.router.pick(prompt, loads)
-        loads[name] += 1
+        name = choose_replica(self.router, prompt, self.in_flight)
+        self.in_flight[name] += 1
         try:
             async for out in self.engines[name].generate(prompt, params):
                 yield out
         finally:
-            loads[name] -= 1
+            self.in_flight[name] -= 1
 
 
 async def _stream(engine, prompt: list[int], output_len: int, timing: RequestTiming, start: float):

@@ -20,7 +20,7 @@ import ray
 
 from iterserve.cluster.engine_channel import EngineConnection, RefusedError, RequestStream
 from iterserve.cluster.openai.errors import EngineRefusal
-from iterserve.cluster.prefix_router import PrefixRouter
+from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
 from iterserve.cluster.step_channel import ChannelClosed
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,8 @@ class ChannelEngineClient:
             live = {r: c for r, c in self.connections.items() if not c.closed}
             if not live:
                 raise EngineRefusal("unavailable", "no engine replica is ready")
-        if self.router is None or len(live) == 1:
-            return min(live.values(), key=lambda c: c.load)
         loads = {replica: c.load for replica, c in live.items()}
-        return live[self.router.pick(prompt_token_ids, loads)]
+        return live[choose_replica(self.router, prompt_token_ids, loads)]
 
     # -- replicas -------------------------------------------------------------------------
 

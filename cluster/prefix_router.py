@@ -29,6 +29,16 @@ ABS_SLACK = 8  # requests in flight a prefix's replica may carry beyond the leas
 REL_SLACK = 0.5  # ... or this fraction of the least loaded's load, whichever is more
 
 
+def choose_replica(
+    router: PrefixRouter | None, token_ids: Sequence[int], loads: Mapping[str, int]
+) -> str:
+    """The replica (a key of ``loads``: requests in flight per live replica) for a
+    prompt: by ``router``, or with None by load alone (the fewest in flight)."""
+    if router is None:
+        return min(loads, key=loads.__getitem__)
+    return router.pick(token_ids, loads)
+
+
 class PrefixRouter:
     """Chooses a replica per prompt by cached prefix, with load as the bound."""
 
