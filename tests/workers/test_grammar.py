@@ -244,7 +244,12 @@ def test_names_of_properties_are_not_mistaken_for_keywords(tok):
         "required": ["not"],
         "allOf": [{"required": ["if"]}],  # one schema: xgrammar takes it whole
     }
-    GrammarChecker(tok, 4096).check(StructuredOutput("json", json.dumps(schema)))
+    checker = GrammarChecker(tok, 4096)
+    assert checker.check(StructuredOutput("json", json.dumps(schema))) is None  # accepted
+    # The same words as the schema's own keywords are refused.
+    keyword = {"type": "object", "properties": schema["properties"], "not": {"required": ["if"]}}
+    with pytest.raises(GrammarError, match="not"):
+        checker.check(StructuredOutput("json", json.dumps(keyword)))
 
 
 def test_a_grammar_ends_its_sequence_even_where_ignore_eos_would_go_on(tok):
