@@ -1,5 +1,6 @@
 """Backend selection: Triton kernels on CUDA; on CPU the torch references with
-decode attention compiled by numba (``cpu``), or the references alone (``torch``).
+attention, norms, rotary and the KV store compiled by numba (``cpu``), or the
+references alone (``torch``).
 
 The Triton modules are imported only when the triton backend is requested, so
 importing this package or using the torch or cpu backend never imports triton.
@@ -47,6 +48,7 @@ def _load(name: str) -> KernelOps:
         ops, attn, cache = mod, mod, mod
         if name == "cpu":
             attn = importlib.import_module(f"{__package__}.cpu_attention")
+            ops = cache = importlib.import_module(f"{__package__}.cpu_ops")
     else:
         ops = importlib.import_module(f"{__package__}.triton_ops")
         attn = importlib.import_module(f"{__package__}.triton_attention")

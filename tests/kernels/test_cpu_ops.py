@@ -1,0 +1,113 @@
+"""The cpu backend's compiled norms, rotary embedding and KV store equal the
+torch references (to rounding), refuse what they refuse, and leave other dtypes
+to them."""
+
+import pytest
+import torch
+
+from iterserve.kernels import build_cos_sin_cache, cpu_attention, cpu_ops
+from iterserve.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
+
+CLOSE = dict(atol=1e-6, rtol=1e-5)
+
+
+def _strided(rows, width, seed=0):
+    """A [rows, width] view with a row stride wider than the row, as a slice of a
+    fused projection's output is."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width + 16, generator=g)[:, 8 : 8 + width]
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm_matches_reference(rows, strided):
+    g = torch.Generator().manual_seed(1)
+    x = _strided(rows, 96) if strided else torch.randn(rows, 96, generator=g)
+    weight = torch.rand(96, generator=g) + 0.5
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5),
+                               **CLOSE)  # fmt: skip
+
+
+def test_rms_norm_with_residual_returns_the_sum_too():
+    g = torch.Generator().manual_seed(2)
+    x, residual = _strided(9, 64, seed=3), torch.randn(9, 64, generator=g)
+    weight = torch.rand(64, generator=g)
+    x_before, residual_before = x.clone(), residual.clone()
+    out, summed = cpu_ops.rms_norm(x, weight, 1e-6, residual)
+    want_out, want_sum = ref.rms_norm(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, want_out, **CLOSE)
+    assert torch.equal(summed, want_sum)  # one addition each: exact
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (8, 1, 128), (2, 2, 32)])
+def test_rotary_matches_reference_on_projection_views(num_heads, num_kv_heads, head_dim):
+    """q and k as the model passes them: views into one [tokens, q + 2 kv] output."""
+    tokens = 11
+    cos_sin = build_cos_sin_cache(head_dim, 64, 10000.0, None)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.reshape(tokens, num_heads, head_dim), k.reshape(tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 63, 5, 5, 17, 30, 31, 32, 8])
+    got_q, got_k = cpu_ops.rotary_embedding(positions, q, k, cos_sin)
+    want_q, want_k = ref.rotary_embedding(positions, q, k, cos_sin)
+    torch.testing.assert_close(got_q, want_q, **CLOSE)
+    torch.testing.assert_close(got_k, want_k, **CLOSE)
+
+
+@pytest.mark.parametrize("bad", [64, -1])
+def test_rotary_refuses_a_position_outside_the_cache(bad):
+    cos_sin = build_cos_sin_cache(32, 64, 10000.0, None)
+    q, k = torch.randn(3, 2, 32), torch.randn(3, 1, 32)
+    with pytest.raises(IndexError, match=r"positions\[1\]"):
+        cpu_ops.rotary_embedding(torch.tensor([0, bad, 2]), q, k, cos_sin)
+
+
+def _caches(num_blocks=4, block_size=4, heads=2, head_dim=8):
+    return (torch.zeros(num_blocks, block_size, heads, head_dim),
+            torch.zeros(num_blocks, block_size, heads, head_dim))  # fmt: skip
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_store_kv_matches_reference_and_skips_negative_slots(index_dtype):
+    g = torch.Generator().manual_seed(4)
+    kv = torch.randn(5, 3, 2, 8, generator=g)  # a fused [k | v | other] layout
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([3, -1, 0, 15, 9], dtype=index_dtype)
+    got, want = _caches(), _caches()
+    cpu_ops.store_kv(key, value, *got, slots)
+    ref.store_kv(key, value, *want, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_before_writing():
+    k_cache, v_cache = _caches()
+    key = torch.ones(2, 2, 8)
+    with pytest.raises(ValueError, match="slot 16"):
+        cpu_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 16]))
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_fp16_takes_the_reference_path():
+    x, weight = torch.randn(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16)
+    assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    cos_sin = build_cos_sin_cache(32, 16, 10000.0, None)
+    q, k = torch.randn(4, 2, 32, dtype=torch.float16), torch.randn(4, 1, 32, dtype=torch.float16)
+    positions = torch.arange(4)
+    for got, want in zip(cpu_ops.rotary_embedding(positions, q, k, cos_sin),
+                         ref.rotary_embedding(positions, q, k, cos_sin)):  # fmt: skip
+        assert torch.equal(got, want)
+
+
+def test_bad_arguments_are_named_as_by_the_reference():
+    with pytest.raises(ValueError, match="weight"):
+        cpu_ops.rms_norm(torch.randn(3, 16), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        cpu_ops.rms_norm(torch.randn(3, 16), torch.ones(16), -1.0)
+    k_cache, v_cache = _caches()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_ops.store_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache,
+                         torch.tensor([0]))  # fmt: skip
