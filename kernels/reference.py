@@ -10,6 +10,8 @@ input dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from iterserve.scheduler.blocks import blocks_for
@@ -69,24 +71,41 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are the Triton backend's kernel-choice
     hints; this one reads the lengths themselves and ignores them.
     """
-    return attend_pieces(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, _attend_decodes
-    )
-
-
-def attend_pieces(
-    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, attend_decodes
-) -> torch.Tensor:
-    """:func:`paged_attention`'s body: each multi-row piece attended here, every
-    one-row (decode) sequence handed to ``attend_decodes(query, k_cache, v_cache,
-    block_tables, seqs, starts, lens, scale, out)`` at once, which writes their rows
-    of ``out``. Another backend brings its own decode kernel."""
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    pieces = split_pieces(query.shape[0], k_cache.shape[1], block_tables, seq_lens,
+                          query_start_loc)  # fmt: skip
+    out = attend_long_pieces(query, k_cache, v_cache, block_tables, pieces, scale)
+    if pieces.together:
+        _attend_decodes(query, k_cache, v_cache, block_tables, pieces.together, pieces.starts,
+                        pieces.lens, scale, out)  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """How a batch's query rows split into sequences, checked: ``starts`` and
+    ``lens`` are ``query_start_loc`` and ``seq_lens`` as lists; ``long`` the
+    sequences :func:`attend_long_pieces` attends; ``together`` those a row kernel
+    attends at once: every one-row (decode) sequence, and every piece of at most
+    ``short_work`` query rows × positions."""
+
+    starts: list[int]
+    lens: list[int]
+    long: list[int]
+    together: list[int]
+
+
+def split_pieces(
+    num_tokens: int,
+    block_size: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    short_work: int = 0,
+) -> Pieces:
+    """Reads the batch's lengths once and checks them against each other."""
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
@@ -94,11 +113,9 @@ def attend_pieces(
             f"query_start_loc must run from 0 to num_tokens={num_tokens}, "
             f"got {starts[0]}..{starts[-1]}"
         )
-    out = torch.zeros_like(query)
-    decodes = []  # sequences with one query row: attended together below
+    long, together = [], []
     for s, seq_len in enumerate(lens):
-        q_begin, q_end = starts[s], starts[s + 1]
-        q_len = q_end - q_begin
+        q_len = starts[s + 1] - starts[s]
         if q_len < 0:
             raise ValueError(f"query_start_loc must be non-decreasing (sequence {s})")
         if q_len == 0:
@@ -111,10 +128,21 @@ def attend_pieces(
                 f"seq_lens[{s}]={seq_len} needs {num_blocks} blocks, but block_tables "
                 f"has {block_tables.shape[1]} columns"
             )
-        if q_len == 1:
-            decodes.append(s)
-            continue
-        blocks = block_tables[s, :num_blocks].long()
+        (together if q_len == 1 or q_len * seq_len <= short_work else long).append(s)
+    return Pieces(starts, lens, long, together)
+
+
+def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: Pieces, scale):
+    """A zeroed output with the rows of ``pieces.long`` attended, each piece by
+    matrix products over its gathered blocks, ``_ATTN_QUERY_CHUNK`` rows at a time."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for s in pieces.long:
+        q_begin, q_end, seq_len = pieces.starts[s], pieces.starts[s + 1], pieces.lens[s]
+        q_len = q_end - q_begin
+        blocks = block_tables[s, : blocks_for(seq_len, block_size)].long()
         # Gather the sequence's cache blocks into contiguous [kv_heads, seq_len, head_dim].
         k = _gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
         v = _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
@@ -139,8 +167,6 @@ def attend_pieces(
             o = torch.matmul(probs, v)  # [kv_heads, group * rows, D]
             o = o.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
             out[q_begin + c0 : q_begin + c1] = o.reshape(rows, num_heads, head_dim).to(out.dtype)
-    if decodes:
-        attend_decodes(query, k_cache, v_cache, block_tables, decodes, starts, lens, scale, out)
     return out
 
 
@@ -248,4 +274,5 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     checks.check_silu_mul(x)
     d = x.shape[1] // 2
     xf = x.float()
-    return (torch.nn.functional.silu(xf[:, :d]) * xf[:, d:]).to(x.dtype)
+    # In place on silu's own output: one tensor fewer per call, the same values.
+    return torch.nn.functional.silu(xf[:, :d]).mul_(xf[:, d:]).to(x.dtype)

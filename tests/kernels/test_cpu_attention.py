@@ -4,7 +4,7 @@ reference's output wherever it does not apply."""
 import pytest
 import torch
 
-from iterserve.kernels import cpu_attention, get_ops
+from iterserve.kernels import cpu_attention, cpu_ops, get_ops
 from iterserve.kernels import reference as ref
 from tests.kernels.attention_cases import DECODE, MIXED, dense_attention, make_batch
 
@@ -68,8 +68,55 @@ def test_fp16_takes_the_reference_path():
     assert torch.equal(cpu_attention.paged_attention(*b.args()), ref.paged_attention(*b.args()))
 
 
-def test_cpu_backend_shares_the_reference_ops():
+def test_cpu_backend_compiles_all_but_silu_mul():
     cpu, torch_ops = get_ops("cpu"), get_ops("torch")
     assert cpu.name == "cpu" and cpu.paged_attention is cpu_attention.paged_attention
-    assert cpu.store_kv is torch_ops.store_kv and cpu.rms_norm is torch_ops.rms_norm
+    assert (cpu.store_kv, cpu.rms_norm, cpu.rotary_embedding) == (
+        cpu_ops.store_kv, cpu_ops.rms_norm, cpu_ops.rotary_embedding,
+    )  # fmt: skip
+    assert cpu.silu_mul is torch_ops.silu_mul
     assert get_ops("auto", device="cpu").name == "cpu"
+
+
+# Prefill pieces: one under a block, several blocks, one whose context is cached.
+PIECES = [(0, 5), (0, 40), (24, 9), (3, 1), (0, 70)]
+
+
+@pytest.mark.parametrize("short_work", [0, 1 << 16], ids=["reference", "kernel"])
+def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
+    """Pieces at most SHORT_PIECE_WORK rows x positions run on the kernel, longer
+    ones on the reference: both are exact causal attention."""
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", short_work)
+    b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.float32, seed=6))
+    got = cpu_attention.paged_attention(*b.args())
+    torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_pieces_split_across_threads_alike():
+    b = on_cpu(make_batch(PIECES * 2, 4, 2, 64, 16, torch.float32, seed=7))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = cpu_attention.paged_attention(*b.args())
+        torch.set_num_threads(2)
+        parallel = cpu_attention.paged_attention(*b.args())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
+
+
+def test_the_layers_of_one_batch_share_its_plan_until_its_metadata_changes(monkeypatch):
+    """The lengths are read once per batch, not once per layer; a table written in
+    place (as a replayed graph's static inputs are) is read again."""
+    splits = []
+    split = ref.split_pieces
+    monkeypatch.setattr(ref, "split_pieces", lambda *a, **k: splits.append(1) or split(*a, **k))
+    b = on_cpu(make_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=8))
+    first = cpu_attention.paged_attention(*b.args())
+    assert torch.equal(cpu_attention.paged_attention(*b.args()), first)
+    assert len(splits) == 1
+    b.seq_lens[0] -= 1  # one position fewer for the first decode row
+    changed = cpu_attention.paged_attention(*b.args())
+    assert len(splits) == 2
+    torch.testing.assert_close(changed, ref.paged_attention(*b.args()), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed, first, atol=1e-3)
