@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.kernels.cpu_linear import linear
+from iterserve.kernels.cpu_linear import pack as pack_weight
 from iterserve.workers.config import CheckpointError, ModelConfig
 from iterserve.workers.kv_cache import KVCache
 
@@ -87,6 +89,9 @@ class Attention(nn.Module):
         self.qkv_bias = _weight(self.q_size + 2 * self.kv_size, **kw) if config.qkv_bias else None
         self.o_weight = _weight(config.hidden_size, self.q_size, **kw)
         self.o_bias = _weight(config.hidden_size, **kw) if config.o_bias else None
+        # The same weights laid out for oneDNN, once loaded (LlamaModel.pack_weights).
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -98,7 +103,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         n, hd = x.shape[0], self.tp.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.tp.num_heads, hd)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(n, self.tp.num_kv_heads, hd)  # [num_tokens, num_kv_heads, head_dim]
@@ -116,7 +121,9 @@ class Attention(nn.Module):
             max_query_len=attn.max_query_len,
             max_seq_len=attn.max_seq_len,
         )  # [num_tokens, num_heads, head_dim]
-        out = self.all_reduce(F.linear(out.reshape(n, self.q_size), self.o_weight))
+        out = self.all_reduce(
+            linear(out.reshape(n, self.q_size), self.o_weight, None, self.o_packed)
+        )
         if self.o_bias is not None:
             # Added once, after the reduction, not once per rank.
             out = out + self.o_bias
@@ -133,11 +140,13 @@ class MLP(nn.Module):
         self.gate_up_bias = _weight(2 * inter, **kw) if config.mlp_bias else None
         self.down_weight = _weight(config.hidden_size, inter, **kw)
         self.down_bias = _weight(config.hidden_size, **kw) if config.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None
+        self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [num_tokens, 2 * inter]
+        h = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
         h = self.ops.silu_mul(h)  # [num_tokens, inter]
-        out = self.all_reduce(F.linear(h, self.down_weight))  # [num_tokens, hidden]
+        out = self.all_reduce(linear(h, self.down_weight, None, self.down_packed))
         if self.down_bias is not None:
             out = out + self.down_bias
         return out
@@ -186,6 +195,7 @@ class LlamaModel(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, **kw)
         )
         self.register_buffer("cos_sin", cos_sin.to(device=device), persistent=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(
@@ -215,7 +225,20 @@ class LlamaModel(nn.Module):
             hidden = self.ops.rms_norm(hidden, self.norm, eps)
         else:
             hidden, _ = self.ops.rms_norm(hidden, self.norm, eps, residual[logits_indices])
-        return F.linear(hidden, self.lm_head)  # [num_logits, vocab]
+        return linear(hidden, self.lm_head, None, self.lm_head_packed)  # [num_logits, vocab]
+
+    def pack_weights(self) -> bool:
+        """Keeps a copy of every matrix product's weight in oneDNN's layout
+        (:mod:`iterserve.kernels.cpu_linear`), used by batches of 16 rows or more;
+        call after the weights are loaded. False (nothing kept) where it does not
+        apply: not fp32 on the CPU, or no oneDNN in this build."""
+        for layer in self.layers:
+            a, m = layer.attn, layer.mlp
+            a.qkv_packed, a.o_packed = pack_weight(a.qkv_weight), pack_weight(a.o_weight)
+            m.gate_up_packed = pack_weight(m.gate_up_weight)
+            m.down_packed = pack_weight(m.down_weight)
+        self.lm_head_packed = pack_weight(self.lm_head)
+        return self.lm_head_packed is not None
 
     def set_ops(self, ops: Any) -> None:
         """Runs the same weights on another kernel backend (for comparisons)."""

@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 # replayed step copies bucket x width ids, so a 128k-position model's full width
 # would cost 32 KB per row per step for sequences that rarely need it.
 GRAPH_MAX_LEN = 8192
+# The cpu backend keeps a oneDNN copy of the matrix products' weights
+# (LlamaModel.pack_weights) for models up to this size: the copy doubles their
+# memory, and a model past it is bound by reading its weights, which the layout
+# does not change.
+PACK_WEIGHTS_MAX_BYTES = 2 << 30
 
 
 class ModelRunner:
@@ -143,6 +148,10 @@ class ModelRunner:
             self.model.load_weights(weights)
         else:
             self.model.init_random_(weight_seed)
+        if self.ops.name == "cpu":
+            size = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            if size <= PACK_WEIGHTS_MAX_BYTES:
+                self.model.pack_weights()
         self.kv_cache = KVCache.allocate(
             c.num_layers,
             num_kv_blocks,

@@ -1,0 +1,55 @@
+"""Matrix products of a CPU rank on weights packed once for oneDNN.
+
+``F.linear`` multiplies by the weight as stored, ``[out, in]``, and its
+library re-blocks it on every call. oneDNN can take the weight already in the
+blocked layout its kernel reads (``torch.ops.mkldnn._reorder_linear_weight``,
+what torch's own CPU compiler uses for frozen weights): measured on the demo
+model's shapes at 128 rows, 5–20% less time per product (the LM head 3.24 →
+2.65 ms), and 8–25% at 2048 rows. A oneDNN call costs ~20 µs more to dispatch
+than ``F.linear``, so a batch of fewer than :data:`MIN_ROWS` rows keeps the
+plain product, which is why the plain weight stays too.
+
+fp32 CPU weights only, and only where the build has oneDNN; anywhere else
+:func:`pack` returns ``None`` and :func:`linear` is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Below this many rows the plain product is the faster (dispatch dominates).
+MIN_ROWS = 16
+# The batch size oneDNN is told to expect when it lays the weight out.
+_ROWS_HINT = 128
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (``[out, in]``) in oneDNN's layout, or ``None`` where that does
+    not apply (not fp32 on the CPU, or no oneDNN in this build)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+    except (RuntimeError, AttributeError) as exc:  # an op this build lacks
+        logger.warning("oneDNN weight packing unavailable (%s); using plain products", exc)
+        return None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on ``packed`` (``pack(weight)``) when there
+    is one and ``x`` (2-D) has at least :data:`MIN_ROWS` rows."""
+    if packed is None or x.dim() != 2 or x.shape[0] < MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
