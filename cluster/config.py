@@ -51,8 +51,8 @@ class EngineConfig:
     device: str = knob("auto", "`auto` (CUDA when present), `cpu` or `cuda`", helm=False)
     kernel_backend: str = knob(
         "auto",
-        "`auto` (Triton on CUDA; `cpu` elsewhere: torch ops, decode attention compiled by "
-        "numba), `triton`, `cpu` or `torch`",
+        "`auto` (Triton on CUDA; `cpu` elsewhere: attention, norms and rotary compiled by "
+        "numba, products on oneDNN-packed weights), `triton`, `cpu` or `torch`",
         choices=("auto", "triton", "cpu", "torch"),
         helm=False,
     )
