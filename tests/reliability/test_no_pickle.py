@@ -96,6 +96,11 @@ def test_no_module_of_ours_can_unpickle():
 @pytest.fixture
 def no_pickle(monkeypatch):
     """Every pickle entry point raises for the duration of a test."""
+    forbid_pickle(monkeypatch)
+
+
+def forbid_pickle(monkeypatch):
+    """Every pickle entry point raises from now on, until the test ends."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("pickle was used to deserialize")
@@ -134,7 +139,11 @@ def test_step_messages_decode_without_pickle(no_pickle):
     assert wire(result) == result
 
 
-def test_a_model_runner_step_runs_without_pickle(tiny_model_dir, no_pickle):
+def test_a_model_runner_step_runs_without_pickle(tiny_model_dir, monkeypatch):
+    """Steps, once the runner is warm. The cpu backend's kernels are compiled on first
+    use, or loaded from numba's on-disk cache, whose index numba reads with pickle: a
+    local code cache the process writes itself, like Python's bytecode, not a channel;
+    so one step runs before pickle is refused."""
     from iterserve.workers.runner import ModelRunner
     from tests.workers.plan_driver import GREEDY, PlanDriver
 
@@ -146,6 +155,10 @@ def test_a_model_runner_step_runs_without_pickle(tiny_model_dir, no_pickle):
             return wire(self.runner.execute(wire(plan)))
 
     runner = ModelRunner(tiny_model_dir, dtype="float32", num_kv_blocks=64, block_size=4)
+    warm = PlanDriver(runner)
+    warm.add("warm", [1, 5, 9, 40, 2], GREEDY)  # a prefill piece, then decode rows
+    warm.run()
+    forbid_pickle(monkeypatch)
     driver = PlanDriver(OverTheWire(runner))
     driver.add("r0", [1, 5, 9, 40], GREEDY)
     driver.add("r1", [1, 7, 7], GREEDY)
