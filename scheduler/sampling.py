@@ -206,6 +206,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Whether every next token is the plain argmax of the model's logits: greedy,
+        no logprobs, and nothing that masks, biases or penalises a logit (``min_tokens``
+        of at most 1 never bans a token)."""
+        return (
+            self.temperature == 0.0
+            and self.logprobs is None
+            and self.structured_output is None
+            and self.allowed_token_ids is None
+            and not self.logit_bias
+            and not self.bad_words
+            and self.min_tokens <= 1
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
+
     def check_limits(self, *, max_n: int, max_logprobs: int, vocab_size: int | None = None) -> None:
         """Checks the limits that depend on the engine's configuration."""
         if self.n > max_n:

@@ -99,6 +99,12 @@ class Sampler:
     ) -> SamplerOutput:
         """``logits`` is ``[len(rows), vocab]``; row ``i`` belongs to ``rows[i]``.
         ``grammar``: the step's bitmask for the rows that have a grammar."""
+        if grammar is None and all(r.params.takes_argmax for r in rows):
+            # Nothing to change and nothing to report but the tokens: the common
+            # greedy batch needs no per-row parameters on the device.
+            tokens = logits.argmax(dim=-1).tolist()  # the step's one wait on the device
+            n = len(tokens)
+            return SamplerOutput(tokens, [None] * n, [[] for _ in range(n)])
         logits = logits.float()  # [n, vocab]
         n, vocab = logits.shape
         params = [r.params for r in rows]

@@ -40,6 +40,49 @@ def test_greedy_is_exact_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_a_plain_greedy_batch_takes_the_argmax_without_per_row_parameters(monkeypatch):
+    import iterserve.workers.sampler as sampler_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("StepParams built for a plain greedy batch")
+
+    monkeypatch.setattr(sampler_module, "StepParams", refuse)
+    logits = random_logits(16)
+    out = sampler()(logits, rows_of(SamplingParams(temperature=0.0, min_tokens=1), 16))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 16 and out.top_logprobs == [[]] * 16
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [dict(logprobs=0), dict(min_tokens=2), dict(logit_bias=((3, 5.0),)),
+     dict(allowed_token_ids=(4, 5)), dict(bad_words=((7,),)), dict(repetition_penalty=1.2),
+     dict(presence_penalty=0.5), dict(frequency_penalty=0.5)],
+    ids=lambda extra: next(iter(extra)),
+)  # fmt: skip
+def test_one_row_that_changes_its_logits_takes_the_whole_batch_down_the_full_path(
+    monkeypatch, extra
+):
+    """Each setting the argmax shortcut must not skip: with it on one row the batch
+    builds its parameters, that row gets what the full path gives it alone, and the
+    plain rows are still their argmax."""
+    import iterserve.workers.sampler as sampler_module
+
+    built = []
+    step_params = sampler_module.StepParams
+    monkeypatch.setattr(sampler_module, "StepParams", lambda *a: built.append(1) or step_params(*a))
+    plain = SamplingParams(temperature=0.0)
+    special = SamplingParams(temperature=0.0, **extra)
+    assert plain.takes_argmax and not special.takes_argmax
+    logits = random_logits(4, seed=1)
+    mixed = rows_of(plain, 3, output=(7,)) + rows_of(special, 1, output=(7,))
+    got = sampler()(logits, mixed)
+    assert built
+    alone = sampler()(logits[3:], rows_of(special, 1, output=(7,)))
+    assert got.token_ids[:3] == logits[:3].argmax(-1).tolist()
+    assert got.token_ids[3] == alone.token_ids[0]
+
+
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)],
