@@ -193,6 +193,7 @@ class EngineWorker:
                 graph_batch_sizes=graph_buckets(self.config.scheduler.max_num_seqs),
                 max_model_len=self.config.scheduler.max_model_len,
             )
+            self.executor.warm_up()  # compiled kernels built before the engine reports ready
         elif kind == "fake":
             from iterserve.scheduler.fake_executor import FakeExecutor
 

@@ -19,7 +19,7 @@ from iterserve.kernels import build_cos_sin_cache, get_ops
 from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
-from iterserve.workers.batch import HostBatch, Staging, layout_batch, to_device
+from iterserve.workers.batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
 from iterserve.workers.config import ModelConfig
 from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
@@ -317,6 +317,32 @@ class ModelRunner:
         if finished is None and self.grammars.done(seq.seq_id):
             finished = self.table.end(seq.slot_idx, FinishReason.EOS)
         return finished
+
+    def warm_up(self) -> None:
+        """Runs a two-token prompt piece, then one decode row, through the model on
+        the scratch block, so every kernel a CPU step runs is built here (the cpu
+        backend's numba kernels compile, or load from numba's disk cache: ~8 s cold
+        on a 2-core machine) instead of in the first request. No sequence state
+        changes: the scratch block is where padding rows write anyway. CPU ranks of
+        one only (more ranks would have to warm up in step)."""
+        if self.device.type != "cpu" or self.tp_size > 1:
+            return
+        bs, scratch = self.block_size, self.kv_cache.scratch_block
+        for q_len, seq_len in ((2, 2), (1, 3)):
+            positions = torch.arange(seq_len - q_len, seq_len, dtype=INDEX_DTYPE)
+            host = HostBatch(
+                input_ids=torch.full((q_len,), self.pad_token_id, dtype=INDEX_DTYPE),
+                positions=positions,
+                slot_mapping=scratch * bs + positions % bs,
+                logits_indices=torch.tensor([q_len - 1], dtype=INDEX_DTYPE),
+                seq_lens=torch.tensor([seq_len], dtype=INDEX_DTYPE),
+                query_start_loc=torch.tensor([0, q_len], dtype=INDEX_DTYPE),
+                block_tables=torch.full((1, -(-seq_len // bs)), scratch, dtype=INDEX_DTYPE),
+                sample_entries=[],
+                max_query_len=q_len,
+                max_seq_len=seq_len,
+            )
+            self.forward(host, replay=False)
 
     def forward(self, host: HostBatch, replay: bool = True) -> torch.Tensor:
         """Logits of ``host``'s logits rows: a graph replay when one fits (and

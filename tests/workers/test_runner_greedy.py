@@ -51,6 +51,31 @@ def test_cpu_backend_matches_transformers(checkpoint_dir, hf_reference):
     assert driver.run(chunk=7) == expected(hf_reference("llama"), ps)
 
 
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_a_warmed_up_runner_compiles_first_and_generates_the_same(
+    monkeypatch, checkpoint_dir, hf_reference, block_size
+):
+    """warm_up runs the compiled kernels (both attention cases among them) before any
+    request, leaves no sequence behind, and what it wrote does not reach a request."""
+    from iterserve.kernels import cpu_attention
+
+    calls = []
+    kernel = cpu_attention._attend_all
+    monkeypatch.setattr(
+        cpu_attention, "_attend_all", lambda *a: calls.append(a[6].size) or kernel(*a)
+    )
+    runner = make_runner(checkpoint_dir("llama"), kernel_backend="cpu", block_size=block_size)
+    runner.warm_up()
+    layers = runner.config.num_layers  # the prompt piece's two rows, then one decode row
+    assert calls == [2] * layers + [1] * layers
+    assert not runner.table.by_slot
+    ps = prompts(4)
+    driver = PlanDriver(runner)
+    for i, p in enumerate(ps):
+        driver.add(f"r{i}", p)
+    assert driver.run(chunk=7) == expected(hf_reference("llama"), ps)
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_prefill_in_pieces(chunk, checkpoint_dir, hf_reference):
     ps = prompts()
