@@ -173,14 +173,10 @@ def store_kv(
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, _, num_kv_heads, head_dim = k_cache.shape
     slots = slot_mapping.numpy()
-    # Checked before anything is written, as the reference does.
-    if slots.shape[0] and int(_largest(slots)) >= num_blocks * block_size:
-        raise ValueError(
-            f"slot_mapping holds slot {int(_largest(slots))}, but the cache has only "
-            f"{num_blocks * block_size} slots"
-        )
+    if slots.shape[0]:
+        reference.check_largest_slot(int(_largest(slots)), k_cache)
     _store_rows(
         key.numpy(), value.numpy(),
         k_cache.view(-1, num_kv_heads, head_dim).numpy(),

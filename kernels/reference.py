@@ -42,14 +42,20 @@ def store_kv(
         slots, key, value = slots[keep], key[keep], value[keep]
     if slots.numel() == 0:
         return
-    if int(slots.max()) >= num_blocks * block_size:
-        raise ValueError(
-            f"slot_mapping holds slot {int(slots.max())}, but the cache has only "
-            f"{num_blocks * block_size} slots"
-        )
+    check_largest_slot(int(slots.max()), k_cache)
     # [num_blocks * block_size, num_kv_heads, head_dim] views share storage with the caches.
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def check_largest_slot(largest: int, k_cache: torch.Tensor) -> None:
+    """Refuses a slot mapping whose largest slot lies past the cache, before
+    anything is written (a value check, so not in :mod:`.checks`)."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if largest >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slot {largest}, but the cache has only {num_slots} slots"
+        )
 
 
 def paged_attention(
