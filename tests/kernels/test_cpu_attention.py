@@ -48,18 +48,23 @@ def test_cpu_attention_takes_a_strided_query():
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
-def test_threads_split_the_sequences_with_the_same_results():
-    """To rounding: the serial and the parallel loop are compiled apart, and fastmath
-    lets each vectorize its sums its own way."""
-    b = on_cpu(make_batch(LONG_DECODES * 3, 8, 2, 64, 16, torch.float32, seed=4))
+def serial_and_parallel(b):
+    """The batch attended with one torch thread, then with two."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         serial = cpu_attention.paged_attention(*b.args())
         torch.set_num_threads(2)
-        parallel = cpu_attention.paged_attention(*b.args())
+        return serial, cpu_attention.paged_attention(*b.args())
     finally:
         torch.set_num_threads(threads)
+
+
+def test_threads_split_the_sequences_with_the_same_results():
+    """To rounding: the serial and the parallel loop are compiled apart, and fastmath
+    lets each vectorize its sums its own way."""
+    b = on_cpu(make_batch(LONG_DECODES * 3, 8, 2, 64, 16, torch.float32, seed=4))
+    serial, parallel = serial_and_parallel(b)
     torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
 
 
@@ -94,14 +99,7 @@ def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
 
 def test_prefill_pieces_split_across_threads_alike():
     b = on_cpu(make_batch(PIECES * 2, 4, 2, 64, 16, torch.float32, seed=7))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = cpu_attention.paged_attention(*b.args())
-        torch.set_num_threads(2)
-        parallel = cpu_attention.paged_attention(*b.args())
-    finally:
-        torch.set_num_threads(threads)
+    serial, parallel = serial_and_parallel(b)
     torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
 
 
