@@ -53,6 +53,20 @@ def test_a_plain_greedy_batch_takes_the_argmax_without_per_row_parameters(monkey
     assert out.logprobs == [None] * 16 and out.top_logprobs == [[]] * 16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_argmax_shortcut_picks_what_torch_picks_on_ties_and_nan(dtype):
+    """CPU fp32/fp64 rows go through numpy's argmax: the first of equal maxima and a
+    NaN as the largest, as torch's, and every dtype the same tokens as torch."""
+    logits = random_logits(6).to(dtype)
+    logits[1, [5, 9]] = 50.0  # a tie: the first wins
+    logits[2, 7] = float("nan")
+    logits[3, :] = 1.0  # a flat row: index 0
+    logits[4, [2, 3]] = float("nan")
+    out = sampler()(logits, rows_of(SamplingParams(temperature=0.0), 6))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids[1:5] == [5, 7, 0, 2]
+
+
 @pytest.mark.parametrize(
     "extra",
     [dict(logprobs=0), dict(min_tokens=2), dict(logit_bias=((3, 5.0),)),
