@@ -155,26 +155,33 @@ def _check_entry(
 ) -> None:
     """A plan entry this worker cannot run as written is a plan mismatch, never a
     wrong answer."""
-    name = f"slot {entry.slot_idx} ({seq.request_id})"
-    if any(not 0 <= b < scratch_block for b in entry.new_block_ids):
+    new_blocks = entry.new_block_ids
+    if new_blocks and not (0 <= min(new_blocks) and max(new_blocks) < scratch_block):
         raise PlanMismatchError(
-            f"{name}: block ids {entry.new_block_ids} outside the cache's {scratch_block} blocks"
+            f"{_name(entry, seq)}: block ids {new_blocks} outside the cache's "
+            f"{scratch_block} blocks"
         )
     if entry.num_tokens <= 0:
         raise PlanMismatchError(f"slot {entry.slot_idx}: num_tokens must be positive")
     if end > max_position:
         raise PlanMismatchError(
-            f"{name}: position {end - 1} is beyond the model's {max_position} positions"
+            f"{_name(entry, seq)}: position {end - 1} is beyond the model's "
+            f"{max_position} positions"
         )
     if needed > len(seq.block_ids):
         raise PlanMismatchError(
-            f"{name}: {end} tokens need {needed} blocks, the worker has {len(seq.block_ids)}"
+            f"{_name(entry, seq)}: {end} tokens need {needed} blocks, "
+            f"the worker has {len(seq.block_ids)}"
         )
     if entry.sample and end != len(seq.token_ids):
         raise PlanMismatchError(
-            f"{name}: sampling after position {end - 1}, "
+            f"{_name(entry, seq)}: sampling after position {end - 1}, "
             f"but the sequence has {len(seq.token_ids)} tokens"
         )
+
+
+def _name(entry: ScheduledSeq, seq) -> str:
+    return f"slot {entry.slot_idx} ({seq.request_id})"
 
 
 def _block_tables(tables: list[list[int]], needed_blocks: list[int], scratch_block: int):
@@ -195,13 +202,14 @@ def _positions_and_slots(
     """Each row's position and KV slot, and where each sequence's rows start."""
     num_seqs, num_rows = len(q_lens), sum(q_lens)
     if num_rows == num_seqs:  # decode rows only (padding included): one row per sequence
-        starts = torch.arange(num_seqs + 1)
-        positions = torch.tensor(first_pos)
+        # Made in the index dtype: the caller's conversions are then no-ops.
+        starts = torch.arange(num_seqs + 1, dtype=INDEX_DTYPE)
+        positions = torch.tensor(first_pos, dtype=INDEX_DTYPE)
         slots = [
             (t[p // block_size] if n else scratch_block) * block_size + p % block_size
             for t, n, p in zip(tables, needed_blocks, first_pos, strict=True)
         ]
-        return positions, torch.tensor(slots), starts
+        return positions, torch.tensor(slots, dtype=INDEX_DTYPE), starts
     q_lens_t = torch.tensor(q_lens)
     starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
     torch.cumsum(q_lens_t, 0, out=starts[1:])

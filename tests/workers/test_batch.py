@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -114,5 +115,23 @@ def test_layout_rejects_what_the_table_cannot_compute():
     entry = plan.scheduled[0]
     table.get(entry.slot_idx).block_ids.clear()
     with pytest.raises(PlanMismatchError, match="blocks"):
+        layout_batch(plan, table, block_size=BS, scratch_block=SCRATCH, pad_token_id=PAD,
+                     max_position=1000)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(new_block_ids=[SCRATCH]), "outside the cache's 99 blocks"),
+        (dict(new_block_ids=[-1]), "outside the cache's 99 blocks"),
+        (dict(num_tokens=0), "num_tokens must be positive"),
+        (dict(start_pos=2000), "beyond the model's 1000 positions"),
+    ],
+)
+def test_layout_names_the_slot_and_the_problem_of_a_bad_entry(change, message):
+    plan, table = random_step(random.Random(6), decode=True)
+    bad = dataclasses.replace(plan.scheduled[0], **change)
+    plan = dataclasses.replace(plan, scheduled=[bad, *plan.scheduled[1:]])
+    with pytest.raises(PlanMismatchError, match=message):
         layout_batch(plan, table, block_size=BS, scratch_block=SCRATCH, pad_token_id=PAD,
                      max_position=1000)  # fmt: skip
