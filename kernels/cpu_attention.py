@@ -152,15 +152,16 @@ def _attend_one(
 
 @_jit()
 def _attend_row(
-    q, k_cache, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh
-):
+    q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh,
+    block_size, num_kv_heads,
+):  # fmt: skip
     """Row ``r`` of the batch, prefetching the first KV blocks of row ``r + 1``."""
     n = lengths.shape[0]
     following = min(r + 1, n - 1)
     _attend_one(
         q, k_rows, v_rows, tables[table_of[r]], lengths[r], tables[table_of[following]],
         lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh,
-        k_cache.shape[1], k_cache.shape[2],
+        block_size, num_kv_heads,
     )  # fmt: skip
 
 
@@ -180,21 +181,22 @@ def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out
         for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size)):
             _prefetch_block(k_rows, tables[table_of[0], j], block_size * num_kv_heads, head_dim)
     for r in range(n):
-        _attend_row(q, k_cache, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh)  # fmt: skip
+        _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
+                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
 
 
 @_jit(parallel=True)
 def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
     n = lengths.shape[0]
     for r in prange(n):
         scores = np.empty((num_heads, max(lengths[r], 1)), dtype=np.float32)
         acc = np.empty((num_heads, head_dim), dtype=np.float32)
         qh = np.empty((num_heads, head_dim), dtype=np.float32)
-        _attend_row(q, k_cache, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh)  # fmt: skip
+        _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
+                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
 
 
 def _usable(query, k_cache, v_cache) -> bool:
