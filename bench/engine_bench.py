@@ -143,7 +143,9 @@ class _CeilingRun:
     def bare_pass(self) -> tuple[float, float]:
         """The same scheduler decisions replayed in-process: only the runner is timed.
         Returns tokens/s and the model forward's ms per step."""
-        config = self.config.scheduler.resolved(num_kv_blocks=self.num_kv_blocks, max_model_len=512)
+        config = self.config.scheduler.resolved(
+            num_kv_blocks=self.num_kv_blocks, max_model_len=512, device="cpu"
+        )
         sched = Scheduler(config)
         for i, prompt in enumerate(self.prompts):
             sched.add_request(Request(f"r{i}", prompt, self.params))

@@ -103,7 +103,9 @@ class EngineCore:
         self.vocab_size = info["vocab_size"]
         self.scheduler = Scheduler(
             self.config.scheduler.resolved(
-                num_kv_blocks=self.workers.num_kv_blocks, max_model_len=self.max_model_len
+                num_kv_blocks=self.workers.num_kv_blocks,
+                max_model_len=self.max_model_len,
+                device=info["device"],
             )
         )
         self.recorder.state(self.scheduler)

@@ -116,17 +116,22 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Checkpoint facts the scheduler needs: context length, vocabulary, EOS."""
+        """Facts the scheduler needs: context length, vocabulary, the rank's device."""
         if self.config.executor != "model":
             opts = self.config.executor_options
             return {
                 "max_model_len": opts.get("max_model_len", 2048),
                 "vocab_size": opts.get("vocab_size", 32000),
+                "device": self.device,
             }
         from iterserve.workers.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(self.config.model_path)
-        info = {"max_model_len": ckpt.config.max_model_len, "vocab_size": ckpt.config.vocab_size}
+        info = {
+            "max_model_len": ckpt.config.max_model_len,
+            "vocab_size": ckpt.config.vocab_size,
+            "device": self.device,
+        }
         ckpt.close()
         return info
 
@@ -158,7 +163,10 @@ class EngineWorker:
                 q_size=heads * c.head_dim,
                 kv_size=kv_heads * c.head_dim,
                 vocab_size=c.vocab_size,
-                max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+                # The checkpoint's whole context: an upper bound of what the engine picks.
+                max_num_batched_tokens=self.config.scheduler.step_budget(
+                    self.device, c.max_model_len
+                ),
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 dtype=dtype,
             )

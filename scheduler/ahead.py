@@ -27,7 +27,7 @@ def finishing_if_ahead_fits(sched: Scheduler) -> list[Request] | None:
     """The running sequences whose last token the step in flight samples; None
     unless every other one's next step, at its largest, fits in the free blocks
     (otherwise a choice in a plan built ahead could need a preemption)."""
-    budget = sched.config.max_num_batched_tokens
+    budget = sched.config.token_budget
     needed = 0
     finishing = []
     for request in sched.running.values():

@@ -13,6 +13,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 POLICIES = ("static", "dynamic", "continuous", "chunked")
+# The default per-step token budgets. A CPU rank's step takes time in proportion to its
+# tokens (the demo model on one core: ~0.1 ms a prompt token), so 2048 prompt tokens
+# in one step hold every running stream for ~0.2 s; 512 keep that stall near four
+# decode steps and let the first prompts of a burst start streaming sooner.
+CPU_STEP_TOKENS = 512
+CUDA_STEP_TOKENS = 2048
 KV_LAYOUTS = ("paged", "slab")
 
 
@@ -61,8 +67,13 @@ class SchedulerConfig:
         choices=POLICIES,
     )
     max_num_seqs: int = knob(128, "slots: sequences running at once", minimum=1)
-    max_num_batched_tokens: int = knob(
-        2048, "per-step token budget, padding included (≥ max_num_seqs)", minimum=1
+    max_num_batched_tokens: int | None = knob(
+        None,
+        "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU, 2048 "
+        "on CUDA, raised to max_model_len for the policies that prefill whole prompts",
+        minimum=1,
+        helm_default=CUDA_STEP_TOKENS,
+        shown_default="by device",
     )
     max_model_len: int | None = knob(
         None,
@@ -106,14 +117,15 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_knobs(self)
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        budget = self.max_num_batched_tokens  # None: the engine derives it (resolved())
+        if budget is not None and budget < self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so that every running sequence can decode each step"
             )
         if self.max_model_len is None:
             return
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if budget is not None and not self.chunked_prefill and budget < self.max_model_len:
             raise ValueError(
                 f"policy {self.policy!r} prefills whole prompts: max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
@@ -146,20 +158,45 @@ class SchedulerConfig:
         assert self.max_model_len is not None
         return blocks_for(self.max_model_len, self.block_size)
 
-    def resolved(self, *, num_kv_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """This config with what the loaded engine decided: the cache's size, and the
-        context length where the config left it to the checkpoint."""
+    @property
+    def token_budget(self) -> int:
+        """The per-step token budget of a complete config (a Scheduler's)."""
+        assert self.max_num_batched_tokens is not None, "resolved() sets it"
+        return self.max_num_batched_tokens
+
+    def step_budget(self, device: str, max_model_len: int | None = None) -> int:
+        """The per-step token budget on ``device`` (``cpu``, ``cuda``, ``cuda:1``): the
+        configured one, else the device's default raised to ``max_num_seqs`` and, for
+        the policies that prefill whole prompts, to the context length."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
+        budget = max(default, self.max_num_seqs)
+        context = self.max_model_len or max_model_len
+        if not self.chunked_prefill and context is not None:
+            budget = max(budget, context)
+        return budget
+
+    def resolved(self, *, num_kv_blocks: int, max_model_len: int, device: str) -> SchedulerConfig:
+        """This config with what the loaded engine decided: the cache's size, the
+        context length where the config left it to the checkpoint, and the step
+        budget where it left it to the device."""
         from dataclasses import replace
 
+        context = self.max_model_len or max_model_len
         return replace(
             self,
             num_kv_blocks=num_kv_blocks,
-            max_model_len=self.max_model_len or max_model_len,
+            max_model_len=context,
+            max_num_batched_tokens=self.step_budget(device, context),
         )
 
     def check_complete(self) -> None:
-        if self.max_model_len is None or self.num_kv_blocks is None:
-            raise ValueError("a Scheduler needs max_model_len and num_kv_blocks set (resolved())")
+        if None in (self.max_model_len, self.num_kv_blocks, self.max_num_batched_tokens):
+            raise ValueError(
+                "a Scheduler needs max_model_len, num_kv_blocks and max_num_batched_tokens "
+                "set (resolved())"
+            )
 
 
 _TYPES: dict[str, type | tuple[type, ...]] = {

@@ -322,6 +322,7 @@ class Scheduler:
         """The scheduler's state, from counts kept up to date as it changes."""
         return {
             "policy": self.config.policy,
+            "max_num_batched_tokens": self.config.token_budget,
             "step": self.step,
             "num_running": len(self.running) + len(self.retiring),
             "num_waiting": len(self.waiting),

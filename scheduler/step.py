@@ -51,7 +51,7 @@ class StepBuilder:
     def __init__(self, sched: Scheduler, *, lookahead: bool):
         self.sched = sched
         self.lookahead = lookahead
-        self.budget_left = sched.config.max_num_batched_tokens
+        self.budget_left = sched.config.token_budget
         self.new_seqs: list[NewSequence] = []
         self.scheduled: list[ScheduledSeq] = []
         self.padding_slots: list[int] = []

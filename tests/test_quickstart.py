@@ -27,8 +27,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 import yaml
 
+from iterserve.scheduler import SchedulerConfig
 from tests.conftest import USER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +166,11 @@ def test_iterserve_serve_comes_up_with_no_config_and_leaves_nothing_behind(tmp_p
     try:
         _wait_healthy(url, proc, log)
         _drive_with_openai(url)
+        # No config: the step budget derived for this machine's device.
+        replicas = httpx.get(f"{url}/v1/stats", timeout=30).json()["replicas"]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        expected = SchedulerConfig().step_budget(device)
+        assert [r["max_num_batched_tokens"] for r in replicas] == [expected]
         tree = psutil.Process(proc.pid).children(recursive=True)
         session = _session_dir(tree)
         assert len(tree) > 3, "Ray's processes should be the server's children"

@@ -87,7 +87,7 @@ class StaticPolicy(Policy):
                 break
             new_longest = max(longest, request.num_tokens)
             # Padded prefill: every member computes new_longest tokens.
-            if new_longest * (len(members) + 1) > self.config.max_num_batched_tokens:
+            if new_longest * (len(members) + 1) > self.config.token_budget:
                 break
             worst = step.blocks_needed(request, self._worst_tokens(request))
             if reserved + worst > step.num_free_blocks:

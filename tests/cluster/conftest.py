@@ -87,7 +87,7 @@ def single_process(path: str, prompts, params, policy="chunked") -> list[list[in
     from iterserve.workers.runner import ModelRunner
 
     config = model_config(path, policy=policy)
-    sched = Scheduler(config.scheduler.resolved(num_kv_blocks=96, max_model_len=64))
+    sched = Scheduler(config.scheduler.resolved(num_kv_blocks=96, max_model_len=64, device="cpu"))
     runner = ModelRunner(
         path, dtype="float32", num_kv_blocks=96, block_size=4, kernel_backend="torch"
     )

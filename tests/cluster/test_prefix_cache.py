@@ -194,7 +194,9 @@ def single_process_outputs(path, prompts, params, **config) -> list[list[int]]:
     from iterserve.workers.runner import ModelRunner
 
     sched = Scheduler(
-        model_config(path, **config).scheduler.resolved(num_kv_blocks=96, max_model_len=64)
+        model_config(path, **config).scheduler.resolved(
+            num_kv_blocks=96, max_model_len=64, device="cpu"
+        )
     )
     runner = ModelRunner(path, dtype="float32", num_kv_blocks=96, block_size=4,
                          kernel_backend="torch")  # fmt: skip

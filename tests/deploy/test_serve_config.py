@@ -68,7 +68,7 @@ def _check_engine_config(config: dict[str, Any]) -> None:
     engine = EngineConfig.from_dict(config)
     # What the scheduler will be built with once the checkpoint is known: the
     # cross-field rules (token budget vs slots and context) must hold.
-    engine.scheduler.resolved(num_kv_blocks=1 << 20, max_model_len=2048)
+    engine.scheduler.resolved(num_kv_blocks=1 << 20, max_model_len=2048, device="cuda")
 
 
 def _the_app(serve_config: dict[str, Any]) -> dict[str, Any]:
@@ -135,6 +135,7 @@ def test_chart_maps_engine_values_to_config(render) -> None:
     assert config["policy"] == "dynamic"
     assert config["max_num_seqs"] == 8
     assert config["max_model_len"] == 1024
+    assert config["max_num_batched_tokens"] == 1024
     assert config["num_kv_blocks"] == 512  # kv_memory_fraction is then not used
     assert config["tensor_parallel_size"] == 2
     assert config["dtype"] == "float16"
@@ -154,3 +155,11 @@ def test_optional_engine_values_are_left_to_the_engine(renders) -> None:
     assert "max_model_len" not in config
     assert "num_kv_blocks" not in config
     assert 0 < config["kv_memory_fraction"] <= 1
+    # The chart is for GPU pods: it sets the CUDA budget unless told 0 (by device).
+    assert config["max_num_batched_tokens"] == 2048
+
+
+def test_a_zero_step_budget_is_left_to_the_engine(render) -> None:
+    config = render({"engine": {"maxNumBatchedTokens": 0}}).app_args["config"]
+    assert "max_num_batched_tokens" not in config
+    _check_engine_config(config)

@@ -104,10 +104,10 @@ message naming the values to change.
 {{- fail (printf "serve.numEngineReplicas (%d) is not satisfiable: %d engine copies of engine.tensorParallelSize %d need %d GPUs, but %d worker pod(s) with %d GPU(s) each hold at most %d; raise worker.%s or worker.gpus, or lower serve.numEngineReplicas" $copies $copies $tp (mul $copies $tp) $pods $gpus $capacity (ternary "maxReplicas" "replicas" .Values.autoscaling.enabled)) }}
 {{- end }}
 {{- $e := .Values.engine }}
-{{- if lt (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs) }}
+{{- if and (gt (int $e.maxNumBatchedTokens) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs)) }}
 {{- fail (printf "engine.maxNumBatchedTokens (%d) must be >= engine.maxNumSeqs (%d) so that every running sequence can decode each step" (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs)) }}
 {{- end }}
-{{- if and (ne $e.policy "chunked") (gt (int $e.maxModelLen) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
+{{- if and (ne $e.policy "chunked") (gt (int $e.maxModelLen) 0) (gt (int $e.maxNumBatchedTokens) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
 {{- fail (printf "policy %s prefills whole prompts: engine.maxNumBatchedTokens (%d) must be >= engine.maxModelLen (%d)" $e.policy (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
 {{- end }}
 {{- if .Values.apiKey.enabled }}
@@ -145,7 +145,6 @@ The Serve config (serveConfigV2) as YAML.
   "tensor_parallel_size" (int $e.tensorParallelSize)
   "policy" $e.policy
   "max_num_seqs" (int $e.maxNumSeqs)
-  "max_num_batched_tokens" (int $e.maxNumBatchedTokens)
   "block_size" (int $e.blockSize)
   "enable_prefix_caching" $e.enablePrefixCaching
   "max_queue_len" (int $e.maxQueueLen)
@@ -161,6 +160,9 @@ The Serve config (serveConfigV2) as YAML.
   "placement_strategy" $e.placementStrategy
   "async_scheduling" $e.asyncScheduling
 }}
+{{- if gt (int $e.maxNumBatchedTokens) 0 }}
+{{- $_ := set $config "max_num_batched_tokens" (int $e.maxNumBatchedTokens) }}
+{{- end }}
 {{- if gt (int $e.maxModelLen) 0 }}
 {{- $_ := set $config "max_model_len" (int $e.maxModelLen) }}
 {{- end }}
