@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
 # family through Ray, which at once a second cost the engine a few percent of its CPU.
 METRICS_PUSH_INTERVAL_S = 5.0
-CONTEXT_CAP = 4096  # the default context when the config leaves it to the checkpoint
 
 
 class EngineCore:
@@ -97,9 +96,7 @@ class EngineCore:
     async def start(self) -> dict:
         await self.workers.start()
         info = self.workers.model_info
-        limit = info["max_model_len"]
-        wanted = self.config.scheduler.max_model_len or min(limit, CONTEXT_CAP)
-        self.max_model_len = min(wanted, limit)
+        self.max_model_len = self.config.scheduler.context_for(info["max_model_len"])
         self.vocab_size = info["vocab_size"]
         self.scheduler = Scheduler(
             self.config.scheduler.resolved(

@@ -163,9 +163,9 @@ class EngineWorker:
                 q_size=heads * c.head_dim,
                 kv_size=kv_heads * c.head_dim,
                 vocab_size=c.vocab_size,
-                # The checkpoint's whole context: an upper bound of what the engine picks.
+                # The budget the engine will derive, with the context it will pick.
                 max_num_batched_tokens=self.config.scheduler.step_budget(
-                    self.device, c.max_model_len
+                    self.device, self.config.scheduler.context_for(c.max_model_len)
                 ),
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 dtype=dtype,

@@ -19,6 +19,7 @@ POLICIES = ("static", "dynamic", "continuous", "chunked")
 # decode steps and let the first prompts of a burst start streaming sooner.
 CPU_STEP_TOKENS = 512
 CUDA_STEP_TOKENS = 2048
+CONTEXT_CAP = 4096  # the default context when the config leaves it to the checkpoint
 KV_LAYOUTS = ("paged", "slab")
 
 
@@ -157,6 +158,12 @@ class SchedulerConfig:
 
         assert self.max_model_len is not None
         return blocks_for(self.max_model_len, self.block_size)
+
+    def context_for(self, checkpoint_len: int) -> int:
+        """The context an engine gives a checkpoint whose own is ``checkpoint_len``: the
+        configured one, else the checkpoint's up to ``CONTEXT_CAP``; never more than
+        the checkpoint's."""
+        return min(self.max_model_len or min(checkpoint_len, CONTEXT_CAP), checkpoint_len)
 
     @property
     def token_budget(self) -> int:

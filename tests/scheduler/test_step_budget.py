@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.scheduler import Scheduler, SchedulerConfig
-from iterserve.scheduler.config import CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+from iterserve.scheduler.config import CONTEXT_CAP, CPU_STEP_TOKENS, CUDA_STEP_TOKENS
 
 
 def resolved(device: str, **kw) -> SchedulerConfig:
@@ -58,3 +58,16 @@ def test_a_configured_budget_is_still_checked_against_slots_and_context():
         SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="prefills whole prompts"):
         SchedulerConfig(policy="continuous", max_num_batched_tokens=512, max_model_len=1024)
+
+
+def test_the_context_is_the_configured_one_or_the_checkpoints_up_to_the_cap():
+    assert SchedulerConfig().context_for(2048) == 2048
+    assert SchedulerConfig().context_for(131072) == CONTEXT_CAP
+    assert SchedulerConfig(max_model_len=8192).context_for(131072) == 8192
+    assert SchedulerConfig(max_model_len=8192).context_for(4096) == 4096
+
+
+def test_a_whole_prompt_budget_follows_the_context_the_engine_picks_not_the_checkpoints():
+    config = SchedulerConfig(policy="continuous")
+    # What a rank sizes its workspace for, on a checkpoint of 128K positions.
+    assert config.step_budget("cuda", config.context_for(131072)) == CONTEXT_CAP
