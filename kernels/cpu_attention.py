@@ -16,8 +16,9 @@ Short prefill pieces run here too, row by row, each row seeing the positions up
 to its own (:data:`SHORT_PIECE_WORK`); long pieces, whose many rows make matrix
 products efficient, stay with the reference (:func:`reference.attend_long_pieces`).
 How a batch splits is read from its metadata once and reused by every layer
-(:func:`_plan`). fp32 caches only: numba has no fp16/bf16 arithmetic, so other
-dtypes take the reference path. With more than one torch thread the rows are
+(:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
+past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
+takes the reference path. With more than one torch thread the rows are
 split across numba's threads (as many as torch's). The kernel is compiled on
 first use (about a second) and cached on disk.
 """
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from . import checks, reference
-from .cpu_math import exp_f32, prefetch_l2
+from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,13 @@ except ImportError:  # pragma: no cover - numba is a dependency; degrade rather 
 
 if numba is not None:
     # Compiled lazily, on the first call with each argument type; cached on disk.
+    # numpy's error model: a float division by zero gives inf rather than raising,
+    # which spares every division its branch, so loops holding one vectorize.
     def _jit(parallel: bool = False):
         return numba.njit(
-            parallel=parallel, fastmath=True, nogil=True, cache=True, boundscheck=False
-        )
+            parallel=parallel, fastmath=True, nogil=True, cache=True, boundscheck=False,
+            error_model="numpy",
+        )  # fmt: skip
 
     prange = numba.prange
 else:
@@ -77,7 +81,7 @@ PREFETCH_BLOCKS = 2
 @_jit()
 def _prefetch_block(rows, block, rows_per_block, head_dim):
     first = block * rows_per_block * head_dim
-    for line in range(0, rows_per_block * head_dim, 16):  # 16 fp32 in a 64-byte line
+    for line in range(0, rows_per_block * head_dim, 64 // rows.itemsize):  # a 64-byte line
         prefetch_l2(rows, first + line)
 
 
@@ -101,7 +105,7 @@ def _attend_one(
     per_block = block_size * num_kv_heads
     for i in range(num_heads):
         for d in range(head_dim):
-            qh[i, d] = q[row, i, d] * scale
+            qh[i, d] = load_f32(q, (row, i, d)) * scale
             acc[i, d] = 0.0
     for j in range(num_blocks):
         ahead = j + PREFETCH_BLOCKS
@@ -116,7 +120,7 @@ def _attend_one(
                 for g in range(group):
                     x = np.float32(0.0)
                     for d in range(head_dim):
-                        x += qh[h * group + g, d] * k_row[d]
+                        x += qh[h * group + g, d] * load_f32(k_row, d)
                     scores[h * group + g, j * block_size + o] = x
     for i in range(num_heads):
         top = scores[i, 0]
@@ -144,10 +148,10 @@ def _attend_one(
                 for g in range(group):
                     w = scores[h * group + g, p]
                     for d in range(head_dim):
-                        acc[h * group + g, d] += w * v_row[d]
+                        acc[h * group + g, d] += w * load_f32(v_row, d)
     for i in range(num_heads):
         for d in range(head_dim):
-            out[row, i, d] = acc[i, d]
+            store_f32(out, (row, i, d), acc[i, d])
 
 
 @_jit()
@@ -199,11 +203,16 @@ def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, s
                     scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
 
 
+# The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _usable(query, k_cache, v_cache) -> bool:
     return (
         numba is not None
         and query.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and query.dtype == k_cache.dtype == v_cache.dtype
+        and query.dtype in DTYPES
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
@@ -284,7 +293,7 @@ def paged_attention(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 on the CPU)."""
+    on the compiled kernel where it applies (fp32 or bf16 on the CPU)."""
     if not _usable(query, k_cache, v_cache):
         return reference.paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
@@ -301,7 +310,7 @@ def paged_attention(
         if parallel:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         (_attend_all_parallel if parallel else _attend_all)(
-            query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), tables, table_of,
-            lengths, rows, np.float32(scale), out.numpy(),
+            as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
+            table_of, lengths, rows, np.float32(scale), as_array(out),
         )  # fmt: skip
     return out
