@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.kernels.cpu_linear import linear
+from iterserve.kernels.cpu_linear import linear, packs_every_batch
 from iterserve.kernels.cpu_linear import pack as pack_weight
 from iterserve.workers.config import CheckpointError, ModelConfig
 from iterserve.workers.kv_cache import KVCache
@@ -228,17 +228,28 @@ class LlamaModel(nn.Module):
         return linear(hidden, self.lm_head, None, self.lm_head_packed)  # [num_logits, vocab]
 
     def pack_weights(self) -> bool:
-        """Keeps a copy of every matrix product's weight in oneDNN's layout
-        (:mod:`iterserve.kernels.cpu_linear`), used by batches of 16 rows or more;
-        call after the weights are loaded. False (nothing kept) where it does not
-        apply: not fp32 on the CPU, or no oneDNN in this build."""
+        """Keeps every matrix product's weight in oneDNN's layout
+        (:mod:`iterserve.kernels.cpu_linear`); call after the weights are loaded.
+        fp32 keeps the plain weight too, for batches under 16 rows; bf16 products
+        all take the packed one, so its plain weights are let go (but the embedding,
+        which the first layer reads by row). False (nothing packed) where it does
+        not apply: not fp32 or bf16 on the CPU, or no oneDNN in this build."""
         for layer in self.layers:
             a, m = layer.attn, layer.mlp
             a.qkv_packed, a.o_packed = pack_weight(a.qkv_weight), pack_weight(a.o_weight)
             m.gate_up_packed = pack_weight(m.gate_up_weight)
             m.down_packed = pack_weight(m.down_weight)
         self.lm_head_packed = pack_weight(self.lm_head)
-        return self.lm_head_packed is not None
+        if self.lm_head_packed is None:
+            return False
+        if packs_every_batch(self.embed.dtype):
+            for layer in self.layers:
+                a, m = layer.attn, layer.mlp
+                for weight in (a.qkv_weight, a.o_weight, m.gate_up_weight, m.down_weight):
+                    weight.data = weight.data.new_empty(0)
+            if self.lm_head is not self.embed:
+                self.lm_head.data = self.lm_head.data.new_empty(0)
+        return True
 
     def set_ops(self, ops: Any) -> None:
         """Runs the same weights on another kernel backend (for comparisons)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from iterserve.kernels import build_cos_sin_cache, get_ops
+from iterserve.kernels.cpu_linear import packs_every_batch
 from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
@@ -36,10 +37,10 @@ logger = logging.getLogger(__name__)
 # replayed step copies bucket x width ids, so a 128k-position model's full width
 # would cost 32 KB per row per step for sequences that rarely need it.
 GRAPH_MAX_LEN = 8192
-# The cpu backend keeps a oneDNN copy of the matrix products' weights
+# The cpu backend keeps a oneDNN copy of the matrix products' fp32 weights
 # (LlamaModel.pack_weights) for models up to this size: the copy doubles their
 # memory, and a model past it is bound by reading its weights, which the layout
-# does not change.
+# does not change. bf16 weights are always packed: their plain copies are let go.
 PACK_WEIGHTS_MAX_BYTES = 2 << 30
 
 
@@ -150,7 +151,7 @@ class ModelRunner:
             self.model.init_random_(weight_seed)
         if self.ops.name == "cpu":
             size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            if size <= PACK_WEIGHTS_MAX_BYTES:
+            if size <= PACK_WEIGHTS_MAX_BYTES or packs_every_batch(self.dtype):
                 self.model.pack_weights()
         self.kv_cache = KVCache.allocate(
             c.num_layers,
