@@ -120,6 +120,8 @@ class EngineCore:
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
+            # What the ranks compute in and why ("auto" is decided on their device).
+            **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
         }
 
     async def shutdown(self) -> None:

@@ -116,7 +116,8 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Facts the scheduler needs: context length, vocabulary, the rank's device."""
+        """Facts the scheduler needs (context length, vocabulary, the rank's device),
+        and the dtype the rank computes in, with why."""
         if self.config.executor != "model":
             opts = self.config.executor_options
             return {
@@ -125,12 +126,18 @@ class EngineWorker:
                 "device": self.device,
             }
         from iterserve.workers.checkpoint import load_checkpoint
+        from iterserve.workers.dtype import choose_dtype
 
         ckpt = load_checkpoint(self.config.model_path)
+        choice = choose_dtype(
+            self.config.dtype, ckpt.config.torch_dtype, self.device, self.config.kernel_backend
+        )
         info = {
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
             "device": self.device,
+            "dtype": choice.name,
+            "dtype_reason": choice.reason,
         }
         ckpt.close()
         return info
@@ -151,7 +158,7 @@ class EngineWorker:
 
         ckpt = load_checkpoint(self.config.model_path)
         c = ckpt.config
-        dtype = resolve_dtype(self.config.dtype, c, self.device)
+        dtype = resolve_dtype(self.config.dtype, c, self.device, self.config.kernel_backend)
         ckpt.close()
         free = _available_memory_bytes(self.device)
         kv_heads = max(1, c.num_kv_heads // self.world_size)

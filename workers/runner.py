@@ -22,6 +22,7 @@ from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
 from iterserve.workers.batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
 from iterserve.workers.config import ModelConfig
+from iterserve.workers.dtype import choose_dtype
 from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from iterserve.workers.kv_cache import KVCache
 from iterserve.workers.model import AllReduce, LlamaModel
@@ -77,16 +78,17 @@ class ModelRunner:
         max_model_len: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
-        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
+        from iterserve.workers.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(model_path)
         device = torch.device(device)
         self.tokenizer_path = Path(model_path)  # grammars read the checkpoint's tokenizer
         self.generation_config = ckpt.generation_config
+        choice = choose_dtype(dtype, ckpt.config.torch_dtype, device, kernel_backend)
+        logger.info("rank %d computes in %s (%s)", tp_rank, choice.name, choice.reason)
         self._build(
-            ckpt.config, resolve_dtype(dtype, ckpt.config, device), device, tp_rank, tp_size,
-            all_reduce, kernel_backend, num_kv_blocks, block_size, ckpt.eos_token_ids,
-            weights=ckpt,
+            ckpt.config, choice.dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
+            num_kv_blocks, block_size, ckpt.eos_token_ids, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)

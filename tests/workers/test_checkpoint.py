@@ -78,10 +78,15 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, hf_reference, checkpoint
     assert driver.run()["r"] == hf_reference("llama").greedy(prompt)
 
 
-def test_dtype_resolution(checkpoint_dir):
+def test_dtype_resolution(checkpoint_dir, monkeypatch):
+    from iterserve.workers import dtype
+
     config = load_checkpoint(checkpoint_dir("llama")).config
     half = ModelConfig(**{**config.__dict__, "torch_dtype": "bfloat16"})
+    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: None)
     assert resolve_dtype("auto", half, "cpu") == torch.float32
+    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: "AMX")
+    assert resolve_dtype("auto", half, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", half, "cuda") == torch.bfloat16
     assert resolve_dtype("float16", half, "cpu") == torch.float16
     with pytest.raises(CheckpointError, match="unsupported dtype 'int8'"):

@@ -17,7 +17,9 @@ def prompts(n: int = len(LENGTHS), seed: int = 2) -> list[list[int]]:
 
 
 def make_runner(path, **kwargs) -> ModelRunner:
-    kwargs = {"num_kv_blocks": 256, "block_size": 8, "kernel_backend": "torch", **kwargs}
+    # fp32 whatever the CPU: transformers' greedy output here is fp32's.
+    kwargs = {"num_kv_blocks": 256, "block_size": 8, "kernel_backend": "torch",
+              "dtype": "float32", **kwargs}  # fmt: skip
     return ModelRunner(path, **kwargs)
 
 
