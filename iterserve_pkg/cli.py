@@ -96,12 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import compare, loadgen, policies, prefix
+    from iterserve.bench import agreement, compare, loadgen, policies, prefix, shapes
 
     loadgen.register(benches)
     policies.register(benches)
     prefix.register(benches)
     compare.register(benches)
+    shapes.register(benches)
+    agreement.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"
