@@ -88,14 +88,18 @@ def _prefetch_block(rows, block, rows_per_block, head_dim):
 @_jit()
 def _attend_one(
     q, k_rows, v_rows, table, length, next_table, next_length, row, scale, out,
-    scores, acc, qh, block_size, num_kv_heads,
+    scores, acc, qh, top, block_size, num_kv_heads,
 ):  # fmt: skip
     """One sequence's decode row, every query head at once: each block of K, then
     of V, is read once, front to back (a position's KV heads lie side by side), so
     the cache is streamed rather than revisited; the inner loops run over 1-D rows
     and vectorize. ``k_rows``/``v_rows`` are the caches as ``[slot * num_kv_heads
-    + head, head_dim]``; ``scores``, ``acc`` and ``qh`` are scratch of
-    ``[num_heads, ...]``. While a block is read, the one :data:`PREFETCH_BLOCKS`
+    + head, head_dim]``; ``scores``, ``acc``, ``qh`` and ``top`` are scratch of
+    ``[num_heads, ...]``. Each head's largest score is kept as the scores are made
+    (a separate pass over them does not vectorize: numba's max reduction stays
+    scalar), and the softmax's division is left to the output row, one multiply
+    per output element instead of one per score. While a block is read, the one
+    :data:`PREFETCH_BLOCKS`
     further along this row's K blocks, then its V blocks, then the next row's K
     blocks (``next_table``, ``next_length``) is fetched into L2."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -104,6 +108,7 @@ def _attend_one(
     next_blocks = (next_length + block_size - 1) // block_size
     per_block = block_size * num_kv_heads
     for i in range(num_heads):
+        top[i] = np.float32(-3.0e38)
         for d in range(head_dim):
             qh[i, d] = load_f32(q, (row, i, d)) * scale
             acc[i, d] = 0.0
@@ -122,18 +127,15 @@ def _attend_one(
                     for d in range(head_dim):
                         x += qh[h * group + g, d] * load_f32(k_row, d)
                     scores[h * group + g, j * block_size + o] = x
+                    top[h * group + g] = max(top[h * group + g], x)
     for i in range(num_heads):
-        top = scores[i, 0]
-        for p in range(1, length):
-            top = max(top, scores[i, p])
+        head_scores, largest = scores[i], top[i]
         total = np.float32(0.0)
         for p in range(length):
-            e = exp_f32(scores[i, p] - top)
-            scores[i, p] = e
+            e = exp_f32(head_scores[p] - largest)
+            head_scores[p] = e
             total += e
-        inv = np.float32(1.0) / total
-        for p in range(length):
-            scores[i, p] *= inv
+        top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
     for j in range(num_blocks):
         ahead = j + PREFETCH_BLOCKS
         if ahead < num_blocks:
@@ -151,12 +153,12 @@ def _attend_one(
                         acc[h * group + g, d] += w * load_f32(v_row, d)
     for i in range(num_heads):
         for d in range(head_dim):
-            store_f32(out, (row, i, d), acc[i, d])
+            store_f32(out, (row, i, d), acc[i, d] * top[i])
 
 
 @_jit()
 def _attend_row(
-    q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh,
+    q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh, top,
     block_size, num_kv_heads,
 ):  # fmt: skip
     """Row ``r`` of the batch, prefetching the first KV blocks of row ``r + 1``."""
@@ -164,7 +166,7 @@ def _attend_row(
     following = min(r + 1, n - 1)
     _attend_one(
         q, k_rows, v_rows, tables[table_of[r]], lengths[r], tables[table_of[following]],
-        lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh,
+        lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh, top,
         block_size, num_kv_heads,
     )  # fmt: skip
 
@@ -181,12 +183,13 @@ def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out
     scores = np.empty((num_heads, longest), dtype=np.float32)
     acc = np.empty((num_heads, head_dim), dtype=np.float32)
     qh = np.empty((num_heads, head_dim), dtype=np.float32)
+    top = np.empty(num_heads, dtype=np.float32)
     if n:  # the first row's first blocks; every later row's come with the row before
         for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size)):
             _prefetch_block(k_rows, tables[table_of[0], j], block_size * num_kv_heads, head_dim)
     for r in range(n):
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
 @_jit(parallel=True)
@@ -199,8 +202,9 @@ def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, s
         scores = np.empty((num_heads, max(lengths[r], 1)), dtype=np.float32)
         acc = np.empty((num_heads, head_dim), dtype=np.float32)
         qh = np.empty((num_heads, head_dim), dtype=np.float32)
+        top = np.empty(num_heads, dtype=np.float32)
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
 # The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
