@@ -54,7 +54,8 @@ def emulated_attention(dtype, *, plan_kv_heads: int = 8, num_sms: int = 132,
     docstring), for the torch references' inputs. ``bug`` plants a fault, to
     see what the tolerance rule makes of it: ``bf16_accumulator`` rounds the
     running P.V sum to bf16 after every tile (a precision bug), ``lost_split``
-    leaves a decode row's last KV split out of the merge."""
+    leaves a decode row's last KV split out of the merge, ``self_masked`` hides
+    a decode row's own new position from it (an off-by-one in the mask)."""
     import torch
 
     from iterserve.kernels.attention_plan import plan_attention
@@ -108,8 +109,10 @@ def emulated_attention(dtype, *, plan_kv_heads: int = 8, num_sms: int = 132,
             q = query[q0:q1].float().transpose(0, 1)  # [heads, R, D]
             scores = (q @ k.transpose(1, 2)) * scale
             pos = seq_len - q_len + torch.arange(q_len)
-            scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos[:, None], -math.inf)
             decode = plan.use_decode and q_len <= plan.tiles.decode_block_q
+            if bug == "self_masked" and decode:
+                pos = pos - 1
+            scores = scores.masked_fill(torch.arange(seq_len)[None, :] > pos[:, None], -math.inf)
             n = splits if decode else 1
             split_len = math.ceil(math.ceil(seq_len / n) / TILE) * TILE
             parts = [online(scores[..., lo : lo + split_len], v[:, lo : lo + split_len])
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bug",
         default="none",
-        choices=("none", "bf16_accumulator", "lost_split"),
+        choices=("none", "bf16_accumulator", "lost_split", "self_masked"),
         help="plant a fault in the emulated kernels",
     )
     parser.add_argument("--json", help="write the per-depth errors here")
