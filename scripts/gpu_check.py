@@ -587,7 +587,8 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
             continue
         needs = 0.0 if args.smoke else NEEDS_S[name]
         if not budget.allows(needs):
-            r.skip(name, f"budget: {max(0.0, budget.left()):.0f} s left, needs ~{needs:.0f} s")
+            wants = f", needs ~{needs:.0f} s" if needs else ""
+            r.skip(name, f"budget: {max(0.0, budget.left()):.0f} s left{wants}")
             continue
         r.begin(name)
         try:
