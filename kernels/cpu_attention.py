@@ -13,8 +13,10 @@ kernel asks for the blocks ahead of the one it reads itself, and computes the
 softmax's exponentials in vector registers (:mod:`.cpu_math`).
 
 Short prefill pieces run here too, row by row, each row seeing the positions up
-to its own (:data:`SHORT_PIECE_WORK`); long pieces, whose many rows make matrix
-products efficient, stay with the reference (:func:`reference.attend_long_pieces`).
+to its own (:data:`SHORT_PIECE_WORK`); longer pieces, whose many rows make
+blocked matrix products efficient, go to torch's CPU flash attention
+(:func:`attend_long_pieces`: their blocks gathered once, then
+``scaled_dot_product_attention``, which keeps K/V shared across each GQA group).
 How a batch splits is read from its metadata once and reused by every layer
 (:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
 past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
@@ -30,6 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from iterserve.scheduler.blocks import blocks_for
 
 from . import checks, reference
 from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32
@@ -60,12 +65,15 @@ else:
     prange = range
 
 
-# A prefill piece of at most this many query rows x positions runs on the kernel
-# too (a 256-token prompt: 65536). Measured on the demo model's heads, 8 pieces at
-# once: 32 tokens 0.38 ms against the reference's 1.50 (whose per-piece gathers
-# and matmuls are mostly dispatch), 256 tokens 1.9 against 2.6; at 1024 tokens
-# the two are even, and the reference's matrix products scale better with heads.
-SHORT_PIECE_WORK = 1 << 16
+# A prefill piece of at most this many query rows x positions x query heads runs
+# on the row kernel too, whose time grows with all three; longer ones on torch's
+# flash attention, ~80 µs a piece and then little per position. Measured in bf16,
+# 4 pieces at once, 16/4 heads of 64: a 16-token prompt (4096) 0.25 ms on the
+# kernel against 0.36; 32 tokens (16384) 0.73 against 0.46; 64 tokens 2.3 against
+# 0.8; 64 after 200 cached 16.0 against 3.6; 128 tokens 12.7 against 1.9 (the
+# reference's fp32 products: 6.7). fp32, 16 pieces, 4/2 heads: 32 tokens (4096)
+# 0.92 against 1.03; 64 tokens 2.8 against 1.8.
+SHORT_PIECE_WORK = 8192
 
 
 def available() -> bool:
@@ -237,11 +245,11 @@ class _Plan:
 _last_plan: list[_Plan | None] = [None]  # the plan of the batch the layers last attended
 
 
-def _plan(num_tokens, block_size, block_tables, seq_lens, query_start_loc) -> _Plan:
+def _plan(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start_loc) -> _Plan:
     """The last plan when called again with the same metadata tensors, unchanged
     since (the next layer of the same forward), else a new one. The plan holds its
     tensors, so an identity check cannot match a new tensor at a freed address."""
-    inputs = (block_tables, seq_lens, query_start_loc, num_tokens, block_size)
+    inputs = (block_tables, seq_lens, query_start_loc, num_tokens, num_heads, block_size)
     if any(t.is_inference() for t in inputs[:3]):  # no version counter: never reused
         versions = None
     else:
@@ -256,7 +264,7 @@ def _plan(num_tokens, block_size, block_tables, seq_lens, query_start_loc) -> _P
     ):
         return last
     pieces = reference.split_pieces(num_tokens, block_size, block_tables, seq_lens,
-                                    query_start_loc, SHORT_PIECE_WORK)  # fmt: skip
+                                    query_start_loc, SHORT_PIECE_WORK // num_heads)  # fmt: skip
     plan = _Plan(
         inputs, versions, pieces, _row_arrays(block_tables, pieces) if pieces.together else None
     )
@@ -284,6 +292,36 @@ def _row_arrays(block_tables, pieces: reference.Pieces) -> tuple:
     return tables, table_of, (seq_lens - q_lens)[table_of] + within + 1, first[table_of] + within
 
 
+def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: reference.Pieces, scale):
+    """A zeroed output with the rows of ``pieces.long`` attended by torch's CPU flash
+    attention: each piece's blocks gathered into contiguous ``[seq_len, kv_heads,
+    head_dim]`` K and V (one copy of what it reads), its rows seeing the positions
+    up to their own: causal from the corner when the piece starts the sequence,
+    else through a mask (row ``i`` of a piece after ``context`` cached positions
+    sees positions ``0..context + i``)."""
+    out = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    for s in pieces.long:
+        q_begin, q_end, seq_len = pieces.starts[s], pieces.starts[s + 1], pieces.lens[s]
+        q_len = q_end - q_begin
+        blocks = block_tables[s, : blocks_for(seq_len, block_size)].long()
+        # [1, kv_heads, seq_len, head_dim] views over the gathered blocks
+        k = reference._gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)
+        v = reference._gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)
+        k, v = k[:seq_len].transpose(0, 1)[None], v[:seq_len].transpose(0, 1)[None]
+        q = query[q_begin:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+        context = seq_len - q_len
+        mask = None
+        if context:
+            positions = torch.arange(seq_len)
+            mask = positions[None, :] <= context + positions[:q_len, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=not context, scale=scale, enable_gqa=True
+        )  # [1, num_heads, q_len, head_dim]
+        out[q_begin:q_end] = o[0].transpose(0, 1)
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -305,8 +343,9 @@ def paged_attention(
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
-    plan = _plan(query.shape[0], k_cache.shape[1], block_tables, seq_lens, query_start_loc)
-    out = reference.attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
+    plan = _plan(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
+                 query_start_loc)  # fmt: skip
+    out = attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
     if plan.rows is not None:
         tables, table_of, lengths, rows = plan.rows
         threads = torch.get_num_threads()
