@@ -21,7 +21,7 @@ BACKENDS = ("auto", "triton", "cpu", "torch")
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The five serving ops of one backend; every backend has the same signatures."""
+    """The serving ops of one backend; every backend has the same signatures."""
 
     name: str  # "triton" | "cpu" | "torch"
     store_kv: Callable[..., None]
@@ -29,6 +29,7 @@ class KernelOps:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
+    gelu_tanh_mul: Callable[..., torch.Tensor]
 
 
 def triton_available() -> bool:
@@ -43,9 +44,9 @@ def numba_available() -> bool:
 
 @functools.cache
 def _load(name: str) -> KernelOps:
+    reference = importlib.import_module(f"{__package__}.reference")
     if name in ("torch", "cpu"):
-        mod = importlib.import_module(f"{__package__}.reference")
-        ops, attn, cache = mod, mod, mod
+        ops, attn, cache = reference, reference, reference
         if name == "cpu":
             attn = importlib.import_module(f"{__package__}.cpu_attention")
             ops = cache = importlib.import_module(f"{__package__}.cpu_ops")
@@ -60,6 +61,8 @@ def _load(name: str) -> KernelOps:
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
         silu_mul=ops.silu_mul,
+        # torch's GELU is vectorized already: the cpu backend keeps the reference's.
+        gelu_tanh_mul=getattr(ops, "gelu_tanh_mul", reference.gelu_tanh_mul),
     )
 
 

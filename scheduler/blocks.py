@@ -32,6 +32,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_before_window(pos: int, window: int | None, block_size: int) -> int:
+    """Leading blocks a query at position ``pos`` (or later) cannot read under a
+    sliding ``window``: it reads positions ``(pos - window, pos]``, so every block
+    wholly before ``pos - window + 1`` is out of its reach. ``None``: no window::
+
+        window 5, block_size 4, pos 13: reads 9..13
+        blocks:  [0 1 2 3][4 5 6 7][8 9 10 11][12 13 ..]
+                  out      out      read
+    """
+    if not window:
+        return 0
+    return max(0, pos - window + 1) // block_size
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, slab_tokens: int = 0):
         self.num_blocks = num_blocks
