@@ -1,6 +1,7 @@
 """Backend selection: Triton kernels on CUDA; on CPU the torch references with
 attention, norms, rotary and the KV store compiled by numba (``cpu``), or the
-references alone (``torch``).
+references alone (``torch``). Experts run on the rows routed to each
+(:mod:`.experts`) on CPU, in one grouped Triton kernel per projection on CUDA.
 
 The Triton modules are imported only when the triton backend is requested, so
 importing this package or using the torch or cpu backend never imports triton.
@@ -30,6 +31,7 @@ class KernelOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
+    fused_experts: Callable[..., torch.Tensor]
 
 
 def triton_available() -> bool:
@@ -50,7 +52,9 @@ def _load(name: str) -> KernelOps:
         if name == "cpu":
             attn = importlib.import_module(f"{__package__}.cpu_attention")
             ops = cache = importlib.import_module(f"{__package__}.cpu_ops")
+        experts = importlib.import_module(f"{__package__}.experts")
     else:
+        experts = importlib.import_module(f"{__package__}.triton_experts")
         ops = importlib.import_module(f"{__package__}.triton_ops")
         attn = importlib.import_module(f"{__package__}.triton_attention")
         cache = importlib.import_module(f"{__package__}.triton_cache")
@@ -63,6 +67,7 @@ def _load(name: str) -> KernelOps:
         silu_mul=ops.silu_mul,
         # torch's GELU is vectorized already: the cpu backend keeps the reference's.
         gelu_tanh_mul=getattr(ops, "gelu_tanh_mul", reference.gelu_tanh_mul),
+        fused_experts=experts.fused_experts,
     )
 
 
