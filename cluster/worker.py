@@ -116,7 +116,8 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Facts the scheduler needs: context length, vocabulary, the rank's device."""
+        """Facts the scheduler needs: context length, vocabulary, the rank's device,
+        the window every layer reads within (None when a layer reads everything)."""
         if self.config.executor != "model":
             opts = self.config.executor_options
             return {
@@ -131,6 +132,7 @@ class EngineWorker:
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
             "device": self.device,
+            "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
         }
         ckpt.close()
         return info

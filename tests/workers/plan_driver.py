@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from iterserve.scheduler.blocks import blocks_before_window
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
 from iterserve.scheduler.sampling import SamplingParams
 
@@ -24,6 +25,7 @@ class Seq:
     params: SamplingParams
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    last_start: int = 0  # where its last scheduled piece began
     finish_reason: str | None = None
 
     @property
@@ -72,6 +74,7 @@ class PlanDriver:
             new_blocks = list(range(self.next_block, self.next_block + max(need, 0)))
             self.next_block += len(new_blocks)
             seq.blocks += new_blocks
+            seq.last_start = seq.computed
             scheduled.append(
                 ScheduledSeq(
                     slot_idx=seq.slot,
@@ -101,9 +104,12 @@ class PlanDriver:
             self.active[entry.slot_idx].computed += entry.num_tokens
         for tok in result.sampled:
             by_seq[tok.seq_id].tokens.append(tok.token_id)
+        window = self.runner.config.kv_window
         for fin in result.finished:
             seq = by_seq[fin.seq_id]
-            assert fin.block_ids == seq.blocks
+            # Blocks out of every layer's window were handed on before the end.
+            assert fin.block_ids == seq.blocks[blocks_before_window(seq.last_start, window,
+                                                                    self.block_size):]  # fmt: skip
             seq.finish_reason = fin.reason
             del self.active[seq.slot]
             self._released.append(seq.slot)
