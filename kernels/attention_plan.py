@@ -61,8 +61,10 @@ def tiles_for(elem_bytes: int, head_dim: int, group: int) -> Tiles:
     padded = next_power_of_2(max(head_dim, 16))
     decode_n = max(16, min(128, 8192 // padded))
     if elem_bytes >= 4:
+        # 256-wide fp32 heads (Gemma) hold a quarter as many rows in registers.
+        rows = 32 if padded <= 128 else 16
         return Tiles(block_m, block_q, min(decode_n, 64), 8,
-                     max(32, next_power_of_2(group)), 32)  # fmt: skip
+                     max(rows, next_power_of_2(group)), rows)  # fmt: skip
     prefill_n = 64 if padded <= 128 else 32
     return Tiles(block_m, block_q, decode_n, 4, max(64, next_power_of_2(group)), prefill_n)
 

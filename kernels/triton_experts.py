@@ -111,9 +111,9 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    out_ptr,  # [num_pairs, hidden] fp32: each pair's expert output times its weight
     h_ptr,  # [num_pairs, inter]
     w2_ptr,  # [num_experts, hidden, inter]
+    out_ptr,  # [num_pairs, hidden] fp32: each pair's expert output times its weight
     weights_ptr,  # [num_pairs] routing weights
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -194,7 +194,7 @@ def fused_experts(
         block_n = min(64, max(16, triton.next_power_of_2(hidden)))
         weights = topk_weights.reshape(-1).contiguous()
         _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-            out, h, w2, weights, sorted_pairs, block_expert, num_pairs,
+            h, w2, out, weights, sorted_pairs, block_expert, num_pairs,
             w2.stride(0), w2.stride(1),
             NUM_EXPERTS=num_experts, HIDDEN=hidden, INTER=inter,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,

@@ -51,7 +51,7 @@ def find_seq_of_token(query_start_loc_ptr, token, num_seqs):
     return lo - 1
 
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # jit functions read only constexpr globals
 
 
 @triton.jit
