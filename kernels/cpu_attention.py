@@ -286,9 +286,10 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 on the CPU, no sliding window or
-    soft-capping: those take the reference)."""
-    if not _usable(query, k_cache, v_cache) or window is not None or soft_cap is not None:
+    on the compiled kernel where it applies (fp32 on the CPU, no soft-capping, no
+    sliding window shorter than the longest sequence: those take the reference)."""
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if not _usable(query, k_cache, v_cache) or cuts or soft_cap is not None:
         return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
     checks.check_paged_attention(
