@@ -57,6 +57,16 @@ def align_by_expert(
 
 
 @triton.jit
+def _block_rows(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    # This program's block of rows: its expert, and the (token, k) pair of each row
+    # (num_pairs for the padding that completes an expert's last block).
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pair, pair < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     out_ptr,  # [num_pairs, inter]: act(gate) * up of each pair
     x_ptr,  # [num_tokens, hidden]
@@ -77,14 +87,11 @@ def _gate_up_kernel(
     GELU: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pair, row_ok = _block_rows(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return  # past the real blocks
-    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
-    row_ok = pair < num_pairs
-    token = (pair // TOP_K).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    token = pair // TOP_K  # [BLOCK_M]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_base = w13_ptr + expert.to(tl.int64) * stride_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -105,7 +112,7 @@ def _gate_up_kernel(
         act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + pair.to(tl.int64)[:, None] * INTER + offs_n[None, :],
+    tl.store(out_ptr + pair[:, None] * INTER + offs_n[None, :],
              (act * up).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
@@ -128,13 +135,10 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pair, row_ok = _block_rows(block_expert_ptr, sorted_pairs_ptr, num_pairs, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
-    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < HIDDEN
     w_base = w2_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -14,10 +14,9 @@ import shutil
 
 import httpx
 import pytest
-import torch
 
 from iterserve.scheduler import SamplingParams
-from tests.workers.tiny_checkpoints import build_hf_model, save
+from tests.workers.tiny_checkpoints import HFReference, build_hf_model, save
 
 ARCHS = ["mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"]
 # Long enough to pass every window (20..40) while decoding.
@@ -49,18 +48,8 @@ def served(tmp_path_factory, tokenizer_dir):
             path = save(model, tmp_path_factory.mktemp("arch") / name)
             for file in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(tokenizer_dir / file, path / file)
-            expected = []
-            with torch.no_grad():
-                for prompt in PROMPTS:
-                    out = model.generate(
-                        torch.tensor([prompt]),
-                        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                        max_new_tokens=MAX_TOKENS,
-                        min_new_tokens=MAX_TOKENS,
-                        do_sample=False,
-                    )
-                    expected.append(out[0, len(prompt) :].tolist())
-            cache[name] = (path, expected)
+            hf = HFReference(model)
+            cache[name] = (path, [hf.greedy(prompt, MAX_TOKENS) for prompt in PROMPTS])
         return cache[name]
 
     return get
