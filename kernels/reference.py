@@ -96,10 +96,12 @@ def paged_attention(
 
 
 def _capped(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
-    """``soft_cap * tanh(scores / soft_cap)``, as Gemma 2 bounds its attention scores."""
+    """``soft_cap * tanh(scores / soft_cap)``, as Gemma 2 bounds its attention scores;
+    in place (the scores are the caller's own fresh tensor): at a 512-row piece they
+    are megabytes, and each extra pass over them shows."""
     if soft_cap is None:
         return scores
-    return torch.tanh(scores / soft_cap) * soft_cap
+    return scores.div_(soft_cap).tanh_().mul_(soft_cap)
 
 
 @dataclass(frozen=True)
