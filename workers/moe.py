@@ -22,7 +22,7 @@ from iterserve.kernels.cpu_linear import linear
 from iterserve.kernels.cpu_linear import pack as pack_weight
 from iterserve.kernels.experts import route
 from iterserve.workers.config import ModelConfig
-from iterserve.workers.model import AllReduce, TPLayout, weight
+from iterserve.workers.layers import AllReduce, TPLayout, weight
 
 
 class SparseMoE(nn.Module):
