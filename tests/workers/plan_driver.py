@@ -37,6 +37,10 @@ class PlanDriver:
     def __init__(self, runner, block_size: int | None = None):
         self.runner = runner
         self.block_size = block_size or runner.block_size
+        # The model's window, whose out-of-reach blocks a finished sequence no longer
+        # holds (a stand-in runner without a config has none).
+        config = getattr(runner, "config", None)
+        self.kv_window = config.kv_window if config is not None else None
         self.next_block = 0
         self.step_no = 0
         self.next_slot = 0
@@ -104,12 +108,11 @@ class PlanDriver:
             self.active[entry.slot_idx].computed += entry.num_tokens
         for tok in result.sampled:
             by_seq[tok.seq_id].tokens.append(tok.token_id)
-        window = self.runner.config.kv_window
         for fin in result.finished:
             seq = by_seq[fin.seq_id]
             # Blocks out of every layer's window were handed on before the end.
-            assert fin.block_ids == seq.blocks[blocks_before_window(seq.last_start, window,
-                                                                    self.block_size):]  # fmt: skip
+            gone = blocks_before_window(seq.last_start, self.kv_window, self.block_size)
+            assert fin.block_ids == seq.blocks[gone:]
             seq.finish_reason = fin.reason
             del self.active[seq.slot]
             self._released.append(seq.slot)
