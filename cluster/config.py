@@ -35,7 +35,7 @@ class EngineConfig:
 
     model: str | None = knob(
         None,
-        "Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2)",
+        "Hugging Face checkpoint directory (architectures: docs/model-runtime.md)",
         helm=False,
         shown_default="demo model",
     )

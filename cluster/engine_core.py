@@ -103,7 +103,8 @@ class EngineCore:
                 num_kv_blocks=self.workers.num_kv_blocks,
                 max_model_len=self.max_model_len,
                 device=info["device"],
-            )
+            ),
+            kv_window=info.get("kv_window"),
         )
         self.recorder.state(self.scheduler)
         freeze_startup_objects()

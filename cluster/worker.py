@@ -116,7 +116,8 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Facts the scheduler needs (context length, vocabulary, the rank's device),
+        """Facts the scheduler needs (context length, vocabulary, the rank's device,
+        the window every layer reads within: None when a layer reads everything),
         and the dtype the rank computes in, with why."""
         if self.config.executor != "model":
             opts = self.config.executor_options
@@ -138,6 +139,7 @@ class EngineWorker:
             "device": self.device,
             "dtype": choice.name,
             "dtype_reason": choice.reason,
+            "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
         }
         ckpt.close()
         return info

@@ -333,13 +333,16 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 or bf16 on the CPU)."""
-    if not _usable(query, k_cache, v_cache):
-        return reference.paged_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-        )
+    on the compiled kernel where it applies (fp32 or bf16 on the CPU, no soft-capping,
+    no sliding window shorter than the longest sequence: those take the reference)."""
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if not _usable(query, k_cache, v_cache) or cuts or soft_cap is not None:
+        return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from iterserve.scheduler.blocks import blocks_before_window
 from iterserve.scheduler.messages import FinishedSeq, NewSequence, ScheduledSeq, StepPlan
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.sampling import SamplingParams
@@ -31,6 +32,9 @@ class SeqState:
     params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Leading entries of block_ids out of every layer's window: the scheduler has
+    # handed them on, and they are never read again (see BlockManager).
+    num_freed_blocks: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -61,10 +65,20 @@ def stop_reason(
 
 
 class SequenceTable:
-    """Per-slot sequence state on a worker."""
+    """Per-slot sequence state on a worker. With the model's ``kv_window`` (every
+    layer reads only that many last positions) it tells, by the scheduler's own
+    formula, which leading blocks of each sequence the scheduler has handed on:
+    a finished sequence releases only the blocks it still held."""
 
-    def __init__(self, eos_token_ids: frozenset[int] | set[int] = frozenset()):
+    def __init__(
+        self,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        *,
+        kv_window: int | None = None,
+        block_size: int = 1,
+    ):
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_window, self.block_size = kv_window, block_size
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
 
@@ -95,6 +109,8 @@ class SequenceTable:
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
                 )
             seq.block_ids.extend(entry.new_block_ids)
+            seq.num_freed_blocks = max(seq.num_freed_blocks, blocks_before_window(
+                entry.start_pos, self.kv_window, self.block_size))  # fmt: skip
         return plan
 
     def _pad_ended(self, plan: StepPlan, ended: set[int]) -> StepPlan:
@@ -159,4 +175,5 @@ class SequenceTable:
         (``error``). Like a stop by a token, it leaves the table at once."""
         seq = self.by_slot.pop(slot_idx)
         self.ended.add(slot_idx)
-        return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=seq.block_ids)
+        held = seq.block_ids[seq.num_freed_blocks :]
+        return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=held)

@@ -14,12 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from iterserve.workers.config import (
-    SUPPORTED_ARCHITECTURES,
-    CheckpointError,
-    ModelConfig,
-    token_id_list,
-)
+from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
+from iterserve.workers.config import CheckpointError, ModelConfig, token_id_list
 from iterserve.workers.dtype import choose_dtype
 
 __all__ = [

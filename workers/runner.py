@@ -135,7 +135,7 @@ class ModelRunner:
         self.block_size = block_size
         # fp32 table regardless of model dtype: the kernels rotate in fp32.
         cos_sin = build_cos_sin_cache(
-            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
+            c.rope_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
         )
         self.model = LlamaModel(
             c,
@@ -169,7 +169,9 @@ class ModelRunner:
         self.pad_token_id = pad if pad is not None and pad < c.vocab_size else 0
 
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
-        self.table = SequenceTable(self.eos_token_ids)
+        self.table = SequenceTable(
+            self.eos_token_ids, kv_window=self.config.kv_window, block_size=self.block_size
+        )
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
         # Structured outputs' state: made with the first grammar, which is also when
         # xgrammar and the tokenizer are first imported (a runner without grammars
