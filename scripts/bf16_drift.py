@@ -82,7 +82,9 @@ def emulated_attention(dtype, *, plan_kv_heads: int = 8, num_sms: int = 132,
         return acc, m, s_l
 
     def attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                  *, max_query_len=None, max_seq_len=None):  # fmt: skip
+                  *, max_query_len=None, max_seq_len=None, window=None, soft_cap=None):  # fmt: skip
+        if window is not None or soft_cap is not None:
+            raise ValueError("the emulation covers full causal attention without a soft cap")
         num_tokens, heads, head_dim = query.shape
         _, block_size, kv_heads, _ = k_cache.shape
         group = heads // kv_heads
