@@ -72,6 +72,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises QueueFullError, PromptTooLongError,
         SamplingParamsError or ValueError; a refused request leaves no trace."""
+        if type(request.priority) is not int:  # the queue orders by it: refuse before any trace
+            raise ValueError(f"priority: must be an integer, got {type(request.priority).__name__}")
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:

@@ -328,3 +328,22 @@ def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
         expected, _ = fresh.expected_output(request_id, SamplingParams(max_tokens=max_tokens))
         assert tokens[request_id] == expected
     assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
+
+
+@pytest.mark.parametrize("priority", ["high", None, 1.5, True])
+def test_a_request_refused_for_its_priority_leaves_no_trace(priority):
+    """A priority the queue cannot order is refused before anything is registered:
+    the requests before and after it are served as if it had never come."""
+    sched = make()
+    sched.add_request(req("a"))
+    with pytest.raises(ValueError, match="priority"):
+        sched.add_request(req("bad", priority=priority))
+    assert "bad" not in sched.requests and sched.stats()["num_waiting"] == 1
+    sched.add_request(req("b", priority=-3))
+    fake = FakeExecutor(vocab_size=100, output_len=3, block_size=4)
+    finished = []
+    while sched.has_work:
+        _, outputs = step(sched, fake)
+        finished += [out.request_id for out in outputs if out.finished]
+        sched.check_integrity()
+    assert finished == ["b", "a"]  # b's priority value is lower: served first
