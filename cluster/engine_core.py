@@ -178,7 +178,7 @@ class EngineCore:
         # built ahead, else from the start of its scheduling.
         step_s = now - max(started, self.last_result_at)
         self.last_result_at = now
-        self.recorder.step(step.plan, result, step_s, self.scheduler)
+        self.recorder.step(step, result, step_s, self.scheduler)
         return outputs
 
     async def _drain(self) -> None:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from iterserve.cluster.metrics import EngineMetrics
-from iterserve.scheduler import FinishReason, RequestOutput, Scheduler, StepPlan, StepResult
+from iterserve.scheduler import FinishReason, RequestOutput, ScheduledStep, Scheduler, StepResult
 
 
 @dataclass(slots=True)
@@ -41,10 +41,14 @@ class MetricsRecorder:
     def worker_restart(self) -> None:
         self.metrics.on_worker_restart()
 
-    def step(self, plan: StepPlan, result: StepResult, step_s: float, sched: Scheduler) -> None:
+    def step(
+        self, step: ScheduledStep, result: StepResult, step_s: float, sched: Scheduler
+    ) -> None:
         started = time.monotonic() - step_s
+        plan = step.plan
         for new in plan.new_seqs:
-            times = self.times.get(new.request_id)
+            # By the engine's own id: the plan's name for a sequence is the client's label.
+            times = self.times.get(step.requests[new.slot_idx].request_id)
             if times is not None and not times.scheduled:
                 times.scheduled = started
         # The workers' counts: a plan built ahead may name sequences the step before
