@@ -175,24 +175,28 @@ class Generation:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
     async def open(self) -> None:
-        """Queues every engine request; on any refusal, cancels the others and raises."""
+        """Queues every engine request; on any refusal, cancels the others and raises.
+        However opening ends early (a refusal, the request timeout, the client going
+        away while it waits), every engine request it opened is cancelled."""
+        loop = asyncio.get_running_loop()
         opens = [
-            self.engine.open(j.request_id, j.prompt_token_ids, j.params, j.priority)
+            loop.create_task(
+                self.engine.open(j.request_id, j.prompt_token_ids, j.params, j.priority)
+            )
             for j in self.jobs
         ]
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*opens, return_exceptions=True), self._remaining()
+            done, pending = await asyncio.wait(
+                opens, timeout=self._remaining(), return_when=asyncio.FIRST_EXCEPTION
             )
-        except asyncio.TimeoutError:
-            raise timed_out(self.timeout_s) from None
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for result in results:
-                if not isinstance(result, BaseException):
-                    result.cancel()
-            raise _as_api_error(errors[0])
-        self.streams = list(results)
+        except BaseException:  # cancelled: the client went away
+            _abandon(opens)
+            raise
+        failed = [t.exception() for t in done if t.exception() is not None]
+        if failed or pending:
+            _abandon(opens)
+            raise _as_api_error(failed[0]) if failed else timed_out(self.timeout_s)
+        self.streams = [t.result() for t in opens]
         self.open_streams = set(range(len(self.streams)))
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
@@ -280,6 +284,17 @@ class Generation:
             self._cancel(i)
         for task in self.tasks:
             task.cancel()
+
+
+def _abandon(opens: list[asyncio.Task]) -> None:
+    """Ends every engine request of ``opens``: an accepted one is cancelled (which
+    aborts it on the engine), an open still waiting is cancelled itself (the
+    engine client then aborts whatever it had queued)."""
+    for task in opens:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            task.result().cancel()
 
 
 def _as_api_error(exc: BaseException) -> APIError:
