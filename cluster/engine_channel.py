@@ -161,8 +161,12 @@ class EngineEndpoint:
             return
         writer.write(encode([OUTPUTS, records]))
         if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
-            logger.error("an ingress stopped reading its outputs: closing its channel")
-            writer.close()
+            # Dropped at once: close() would wait to flush what the ingress does not
+            # read, and read nothing more meanwhile, so its requests would run on
+            # unread and its next ones never be answered. Dropping it ends the read
+            # loop, which aborts every request on the channel.
+            logger.error("an ingress stopped reading its outputs: dropping its channel")
+            writer.transport.abort()
 
 
 # -- the ingress's end ---------------------------------------------------------------

@@ -130,3 +130,41 @@ async def test_a_connection_without_the_token_is_dropped():
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unanswered
     assert not core.outputs.sinks
     endpoint.close()
+
+
+async def _until(predicate, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+async def test_an_ingress_that_stops_reading_is_cut_off_and_its_requests_aborted(monkeypatch):
+    """An ingress that reads none of its outputs must not grow the engine without
+    bound; once too much waits unsent, its channel is dropped at once (not left
+    closing behind the unsent bytes): its requests are aborted, and it learns the
+    channel is gone, so it never waits on a request the engine no longer reads."""
+    from iterserve.cluster import engine_channel
+
+    monkeypatch.setattr(engine_channel, "MAX_UNSENT_BYTES", 64 << 10)
+    core = StubCore()
+    endpoint = EngineEndpoint(core, "127.0.0.1")
+    address = await endpoint.start()
+    reader, writer = await asyncio.open_unix_connection(address["unix"])
+    writer.write(encode([HELLO, bytes.fromhex(address["token"]), "slow-ingress"]))
+    for key in ("k1", "k2"):
+        writer.write(encode([engine_channel.ADD, key, "label", [1], {}, 0]))
+    try:
+        assert await _until(lambda: len(core.added) == 2)
+        for _ in range(64):  # ~4 MiB of outputs the ingress never reads
+            core.publish(("k1", list(range(8192)), [], None, None, None))
+            await asyncio.sleep(0)
+        assert await _until(lambda: sorted(core.aborted) == ["k1", "k2"])
+        assert not core.outputs.sinks and not endpoint.writers
+        # The ingress's end sees the channel end (after what was sent before the cut).
+        while await asyncio.wait_for(reader.read(1 << 20), 10):
+            pass
+    finally:
+        writer.close()
+        endpoint.close()
