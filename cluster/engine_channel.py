@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 HELLO, ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(6)
 MAX_FRAME_BYTES = 64 << 20
+OUTPUTS_OVERHEAD = 16  # an OUTPUTS frame's bytes besides its records' (kind, array headers)
 TOKEN_BYTES = 32
 HELLO_TIMEOUT_S = 10.0
 # An ingress that stops reading its outputs must not grow the engine without bound.
@@ -155,11 +156,11 @@ class EngineEndpoint:
         else:
             raise ChannelClosed(f"an unknown message kind {kind!r}")
 
-    @staticmethod
-    def _send(writer: asyncio.StreamWriter, records: list[Record]) -> None:
+    def _send(self, writer: asyncio.StreamWriter, records: list[Record]) -> None:
         if writer.is_closing():
             return
-        writer.write(encode([OUTPUTS, records]))
+        for frame in self._output_frames(records):
+            writer.write(frame)
         if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
             # Dropped at once: close() would wait to flush what the ingress does not
             # read, and read nothing more meanwhile, so its requests would run on
@@ -167,6 +168,35 @@ class EngineEndpoint:
             # loop, which aborts every request on the channel.
             logger.error("an ingress stopped reading its outputs: dropping its channel")
             writer.transport.abort()
+
+    def _output_frames(self, records: list[Record]) -> list[bytes]:
+        """``OUTPUTS`` frames for one step's records, each within the frame bound the
+        reader enforces (one frame, unless a step's outputs are larger). A record
+        larger than a frame on its own fails its request alone."""
+        frame = encode([OUTPUTS, records])
+        if len(frame) - HEADER.size <= MAX_FRAME_BYTES:
+            return [frame]
+        frames: list[bytes] = []
+        chunk: list[Record] = []
+        size = 0
+        for record in records:
+            n = len(msgpack.packb(record, use_bin_type=True))
+            if n + OUTPUTS_OVERHEAD > MAX_FRAME_BYTES:
+                logger.error("%s: one step's outputs exceed a frame; failing it", record[0])
+                message = (
+                    f"one step's outputs exceed the engine channel's frame of "
+                    f"{MAX_FRAME_BYTES} bytes"
+                )
+                record = (record[0], [], [], "error", message, None)
+                n = len(msgpack.packb(record, use_bin_type=True))
+                asyncio.get_running_loop().create_task(self.core.abort(record[0]))
+            if chunk and size + n + OUTPUTS_OVERHEAD > MAX_FRAME_BYTES:
+                frames.append(encode([OUTPUTS, chunk]))
+                chunk, size = [], 0
+            chunk.append(record)
+            size += n
+        frames.append(encode([OUTPUTS, chunk]))
+        return frames
 
 
 # -- the ingress's end ---------------------------------------------------------------

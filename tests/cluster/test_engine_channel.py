@@ -168,3 +168,43 @@ async def test_an_ingress_that_stops_reading_is_cut_off_and_its_requests_aborted
     finally:
         writer.close()
         endpoint.close()
+
+
+async def test_one_steps_outputs_past_the_frame_bound_arrive_in_several_frames(monkeypatch):
+    """A step's outputs for one ingress (long prompt logprobs, many streams) can be
+    more than one frame may hold: they are split, and every stream gets its own."""
+    from iterserve.cluster import engine_channel
+
+    monkeypatch.setattr(engine_channel, "MAX_FRAME_BYTES", 16 << 10)
+    core, endpoint, connection, _ = await _connected()
+    try:
+        streams = [await connection.add(f"k{i}", "c", [1], {}, 0) for i in range(8)]
+        core.publish(*((f"k{i}", list(range(1000 * i, 1000 * i + 1000)), [], "length", None, None)
+                       for i in range(8)))  # fmt: skip
+        for i, stream in enumerate(streams):
+            (batch,) = await _batches(stream, 1)
+            assert batch == [[list(range(1000 * i, 1000 * i + 1000)), [], "length", None, None]]
+        assert not connection.closed
+    finally:
+        connection.close()
+        endpoint.close()
+
+
+async def test_a_record_past_the_frame_bound_fails_its_request_alone(monkeypatch):
+    from iterserve.cluster import engine_channel
+
+    monkeypatch.setattr(engine_channel, "MAX_FRAME_BYTES", 16 << 10)
+    core, endpoint, connection, _ = await _connected()
+    try:
+        big = await connection.add("big", "c", [1], {}, 0)
+        small = await connection.add("small", "c", [1], {}, 0)
+        core.publish(("big", list(range(10_000)), [], None, None, None),
+                     ("small", [7], [], "eos", None, None))  # fmt: skip
+        (failed,) = await _batches(big, 1)
+        assert failed[-1][2] == "error" and "frame" in failed[-1][3]
+        assert await _batches(small, 1) == [[[[7], [], "eos", None, None]]]
+        assert not connection.closed
+        assert await _until(lambda: "big" in core.aborted)  # the engine stops computing it
+    finally:
+        connection.close()
+        endpoint.close()
