@@ -27,9 +27,13 @@ before any of the steps above, the grammar's mask included), as vLLM returns
 them by default.
 
 Draws use the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks
-token ``i`` with probability ``p_i``. A seeded request draws its ``q`` from its
-own generator, seeded once, so its tokens do not depend on what else shares the
-batch; unseeded requests share one generator.
+token ``i`` with probability ``p_i``. A seeded request draws the ``q`` of its
+output token ``k`` from a generator seeded with ``(seed, k)``: its position in
+its random stream is its number of output tokens, which a sequence carries
+through a preemption or a worker restart (it comes back with the tokens it
+produced), so its draws resume where they stopped instead of starting over, and
+its tokens do not depend on what else shares the batch. Unseeded requests share
+one generator.
 
 Host work per step is a few Python lists: every per-row parameter and index
 crosses to the device in one copy (a pinned buffer on CUDA), the penalties read
@@ -59,6 +63,24 @@ def sequence_key(row: SampleRow) -> int:
     return row.seq_id
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function: nearby inputs give unrelated 64-bit outputs."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for output token ``position``.
+    Mixed, not added: choice ``j`` of a request runs with ``seed + j``, and its
+    draws must not be its neighbour's shifted by one token."""
+    return _mix64(_mix64(seed) ^ position)
+
+
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's first largest index. fp32/fp64 logits on the CPU go through numpy,
     whose argmax is vectorized: 64 rows of 4096 take ~20 µs there against ~220 µs in
@@ -82,26 +104,17 @@ class Sampler:
         # Every tensor-parallel rank seeds this identically, so all ranks draw
         # the same tokens and their sequence tables stay in step.
         self._shared = torch.Generator(device=self.device).manual_seed(seed)
-        self._seeded: dict[int, torch.Generator] = {}
+        self._positioned = torch.Generator(device=self.device)  # seeded rows: see draw_seed
         self._counts = TokenCounts(self.device, key=sequence_key)
         # Parameters and indices cross as float64: exact for every int id and for
         # the Python floats, which then round to fp32 as torch.tensor would.
         self._staging = Staging(self.device, torch.float64)
         self._mask_staging = Staging(self.device, torch.int32)  # grammar bitmasks
 
-    def forget(self, key: str) -> None:
-        """Drops a finished or released sequence's generator and token counts
-        (``key`` as :func:`sequence_key` gives it)."""
-        self._seeded.pop(key, None)
+    def forget(self, key: int) -> None:
+        """Drops a finished or released sequence's token counts (``key`` as
+        :func:`sequence_key` gives it)."""
         self._counts.forget(key)
-
-    def _generator(self, row: SampleRow) -> torch.Generator:
-        key = sequence_key(row)
-        gen = self._seeded.get(key)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
-            self._seeded[key] = gen
-        return gen
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
@@ -232,9 +245,13 @@ class Sampler:
                 q[idx] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                     generator=self._shared
                 )
+            gen = self._positioned
             for i, r in enumerate(rows):
                 if r.params.seed is not None:
-                    q[i].exponential_(generator=self._generator(r))
+                    gen.manual_seed(
+                        draw_seed(r.params.seed, len(r.token_ids) - r.num_prompt_tokens)
+                    )
+                    q[i].exponential_(generator=gen)
         # An Exp(1) draw can be exactly 0; keep the quotient finite.
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
 

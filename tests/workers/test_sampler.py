@@ -197,11 +197,14 @@ def test_seeded_rows_ignore_their_batch_neighbours():
     s_alone, s_batched = sampler(), sampler()
     alone = []
     batched = []
+    row_alone, row_batched = Row(seeded, [1], 1, 201), Row(seeded, [1], 1, 201)
     for _ in range(20):
-        alone.append(s_alone(logits[:1], [Row(seeded, [1], 1, 201)]).token_ids[0])
+        alone.append(s_alone(logits[:1], [row_alone]).token_ids[0])
         others = [Row(SamplingParams(temperature=1.0), [1], 1, 100 + i) for i in range(3)]
-        mixed = [others[0], Row(seeded, [1], 1, 201), *others[1:], Row(seeded, [1], 1, 202)]
+        mixed = [others[0], row_batched, *others[1:], Row(seeded, [1], 1, 202)]
         batched.append(s_batched(logits, mixed).token_ids[1])
+        row_alone.token_ids.append(alone[-1])
+        row_batched.token_ids.append(batched[-1])
     assert alone == batched
     assert len(set(alone)) > 1
 
@@ -309,3 +312,31 @@ def test_a_grammar_mask_bans_every_token_its_bits_leave_out():
     assert torch.equal(got[1:], logits[1:])
     out = sampler()(logits, rows, GrammarMask(bitmask, [0, 2]))
     assert out.token_ids[0] == (4 if logits[0, 4] > logits[0, 6] else 6)
+
+
+def _seeded_tokens(s: Sampler, logits, row: Row, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        token = s(logits, [row]).token_ids[0]
+        row.token_ids.append(token)
+        out.append(token)
+    return out
+
+
+def test_a_seeded_row_resumes_its_random_stream_after_being_forgotten():
+    """A preempted (or restarted) sequence comes back with the tokens it produced:
+    its next draws continue its random stream where they stopped, instead of
+    restarting it and drawing its first tokens' numbers again."""
+    logits = torch.zeros(1, VOCAB)  # every token equally likely: the draws alone decide
+    params = SamplingParams(temperature=1.0, seed=42)
+    straight = _seeded_tokens(sampler(), logits, Row(params, [1], 1, 7), 8)
+
+    s = sampler()
+    row = Row(params, [1], 1, 7)
+    first = _seeded_tokens(s, logits, row, 4)
+    s.forget(7)  # preempted: the rank drops the sequence; it comes back with its tokens
+    again = _seeded_tokens(s, logits, Row(params, list(row.token_ids), 1, 7), 4)
+    restarted = Row(params, [1, *first], 1, 7)  # a fresh rank after a worker restart
+    assert first + again == straight
+    assert _seeded_tokens(sampler(), logits, restarted, 4) == straight[4:]
+    assert len(set(straight)) > 2
