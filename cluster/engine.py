@@ -83,7 +83,12 @@ class AsyncEngine:
     async def start(self) -> AsyncEngine:
         if self.actor is None:
             self.actor = start_scheduler_actor(self.config)
-            self.info = await self.actor.start.remote()
+            try:
+                self.info = await self.actor.start.remote()
+            except BaseException:
+                ray.kill(self.actor)  # it released its ranks; the actor itself goes too
+                self.actor = None
+                raise
         self.poller = asyncio.get_running_loop().create_task(self._poll_loop())
         return self
 
@@ -203,7 +208,11 @@ class LLM:
             ray.init(include_dashboard=False, logging_level="ERROR")
         self.config = EngineConfig.from_dict({"model": model, **config})
         self.loop = asyncio.new_event_loop()
-        self.engine = self.loop.run_until_complete(AsyncEngine(self.config).start())
+        try:
+            self.engine = self.loop.run_until_complete(AsyncEngine(self.config).start())
+        except BaseException:
+            self.loop.close()
+            raise
         self._tokenizer = None
 
     @property

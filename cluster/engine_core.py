@@ -94,7 +94,13 @@ class EngineCore:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> dict:
-        await self.workers.start()
+        try:
+            await self.workers.start()
+        except BaseException:
+            # A start that fails (a checkpoint the loader refuses, no room to place the
+            # ranks) must not keep ranks or their reservation for nobody.
+            await self.workers.shutdown()
+            raise
         info = self.workers.model_info
         self.max_model_len = self.config.scheduler.context_for(info["max_model_len"])
         self.vocab_size = info["vocab_size"]
