@@ -4,8 +4,8 @@ Requests go in and tokens come out on it, not through Ray: Ray's per-item
 streaming between Serve actors cost more CPU per token than the model's
 forward on a CPU. An engine replica listens on a Unix socket (for ingresses on
 its node) and on TCP (for the others); an ingress connects with the token the
-replica handed out through Serve (``EngineServer.endpoint``) and its own id.
-Then, on each connection::
+replica handed out through Serve (``EngineServer.endpoint``) and its own id
+(frames and the handshake: :mod:`framing`). Then, on each connection::
 
     ingress -> engine   [ADD, key, label, prompt_token_ids, params, priority]
                         [ABORT, key]
@@ -15,57 +15,52 @@ Then, on each connection::
 ``OUTPUTS`` carries everything one step produced for that ingress's requests,
 in one frame: the per-token cost is a few list entries, not a message. The
 ``key`` names a request on its connection (the ingress makes it unique); the
-``label`` is the client's own request id, for logs. Frames are a 4-byte
-big-endian length and a msgpack array of plain types (no extension types).
+``label`` is the client's own request id, for logs. A frame's payload is a
+msgpack array of plain types (no extension types).
 A connection that closes aborts every request it added.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-import secrets
-import shutil
-import socket
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
+from iterserve.cluster.framing import (
+    HEADER,
+    ChannelClosed,
+    PrivateDir,
+    connect,
+    frame,
+    new_token,
+    read_frame,
+    read_hello,
+    set_nodelay,
+)
 from iterserve.cluster.outputs import Record
-from iterserve.cluster.step_channel import HEADER, ChannelClosed
 
 logger = logging.getLogger(__name__)
 
-HELLO, ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(6)
+ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(1, 6)
 MAX_FRAME_BYTES = 64 << 20
 OUTPUTS_OVERHEAD = 16  # an OUTPUTS frame's bytes besides its records' (kind, array headers)
-TOKEN_BYTES = 32
-HELLO_TIMEOUT_S = 10.0
 # An ingress that stops reading its outputs must not grow the engine without bound.
 MAX_UNSENT_BYTES = 256 << 20
 
 
 def encode(message: list) -> bytes:
-    payload = msgpack.packb(message, use_bin_type=True)
-    return HEADER.pack(len(payload)) + payload
+    return frame(msgpack.packb(message, use_bin_type=True))
 
 
 def _no_ext(code, data):
     raise ValueError("msgpack extension types are not accepted")
 
 
-async def read_message(reader: asyncio.StreamReader) -> list:
-    try:
-        (length,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if not 0 < length <= MAX_FRAME_BYTES:
-            raise ChannelClosed(f"a frame of {length} bytes")
-        payload = await reader.readexactly(length)
-    except (asyncio.IncompleteReadError, ConnectionError, OSError):
-        raise ChannelClosed("the engine channel was closed") from None
+async def read_message(reader: asyncio.StreamReader, what: str) -> list:
+    payload = await read_frame(reader, MAX_FRAME_BYTES, what)
     try:
         message = msgpack.unpackb(payload, raw=False, ext_hook=_no_ext, strict_map_key=True)
     except Exception as exc:
@@ -86,15 +81,15 @@ class EngineEndpoint:
     def __init__(self, core: Any, host: str):
         self.core = core
         self.host = host
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.tmpdir = tempfile.mkdtemp(prefix="iterserve-engine-")  # mode 0700
+        self.token = new_token()
+        self.dir = PrivateDir("iterserve-engine-")
         self.servers: list[asyncio.AbstractServer] = []
         self.writers: set[asyncio.StreamWriter] = set()  # every open connection
         self.address: dict = {}
         self.next_consumer = 0
 
     async def start(self) -> dict:
-        path = os.path.join(self.tmpdir, "engine.sock")
+        path = self.dir.socket_path("engine.sock")
         self.servers.append(await asyncio.start_unix_server(self._serve, path=path))
         tcp = await asyncio.start_server(self._serve, host=self.host, port=0)
         self.servers.append(tcp)
@@ -109,29 +104,24 @@ class EngineEndpoint:
             server.close()
         for writer in list(self.writers):
             writer.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.dir.remove()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family == socket.AF_INET:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_nodelay(writer.get_extra_info("socket"))
         try:
-            hello = await asyncio.wait_for(read_message(reader), HELLO_TIMEOUT_S)
-            token = hello[1] if len(hello) > 2 and hello[0] == HELLO else b""
-            if not isinstance(token, bytes) or not hmac.compare_digest(token, self.token):
-                raise ChannelClosed("a connection without the token")
-        except (ChannelClosed, asyncio.TimeoutError) as exc:
+            name = await read_hello(reader, self.token)
+        except ChannelClosed as exc:
             logger.warning("engine channel refused: %s", exc)
             writer.close()
             return
         self.next_consumer += 1
-        consumer = f"{hello[2]}#{self.next_consumer}"
+        consumer = f"{name}#{self.next_consumer}"
         self.writers.add(writer)
         outputs = self.core.outputs
         outputs.attach(consumer, lambda records: self._send(writer, records))
         try:
             while True:
-                await self._handle(consumer, writer, await read_message(reader))
+                await self._handle(consumer, writer, await read_message(reader, consumer))
         except ChannelClosed:
             pass
         except Exception:
@@ -159,8 +149,8 @@ class EngineEndpoint:
     def _send(self, writer: asyncio.StreamWriter, records: list[Record]) -> None:
         if writer.is_closing():
             return
-        for frame in self._output_frames(records):
-            writer.write(frame)
+        for data in self._output_frames(records):
+            writer.write(data)
         if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
             # Dropped at once: close() would wait to flush what the ingress does not
             # read, and read nothing more meanwhile, so its requests would run on
@@ -173,9 +163,9 @@ class EngineEndpoint:
         """``OUTPUTS`` frames for one step's records, each within the frame bound the
         reader enforces (one frame, unless a step's outputs are larger). A record
         larger than a frame on its own fails its request alone."""
-        frame = encode([OUTPUTS, records])
-        if len(frame) - HEADER.size <= MAX_FRAME_BYTES:
-            return [frame]
+        whole = encode([OUTPUTS, records])
+        if len(whole) - HEADER.size <= MAX_FRAME_BYTES:
+            return [whole]
         frames: list[bytes] = []
         chunk: list[Record] = []
         size = 0
@@ -258,13 +248,9 @@ class EngineConnection:
     async def connect(
         cls, endpoint: dict, ingress_id: str, local: bool, on_close
     ) -> EngineConnection:
-        if local:
-            reader, writer = await asyncio.open_unix_connection(endpoint["unix"])
-        else:
-            host, port = endpoint["tcp"]
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        writer.write(encode([HELLO, bytes.fromhex(endpoint["token"]), ingress_id]))
+        address = ("unix", endpoint["unix"]) if local else ("tcp", *endpoint["tcp"])
+        token = bytes.fromhex(endpoint["token"])
+        reader, writer = await connect(address, token, ingress_id)
         return cls(endpoint["replica"], reader, writer, on_close)
 
     @property
@@ -297,7 +283,7 @@ class EngineConnection:
     async def _read(self) -> None:
         try:
             while True:
-                message = await read_message(self.reader)
+                message = await read_message(self.reader, f"engine replica {self.replica}")
                 kind = message[0]
                 if kind == OUTPUTS:
                     streams = self.streams

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.framing import new_token
 from iterserve.cluster.resources import rank_bundle
-from iterserve.cluster.step_channel import TOKEN_BYTES, SchedulerChannel
+from iterserve.cluster.step_channel import SchedulerChannel
 from iterserve.cluster.worker import PING_STEP, EngineWorker
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
@@ -102,7 +102,7 @@ class WorkerGroup:
     async def _open_channel(self) -> None:
         """Each rank listens (a Unix socket when it shares the scheduler's node, TCP
         otherwise) and takes the first connection presenting a fresh token."""
-        token = secrets.token_bytes(TOKEN_BYTES)
+        token = new_token()
         here = ray.get_runtime_context().get_node_id()
         placements = await self.placement()
         addresses = await asyncio.gather(*(

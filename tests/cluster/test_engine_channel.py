@@ -8,12 +8,12 @@ import asyncio
 import pytest
 
 from iterserve.cluster.engine_channel import (
-    HELLO,
     EngineConnection,
     EngineEndpoint,
     RefusedError,
     encode,
 )
+from iterserve.cluster.framing import hello
 from iterserve.cluster.outputs import OutputBuffers
 
 
@@ -126,7 +126,7 @@ async def test_a_connection_without_the_token_is_dropped():
     endpoint = EngineEndpoint(core, "127.0.0.1")
     address = await endpoint.start()
     reader, writer = await asyncio.open_unix_connection(address["unix"])
-    writer.write(encode([HELLO, b"x" * 32, "intruder"]))
+    writer.write(hello(b"x" * 32, "intruder"))
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unanswered
     assert not core.outputs.sinks
     endpoint.close()
@@ -152,7 +152,7 @@ async def test_an_ingress_that_stops_reading_is_cut_off_and_its_requests_aborted
     endpoint = EngineEndpoint(core, "127.0.0.1")
     address = await endpoint.start()
     reader, writer = await asyncio.open_unix_connection(address["unix"])
-    writer.write(encode([HELLO, bytes.fromhex(address["token"]), "slow-ingress"]))
+    writer.write(hello(bytes.fromhex(address["token"]), "slow-ingress"))
     for key in ("k1", "k2"):
         writer.write(encode([engine_channel.ADD, key, "label", [1], {}, 0]))
     try:
