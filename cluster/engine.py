@@ -1,61 +1,48 @@
 """The engine API: ``AsyncEngine`` for servers, ``LLM`` for offline batch jobs.
 
-``AsyncEngine`` starts (or attaches to) one scheduler actor, which starts its
-worker actors. Each client process polls the actor once per batch of steps and
-fans the records out to per-request queues, so streaming costs one actor call
-per step for all requests together.
+``AsyncEngine`` starts one scheduler actor, which starts its worker actors, and
+reaches it the way an ingress reaches an engine replica: requests and their
+outputs over the engine channel (:mod:`engine_channel`), one frame per step
+for all requests together; stats and health through Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import ray
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.engine_channel import EngineConnection, RequestStream
 from iterserve.cluster.engine_core import EngineCore
-from iterserve.scheduler import PromptTooLongError, QueueFullError, SamplingParams
+from iterserve.cluster.engine_errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineDeadError,
+    EngineError,
+    EngineRefusal,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
+from iterserve.scheduler import SamplingParams
+from iterserve.scheduler.messages import EngineOutput
 
-
-class EngineError(RuntimeError):
-    """The engine could not serve a request (its workers failed, or it is gone)."""
-
-
-class EngineDeadError(EngineError):
-    """The engine's workers are gone and could not be restarted."""
-
-
-class InvalidRequestError(ValueError):
-    """The request was refused for its content; the message names the problem."""
-
-
-@dataclass(slots=True)
-class GenerationOutput:
-    """New tokens of one request since its previous output."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob), ...]) per token
-    finish_reason: str | None = None  # eos | stop_token | length | abort | error
-    error: str | None = None
-    # On the first output with tokens: prompt tokens found in the prefix cache.
-    num_cached_tokens: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-_REFUSALS = {
-    "invalid": InvalidRequestError,
-    "queue_full": QueueFullError,
-    "engine_dead": EngineDeadError,
-}
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "Completion",
+    "ContextLengthError",
+    "EngineBusyError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineRefusal",
+    "EngineUnavailableError",
+    "InvalidRequestError",
+]
 
 
 def start_scheduler_actor(config: EngineConfig, name: str | None = None):
@@ -69,49 +56,29 @@ def start_scheduler_actor(config: EngineConfig, name: str | None = None):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, actor=None):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.actor = actor
-        self.consumer_id = uuid.uuid4().hex
-        self.next_key = itertools.count()
-        self.queues: dict[str, asyncio.Queue] = {}  # engine request id -> its outputs
-        self.keys: dict[str, set[str]] = {}  # caller's request id -> its engine request ids
-        self.poller: asyncio.Task | None = None
+        self.actor = None
+        self.connection: EngineConnection | None = None
+        self.labels: dict[str, set[RequestStream]] = {}  # a caller's request id -> its streams
         self.info: dict = {}
-        self.error: str | None = None
 
     async def start(self) -> AsyncEngine:
-        if self.actor is None:
-            self.actor = start_scheduler_actor(self.config)
-            try:
-                self.info = await self.actor.start.remote()
-            except BaseException:
-                ray.kill(self.actor)  # it released its ranks; the actor itself goes too
-                self.actor = None
-                raise
-        self.poller = asyncio.get_running_loop().create_task(self._poll_loop())
+        self.actor = start_scheduler_actor(self.config)
+        try:
+            self.info = await self.actor.start.remote()
+        except BaseException:
+            ray.kill(self.actor)  # it released its ranks; the actor itself goes too
+            self.actor = None
+            raise
+        endpoint = self.info["endpoint"]
+        local = endpoint["node_id"] == ray.get_runtime_context().get_node_id()
+        self.connection = await EngineConnection.connect(endpoint, uuid.uuid4().hex[:12], local)
         return self
 
     @property
     def max_model_len(self) -> int:
         return self.info.get("max_model_len", 0)
-
-    async def _poll_loop(self) -> None:
-        while True:
-            try:
-                records = await self.actor.poll.remote(self.consumer_id)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the actor is gone: end every stream with an error
-                self.error = f"the engine is unavailable: {type(exc).__name__}: {exc}"
-                for queue in list(self.queues.values()):
-                    queue.put_nowait(([], [], "error", self.error, None))
-                await asyncio.sleep(0.5)
-                continue
-            for key, *record in records:
-                queue = self.queues.get(key)
-                if queue is not None:
-                    queue.put_nowait(record)
 
     async def generate(
         self,
@@ -119,60 +86,38 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[GenerationOutput]:
-        """Streams a request's new tokens. Leaving the loop early aborts the request.
+    ) -> AsyncIterator[EngineOutput]:
+        """Streams a request's outputs. Leaving the loop early aborts the request.
 
-        ``request_id`` names the request in the outputs and in ``abort``; it need
-        not be unique (the engine gets a key of this client's own).
-        Raises InvalidRequestError, PromptTooLongError, QueueFullError or
-        EngineDeadError before the first output when the request is refused.
+        ``request_id`` is the caller's name for the request (a label: it names the
+        request in logs and in ``abort``, and need not be unique). Raises an
+        :class:`EngineRefusal` before the first output when the request is refused
+        (``InvalidRequestError``, ``ContextLengthError``, ``EngineBusyError``,
+        ``EngineDeadError``), and ``EngineError`` when the engine fails it later.
         """
         params = params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        key = f"{self.consumer_id}:{next(self.next_key)}"
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[key] = queue
-        self.keys.setdefault(request_id, set()).add(key)
-        finished = False
+        label = request_id or uuid.uuid4().hex
+        stream = await self.connection.open(label, list(prompt_token_ids), asdict(params), priority)
+        self.labels.setdefault(label, set()).add(stream)
         try:
-            refusal = await self.actor.add_request.remote(
-                self.consumer_id,
-                key,
-                list(prompt_token_ids),
-                asdict(params),
-                priority,
-                request_id,
-            )
-            if refusal is not None:
-                finished = True
-                kind, message = refusal
-                if kind == "prompt_too_long":
-                    raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
-                raise _REFUSALS[kind](message)
-            while True:
-                out = GenerationOutput(request_id, *await queue.get())
-                if out.finished:
-                    finished = True
+            async for batch in stream:
+                for out in batch:
                     if out.finish_reason == "error":
                         raise EngineError(out.error or "the engine failed this request")
-                yield out
-                if finished:
-                    return
+                    yield out
         finally:
-            self.queues.pop(key, None)
-            keys = self.keys.get(request_id, set())
-            keys.discard(key)
-            if not keys:
-                self.keys.pop(request_id, None)
-            if not finished:
-                with contextlib.suppress(Exception):
-                    await self.actor.abort.remote(key)
+            stream.cancel()  # nothing when it finished
+            streams = self.labels.get(label, set())
+            streams.discard(stream)
+            if not streams:
+                self.labels.pop(label, None)
 
     async def abort(self, request_id: str) -> bool:
         """Aborts every running request of this client named ``request_id``."""
-        keys = list(self.keys.get(request_id, ()))
-        results = [await self.actor.abort.remote(key) for key in keys]
-        return any(results)
+        streams = list(self.labels.get(request_id, ()))
+        for stream in streams:
+            stream.cancel()
+        return bool(streams)
 
     async def stats(self) -> dict:
         return await self.actor.stats.remote()
@@ -181,8 +126,8 @@ class AsyncEngine:
         return await self.actor.health.remote()
 
     async def shutdown(self) -> None:
-        if self.poller is not None:
-            self.poller.cancel()
+        if self.connection is not None:
+            self.connection.close()
         with contextlib.suppress(Exception):
             await self.actor.shutdown.remote()
         ray.kill(self.actor)

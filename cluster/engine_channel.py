@@ -1,36 +1,40 @@
-"""The engine channel: one stream socket between an ingress and an engine replica.
+"""The engine channel: one stream socket between an engine and each of its clients.
 
-Requests go in and tokens come out on it, not through Ray: Ray's per-item
-streaming between Serve actors cost more CPU per token than the model's
-forward on a CPU. An engine replica listens on a Unix socket (for ingresses on
-its node) and on TCP (for the others); an ingress connects with the token the
-replica handed out through Serve (``EngineServer.endpoint``) and its own id
-(frames and the handshake: :mod:`framing`). Then, on each connection::
+Every client reaches an engine this way: an ingress reaches each engine replica,
+an in-process :class:`~iterserve.cluster.engine.AsyncEngine` the engine actor it
+started. Requests go in and outputs come out on it, not through Ray: Ray's
+per-item streaming between actors cost more CPU per token than the model's
+forward on a CPU. An engine listens on a Unix socket (for clients on its node)
+and on TCP (for the others); a client connects with the token the engine handed
+out through Ray (frames and the handshake: :mod:`framing`). Then a frame's
+payload is one kind byte and its body::
 
-    ingress -> engine   [ADD, key, label, prompt_token_ids, params, priority]
-                        [ABORT, key]
-    engine -> ingress   [ACCEPTED, key] | [REFUSED, key, kind, message]
-                        [OUTPUTS, [[key, token_ids, logprobs, finish_reason, error], ...]]
+    client -> engine   ADD    [key, label, prompt_token_ids, params, priority]
+                       ABORT  [key]
+    engine -> client   ACCEPTED [key] | REFUSED [key, kind, message]
+                       OUTPUTS  EngineOutputs (scheduler/codec.py)
 
-``OUTPUTS`` carries everything one step produced for that ingress's requests,
-in one frame: the per-token cost is a few list entries, not a message. The
-``key`` names a request on its connection (the ingress makes it unique); the
-``label`` is the client's own request id, for logs. A frame's payload is a
-msgpack array of plain types (no extension types).
-A connection that closes aborts every request it added.
+Control bodies are msgpack arrays of plain types; ``OUTPUTS`` is everything
+one step produced for that client's requests, typed records encoded by the
+strict codec: the per-token cost is a few list entries, not a message. The
+``key`` is the engine's id of the request (the client makes it unique); the
+``label`` is the client's own name for it, for logs. A step's outputs larger
+than a frame go in several. A connection that closes aborts every request it
+added, and one whose client stops reading is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
+from iterserve.cluster.engine_errors import EngineUnavailableError, refusal
 from iterserve.cluster.framing import (
-    HEADER,
     ChannelClosed,
     PrivateDir,
     connect,
@@ -40,43 +44,64 @@ from iterserve.cluster.framing import (
     read_hello,
     set_nodelay,
 )
-from iterserve.cluster.outputs import Record
+from iterserve.scheduler import codec
+from iterserve.scheduler.messages import EngineOutput, EngineOutputs
 
 logger = logging.getLogger(__name__)
 
 ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(1, 6)
 MAX_FRAME_BYTES = 64 << 20
-OUTPUTS_OVERHEAD = 16  # an OUTPUTS frame's bytes besides its records' (kind, array headers)
-# An ingress that stops reading its outputs must not grow the engine without bound.
+# A client that stops reading its outputs must not grow the engine without bound.
 MAX_UNSENT_BYTES = 256 << 20
 
 
-def encode(message: list) -> bytes:
-    return frame(msgpack.packb(message, use_bin_type=True))
+def encode(kind: int, body: list) -> bytes:
+    return frame(bytes((kind,)) + msgpack.packb(body, use_bin_type=True))
 
 
 def _no_ext(code, data):
     raise ValueError("msgpack extension types are not accepted")
 
 
-async def read_message(reader: asyncio.StreamReader, what: str) -> list:
+async def read_message(reader: asyncio.StreamReader, what: str) -> tuple[int, Any]:
+    """The next message: its kind and its body (a list, or ``EngineOutputs``)."""
     payload = await read_frame(reader, MAX_FRAME_BYTES, what)
+    kind, body = payload[0], payload[1:]
     try:
-        message = msgpack.unpackb(payload, raw=False, ext_hook=_no_ext, strict_map_key=True)
+        if kind == OUTPUTS:
+            return kind, codec.decode(body, EngineOutputs)
+        message = msgpack.unpackb(body, raw=False, ext_hook=_no_ext, strict_map_key=True)
     except Exception as exc:
         raise ChannelClosed(f"not a message: {type(exc).__name__}: {exc}") from None
-    if type(message) is not list or not message or type(message[0]) is not int:
-        raise ChannelClosed("a message is an array [kind, ...]")
-    return message
+    if type(message) is not list:
+        raise ChannelClosed("a message's body is an array")
+    return kind, message
+
+
+def output_frames(outputs: list[EngineOutput]) -> tuple[list[bytes], list[EngineOutput]]:
+    """``OUTPUTS`` frames for one step's outputs, each within the frame bound
+    (one frame, unless a step's outputs are larger); and the outputs too large
+    for a frame on their own, which are replaced by a failure of their request."""
+    payload = bytes((OUTPUTS,)) + codec.encode(EngineOutputs(outputs))
+    if len(payload) <= MAX_FRAME_BYTES:
+        return [frame(payload)], []
+    if len(outputs) == 1:
+        (output,) = outputs
+        message = f"one step's outputs exceed the engine channel's frame of {MAX_FRAME_BYTES} bytes"
+        return output_frames([EngineOutput.failed(output.request_id, message)])[0], [output]
+    half = len(outputs) // 2
+    first, too_large = output_frames(outputs[:half])
+    second, more = output_frames(outputs[half:])
+    return first + second, too_large + more
 
 
 # -- the engine's end ----------------------------------------------------------------
 
 
 class EngineEndpoint:
-    """An engine replica's end of every ingress's channel. ``core`` is its
-    ``EngineCore``; each connection is one of the core's consumers, whose
-    outputs the core hands to :meth:`_send` once per step."""
+    """An engine's end of every client's channel. ``core`` is its ``EngineCore``;
+    each connection is one of the core's clients, whose outputs the core hands to
+    :meth:`_send` once per step."""
 
     def __init__(self, core: Any, host: str):
         self.core = core
@@ -86,7 +111,7 @@ class EngineEndpoint:
         self.servers: list[asyncio.AbstractServer] = []
         self.writers: set[asyncio.StreamWriter] = set()  # every open connection
         self.address: dict = {}
-        self.next_consumer = 0
+        self.next_client = 0
 
     async def start(self) -> dict:
         path = self.dir.socket_path("engine.sock")
@@ -98,7 +123,7 @@ class EngineEndpoint:
         return self.address
 
     def close(self) -> None:
-        """Stops listening and closes every connection: their ingresses end the
+        """Stops listening and closes every connection: their clients end the
         requests on them with an error."""
         for server in self.servers:
             server.close()
@@ -114,111 +139,86 @@ class EngineEndpoint:
             logger.warning("engine channel refused: %s", exc)
             writer.close()
             return
-        self.next_consumer += 1
-        consumer = f"{name}#{self.next_consumer}"
+        self.next_client += 1
+        client = f"{name}#{self.next_client}"
         self.writers.add(writer)
         outputs = self.core.outputs
-        outputs.attach(consumer, lambda records: self._send(writer, records))
+        outputs.attach(client, lambda batch: self._send(writer, batch))
         try:
             while True:
-                await self._handle(consumer, writer, await read_message(reader, consumer))
+                await self._handle(client, writer, *await read_message(reader, client))
         except ChannelClosed:
             pass
         except Exception:
-            logger.exception("engine channel %s failed", consumer)
+            logger.exception("engine channel %s failed", client)
         finally:
             self.writers.discard(writer)
-            for key in outputs.detach(consumer):
+            for key in outputs.detach(client):
                 await self.core.abort(key)  # nobody reads them any more
             writer.close()
 
-    async def _handle(self, consumer: str, writer: asyncio.StreamWriter, message: list) -> None:
-        kind = message[0]
-        if kind == ADD and len(message) == 6:
-            _, key, label, prompt, params, priority = message
-            if not isinstance(key, str) or not isinstance(params, dict):
+    async def _handle(self, client: str, writer: asyncio.StreamWriter, kind: int, body) -> None:
+        if kind == ADD and len(body) == 5:
+            key, label, prompt, params, priority = body
+            if not isinstance(key, str):
                 raise ChannelClosed("a malformed ADD")
-            refusal = await self.core.add_request(consumer, key, prompt, params, priority, label)
-            reply = [ACCEPTED, key] if refusal is None else [REFUSED, key, *refusal]
-            writer.write(encode(reply))
-        elif kind == ABORT and len(message) == 2:
-            await self.core.abort(message[1])
+            found = await self.core.add_request(client, key, prompt, params, priority, label)
+            writer.write(
+                encode(ACCEPTED, [key]) if found is None else encode(REFUSED, [key, *found])
+            )
+        elif kind == ABORT and len(body) == 1:
+            await self.core.abort(body[0])
         else:
             raise ChannelClosed(f"an unknown message kind {kind!r}")
 
-    def _send(self, writer: asyncio.StreamWriter, records: list[Record]) -> None:
+    def _send(self, writer: asyncio.StreamWriter, batch: list[EngineOutput]) -> None:
         if writer.is_closing():
             return
-        for data in self._output_frames(records):
+        frames, too_large = output_frames(batch)
+        for data in frames:
             writer.write(data)
+        for output in too_large:
+            logger.error("%s: one step's outputs exceed a frame; failing it", output.request_id)
+            asyncio.get_running_loop().create_task(self.core.abort(output.request_id))
         if writer.transport.get_write_buffer_size() > MAX_UNSENT_BYTES:
-            # Dropped at once: close() would wait to flush what the ingress does not
+            # Dropped at once: close() would wait to flush what the client does not
             # read, and read nothing more meanwhile, so its requests would run on
             # unread and its next ones never be answered. Dropping it ends the read
             # loop, which aborts every request on the channel.
-            logger.error("an ingress stopped reading its outputs: dropping its channel")
+            logger.error("a client stopped reading its outputs: dropping its channel")
             writer.transport.abort()
 
-    def _output_frames(self, records: list[Record]) -> list[bytes]:
-        """``OUTPUTS`` frames for one step's records, each within the frame bound the
-        reader enforces (one frame, unless a step's outputs are larger). A record
-        larger than a frame on its own fails its request alone."""
-        whole = encode([OUTPUTS, records])
-        if len(whole) - HEADER.size <= MAX_FRAME_BYTES:
-            return [whole]
-        frames: list[bytes] = []
-        chunk: list[Record] = []
-        size = 0
-        for record in records:
-            n = len(msgpack.packb(record, use_bin_type=True))
-            if n + OUTPUTS_OVERHEAD > MAX_FRAME_BYTES:
-                logger.error("%s: one step's outputs exceed a frame; failing it", record[0])
-                message = (
-                    f"one step's outputs exceed the engine channel's frame of "
-                    f"{MAX_FRAME_BYTES} bytes"
-                )
-                record = (record[0], [], [], "error", message, None)
-                n = len(msgpack.packb(record, use_bin_type=True))
-                asyncio.get_running_loop().create_task(self.core.abort(record[0]))
-            if chunk and size + n + OUTPUTS_OVERHEAD > MAX_FRAME_BYTES:
-                frames.append(encode([OUTPUTS, chunk]))
-                chunk, size = [], 0
-            chunk.append(record)
-            size += n
-        frames.append(encode([OUTPUTS, chunk]))
-        return frames
 
-
-# -- the ingress's end ---------------------------------------------------------------
+# -- the client's end ------------------------------------------------------------------
 
 
 class RequestStream:
-    """One request's outputs on an ingress: batches of ``(token_ids, logprobs,
-    finish_reason, error)`` records, everything that arrived since the last
-    batch. ``cancel`` aborts the request (when it has not finished)."""
+    """One request's outputs on a client: batches of :class:`EngineOutput`,
+    everything that arrived since the last batch. ``cancel`` aborts the request
+    (when it has not finished)."""
 
     def __init__(self, connection: EngineConnection, key: str):
         self.connection = connection
         self.key = key
-        self.records: list[tuple] = []
+        self.outputs: list[EngineOutput] = []
         self.wake = asyncio.Event()
-        self.done = False  # a finishing record arrived, or the stream was cancelled
+        self.done = False  # a finishing output arrived, or the stream was cancelled
 
-    def feed(self, record: tuple) -> None:
-        self.records.append(record)
+    def feed(self, output: EngineOutput) -> None:
+        self.outputs.append(output)
         self.wake.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> list[tuple]:
-        while not self.records:
+    async def __anext__(self) -> list[EngineOutput]:
+        while not self.outputs:
             if self.done:
                 raise StopAsyncIteration
             self.wake.clear()
             await self.wake.wait()
-        batch, self.records = self.records, []
-        if batch[-1][2] is not None:  # finished (or failed): nothing follows
+        batch, self.outputs = self.outputs, []
+        if batch[-1].finished:  # finished (or failed): nothing follows
             self.done = True
             self.connection.streams.pop(self.key, None)
         return batch
@@ -227,17 +227,22 @@ class RequestStream:
         if not self.done:
             self.done = True
             self.connection.streams.pop(self.key, None)
-            self.connection.send([ABORT, self.key])
+            self.connection.send(ABORT, [self.key])
         self.wake.set()
 
 
 class EngineConnection:
-    """An ingress's connection to one engine replica: it adds requests, and a
-    reader task hands each step's outputs to their requests' streams."""
+    """A client's connection to one engine: it opens requests (named
+    ``<name>.<n>``, unique as the client's name is), and a reader task hands
+    each step's outputs to their requests' streams."""
 
-    def __init__(self, replica: str, reader, writer, on_close: Callable[[EngineConnection], None]):
+    def __init__(
+        self, name: str, replica: str, reader, writer, on_close: Callable[[EngineConnection], None]
+    ):
+        self.name = name
         self.replica = replica
         self.reader, self.writer = reader, writer
+        self.keys = itertools.count()
         self.streams: dict[str, RequestStream] = {}
         self.pending: dict[str, asyncio.Future] = {}  # ADDs waiting for their answer
         self.closed = False
@@ -246,61 +251,63 @@ class EngineConnection:
 
     @classmethod
     async def connect(
-        cls, endpoint: dict, ingress_id: str, local: bool, on_close
+        cls, endpoint: dict, name: str, local: bool, on_close=lambda connection: None
     ) -> EngineConnection:
+        """Connects to the engine that published ``endpoint`` (its ``address`` with
+        ``replica``): by its Unix socket when ``local``, else by TCP."""
         address = ("unix", endpoint["unix"]) if local else ("tcp", *endpoint["tcp"])
-        token = bytes.fromhex(endpoint["token"])
-        reader, writer = await connect(address, token, ingress_id)
-        return cls(endpoint["replica"], reader, writer, on_close)
+        reader, writer = await connect(address, bytes.fromhex(endpoint["token"]), name)
+        return cls(name, endpoint.get("replica", ""), reader, writer, on_close)
 
     @property
     def load(self) -> int:
         return len(self.streams) + len(self.pending)
 
-    def send(self, message: list) -> None:
+    def send(self, kind: int, body: list) -> None:
         if not self.closed:
-            self.writer.write(encode(message))
+            self.writer.write(encode(kind, body))
 
-    async def add(self, key, label, prompt, params, priority) -> RequestStream:
-        """Queues a request on this replica; raises ``ChannelClosed`` if the replica
-        is gone, or returns ``(kind, message)`` refusals as ``RefusedError``."""
+    async def open(self, label: str, prompt, params: dict, priority: int) -> RequestStream:
+        """Queues a request on this engine; raises the :class:`EngineRefusal` of
+        :mod:`engine_errors` that says why it was refused (``unavailable`` when
+        the channel is closed)."""
         if self.closed:
-            raise ChannelClosed(f"the channel to engine replica {self.replica} is closed")
+            raise EngineUnavailableError(f"the channel to engine {self.replica} is closed")
+        key = f"{self.name}.{next(self.keys)}"
         stream = self.streams[key] = RequestStream(self, key)
         answer = self.pending[key] = asyncio.get_running_loop().create_future()
-        self.send([ADD, key, label, prompt, params, priority])
+        self.send(ADD, [key, label, prompt, params, priority])
         try:
-            refusal = await answer
+            refused = await answer
         except BaseException:
             self.pending.pop(key, None)
             stream.cancel()  # a caller cancelled while waiting: abort if it was added
             raise
-        if refusal is not None:
+        if refused is not None:
             self.streams.pop(key, None)
-            raise RefusedError(*refusal)
+            raise refusal(*refused)
         return stream
 
     async def _read(self) -> None:
         try:
             while True:
-                message = await read_message(self.reader, f"engine replica {self.replica}")
-                kind = message[0]
+                kind, body = await read_message(self.reader, f"engine {self.replica}")
                 if kind == OUTPUTS:
                     streams = self.streams
-                    for key, *record in message[1]:
-                        stream = streams.get(key)
+                    for output in body.outputs:
+                        stream = streams.get(output.request_id)
                         if stream is not None:
-                            stream.feed(record)
-                elif kind in (ACCEPTED, REFUSED):
-                    answer = self.pending.pop(message[1], None)
+                            stream.feed(output)
+                elif kind in (ACCEPTED, REFUSED) and body:
+                    answer = self.pending.pop(body[0], None)
                     if answer is not None and not answer.done():
-                        answer.set_result(None if kind == ACCEPTED else message[2:4])
+                        answer.set_result(None if kind == ACCEPTED else body[1:3])
         except ChannelClosed:
             pass
         except Exception:
-            logger.exception("the channel to engine replica %s failed", self.replica)
+            logger.exception("the channel to engine %s failed", self.replica)
         finally:
-            self._fail(f"engine replica {self.replica} went away")
+            self._fail(f"engine {self.replica} went away")
 
     def _fail(self, message: str) -> None:
         self.closed = True
@@ -309,19 +316,10 @@ class EngineConnection:
             if not answer.done():
                 answer.set_result(["unavailable", message])
         self.pending.clear()
-        for stream in list(self.streams.values()):
-            stream.feed(([], [], "error", message, None))
+        for key, stream in list(self.streams.items()):
+            stream.feed(EngineOutput.failed(key, message))
         self.streams.clear()
         self.on_close(self)
 
     def close(self) -> None:
         self.task.cancel()
-
-
-class RefusedError(Exception):
-    """The engine refused a request: ``kind`` as ``EngineCore.add_request`` says it."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message

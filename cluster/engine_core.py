@@ -30,10 +30,17 @@ from typing import Any
 import ray
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.engine_channel import EngineEndpoint
+from iterserve.cluster.engine_errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineDeadError,
+    InvalidRequestError,
+)
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.intake import checked_request
 from iterserve.cluster.metrics import EngineMetrics
-from iterserve.cluster.outputs import OutputBuffers, Record
+from iterserve.cluster.outputs import OutputBuffers
 from iterserve.cluster.recorder import MetricsRecorder
 from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
 from iterserve.scheduler import (
@@ -45,6 +52,7 @@ from iterserve.scheduler import (
     ScheduledStep,
     Scheduler,
 )
+from iterserve.scheduler.messages import EngineOutput
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -80,6 +88,7 @@ class EngineCore:
         self.max_model_len = 0
         self.vocab_size = 0
         self.outputs = OutputBuffers()
+        self.endpoint: EngineEndpoint | None = None  # where clients connect, once started
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
@@ -112,6 +121,9 @@ class EngineCore:
             )
         )
         self.recorder.state(self.scheduler)
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.endpoint = EngineEndpoint(self, host)
+        address = await self.endpoint.start()
         freeze_startup_objects()
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
@@ -122,16 +134,20 @@ class EngineCore:
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
                                   interval_s=METRICS_PUSH_INTERVAL_S)
             )  # fmt: skip
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
+            "endpoint": {**address, "node_id": node_id},
         }
 
     async def shutdown(self) -> None:
         for task in (self.loop_task, self.push_task):
             if task is not None:
                 task.cancel()
+        if self.endpoint is not None:
+            self.endpoint.close()
         await self.workers.shutdown()
 
     # -- the loop ---------------------------------------------------------------------
@@ -243,7 +259,7 @@ class EngineCore:
             logger.exception("stopping the workers failed")
 
     def _fail_all(self, message: str) -> None:
-        """Ends every request with an error; works from the consumers' side too, so
+        """Ends every request with an error; works from the clients' side too, so
         that a scheduler whose state is broken cannot keep a request from ending.
         The first reason is the one the engine keeps reporting."""
         if self.dead_reason is None:
@@ -253,7 +269,7 @@ class EngineCore:
                 self.scheduler.finish_with_error(request_id)
             except Exception:
                 logger.exception("%s: ending it in the scheduler failed", request_id)
-            self.outputs.push((request_id, [], [], FinishReason.ERROR.value, message, None))
+            self.outputs.push(EngineOutput.failed(request_id, message))
             self.recorder.finished(request_id, FinishReason.ERROR)
         with contextlib.suppress(Exception):
             self.recorder.state(self.scheduler)
@@ -262,40 +278,37 @@ class EngineCore:
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         self.recorder.outputs(outputs)
+        push = self.outputs.push
         for out in outputs:
-            reason = out.finish_reason.value if out.finish_reason else None
-            self.outputs.push(
-                (
+            push(
+                EngineOutput(
                     out.request_id,
                     out.new_token_ids,
                     out.new_logprobs,
-                    reason,
+                    out.prompt_logprobs,
+                    out.finish_reason.value if out.finish_reason else None,
                     None,
                     out.num_cached_tokens,
                 )
             )
 
-    async def poll(self, consumer_id: str, timeout_s: float = 1.0) -> list[Record]:
-        """Everything published for ``consumer_id`` since its last poll."""
-        return await self.outputs.poll(consumer_id, timeout_s)
-
     async def add_request(
         self,
-        consumer_id: str,
+        client: str,
         request_id: str,
         prompt_token_ids: list[int],
         params: dict[str, Any],
         priority: int = 0,
         label: str = "",
     ) -> tuple[str, str] | None:
-        """Queues a request. Returns None, or ``(kind, message)`` when refused:
-        kind is ``invalid``, ``prompt_too_long``, ``queue_full`` or ``engine_dead``.
+        """Queues a request. Returns None, or ``(kind, message)`` when refused, the
+        kind of a refusal class of :mod:`engine_errors`.
 
-        ``request_id`` must be unique among the engine's requests: consumers make
-        it so themselves (never from what a client sends). ``label`` is the
-        client's own name for the request, for logs; it may repeat."""
+        ``request_id`` must be unique among the engine's requests: clients make
+        it so themselves (never from what a user sends). ``label`` is the user's
+        own name for the request, for logs; it may repeat."""
         if self.dead_reason is not None:
-            return ("engine_dead", self.dead_reason)
+            return (EngineDeadError.kind, self.dead_reason)
         try:
             request = checked_request(
                 request_id,
@@ -309,12 +322,12 @@ class EngineCore:
             self.scheduler.add_request(request)
         except QueueFullError as exc:
             self.recorder.rejected("queue_full")
-            return ("queue_full", str(exc))
+            return (EngineBusyError.kind, str(exc))
         except PromptTooLongError as exc:
-            return ("prompt_too_long", str(exc))
+            return (ContextLengthError.kind, str(exc))
         except (SamplingParamsError, ValueError, TypeError) as exc:
-            return ("invalid", str(exc))
-        self.outputs.own(request_id, consumer_id)
+            return (InvalidRequestError.kind, str(exc))
+        self.outputs.own(request_id, client)
         self.recorder.admitted(request_id, len(prompt_token_ids))
         self.wake.set()
         return None
@@ -326,7 +339,7 @@ class EngineCore:
         if out is None:
             return False
         self.recorder.finished(request_id, FinishReason.ABORT)
-        self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None, None))
+        self.outputs.push(EngineOutput.aborted(request_id))
         return True
 
     # -- introspection ----------------------------------------------------------------------

@@ -18,7 +18,6 @@ from ray import serve
 
 from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_channel import EngineEndpoint
 from iterserve.cluster.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -51,16 +50,12 @@ class EngineServer:
             config, model_name=model_name, engine_index=_replica_rank(), metrics_hub=metrics_hub
         )
         self.replica = _replica_name()
-        self.channels: EngineEndpoint | None = None
         # Start-up (worker placement, model load) runs in the background so the
         # replica answers health checks while loading; every call awaits it.
         self.started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> dict:
-        info = await self.core.start()
-        self.channels = EngineEndpoint(self.core, ray.util.get_node_ip_address())
-        await self.channels.start()
-        return info
+        return await self.core.start()
 
     async def _ready(self) -> dict:
         return await asyncio.shield(self.started)
@@ -68,13 +63,14 @@ class EngineServer:
     def endpoint(self) -> dict | None:
         """Where ingresses connect (and the token they present), once the engine is
         up; None while it loads."""
-        if self.channels is None or not self.started.done():
+        if not self.started.done() or self.started.exception() is not None:
             return None
-        context = ray.get_runtime_context()
-        return {**self.channels.address, "replica": self.replica, "node_id": context.get_node_id()}
+        return {**self.started.result()["endpoint"], "replica": self.replica}
 
     async def info(self) -> dict:
-        return {**await self._ready(), "replica": self.replica}
+        info = dict(await self._ready())
+        del info["endpoint"]  # each ingress asks for it by itself (endpoint)
+        return {**info, "replica": self.replica}
 
     def _start_failure(self) -> str | None:
         if self.started.done() and self.started.exception() is not None:
@@ -126,8 +122,6 @@ class EngineServer:
             raise RuntimeError(status["message"])
 
     async def __del__(self) -> None:
-        if self.channels is not None:
-            self.channels.close()
         if self.started.done() and self.started.exception() is None:
             await self.core.shutdown()
         else:

@@ -31,7 +31,6 @@ from iterserve.scheduler.request import (
     Request,
     RequestOutput,
     RequestStatus,
-    prompt_logprobs_entry,
 )
 from iterserve.scheduler.slots import SlotTable
 from iterserve.scheduler.step import ScheduledStep, StepBuilder
@@ -184,11 +183,11 @@ class Scheduler:
                 entry = (sampled.logprob, list(sampled.top_logprobs))
                 request.output_logprobs.append(entry)
                 out.new_logprobs.append(entry)
-        for prompt in result.prompt_logprobs:  # before the first token's entry, once
+        for prompt in result.prompt_logprobs:  # once, with the step completing the prompt
             request = live.get(prompt.seq_id)
             if request is not None:
                 out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
-                out.new_logprobs.insert(0, prompt_logprobs_entry(prompt))
+                out.prompt_logprobs = prompt
         for finished in result.finished:
             request = live.get(finished.seq_id)
             if request is None:

@@ -6,14 +6,13 @@ import asyncio
 
 import pytest
 
-from iterserve.cluster.engine import EngineError, InvalidRequestError
-from iterserve.scheduler import (
-    POLICIES,
-    FakeExecutor,
-    PromptTooLongError,
-    QueueFullError,
-    SamplingParams,
+from iterserve.cluster.engine import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineError,
+    InvalidRequestError,
 )
+from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams
 from tests.cluster.conftest import collect, fake_config, start_engine, wait_idle
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -81,7 +80,7 @@ async def test_queue_bound_is_respected():
                     break
                 await asyncio.sleep(0.02)
         assert (await engine.stats())["num_waiting"] == 2
-        with pytest.raises(QueueFullError, match="queue is full"):
+        with pytest.raises(EngineBusyError, match="queue is full"):
             await collect(engine, [1], params)
         for task in tasks:  # cancelling a stream aborts its request
             task.cancel()
@@ -96,7 +95,7 @@ async def test_queue_bound_is_respected():
 async def test_bad_requests_are_refused_with_a_message_and_reach_no_slot():
     engine = await start_engine(fake_config())
     try:
-        with pytest.raises(PromptTooLongError, match="128 tokens"):
+        with pytest.raises(ContextLengthError, match="128 tokens"):
             await collect(engine, [1] * 200, SamplingParams())
         with pytest.raises(InvalidRequestError, match=r"prompt token ids must be in \[0, 999\]"):
             await collect(engine, [5000], SamplingParams())

@@ -19,8 +19,7 @@ from pathlib import Path
 
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.fake_executor import FakeExecutor
-from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.request import prompt_logprobs_entry
+from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 from iterserve.scheduler.seq_table import stop_reason
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -116,9 +115,9 @@ def echo_executor(config, rank, world_size, all_reduce):
 
 
 class EchoStream:
-    """One request of :class:`EchoEngine`: a record per token, as an engine replica
-    sends; the first leads with the prompt's logprobs when they are asked for
-    (every prompt token at -0.5, as the fake executor has them)."""
+    """One request of :class:`EchoEngine`: an output per token, as an engine replica
+    sends; the first brings the prompt's logprobs when they are asked for (every
+    prompt token at -0.5, as the fake executor has them)."""
 
     def __init__(self, tokens: list[int], params: dict, prompt: list[int]):
         self.tokens, self.params = tokens, SamplingParams(**params)
@@ -126,15 +125,13 @@ class EchoStream:
         self.cancelled = False
 
     async def __aiter__(self):
-        lead = []
+        prompt = None
         if self.params.prompt_logprobs is not None:
             rest = self.prompt[1:]
             top = [[(t, -0.5)][: self.params.prompt_logprobs] for t in rest]
-            lead = [
-                prompt_logprobs_entry(PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top))
-            ]
+            prompt = PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top)
         if not self.tokens:  # max_tokens 0: the prompt alone
-            yield [([], lead, "length", None, 0)]
+            yield [EngineOutput("echo", [], [], prompt, "length", None, 0)]
             return
         for n, token in enumerate(self.tokens, start=1):
             if self.cancelled:
@@ -144,8 +141,9 @@ class EchoStream:
             if self.params.logprobs is not None:
                 logprobs = [(-0.5, [(token, -0.5)][: self.params.logprobs])]
             cached = 0 if n == 1 else None
-            yield [([token], lead + logprobs, reason.value if reason else None, None, cached)]
-            lead = []
+            finish = reason.value if reason else None
+            yield [EngineOutput("echo", [token], logprobs, prompt, finish, None, cached)]
+            prompt = None
             if reason is not None:
                 return
 

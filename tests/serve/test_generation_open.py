@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.cluster.openai.errors import APIError, EngineRefusal
+from iterserve.cluster.engine_errors import EngineBusyError
+from iterserve.cluster.openai.errors import APIError
 from iterserve.cluster.openai.generation import Generation, Job
 
 NEVER = -1  # an open that is not answered before the request ends
@@ -51,7 +52,7 @@ class StubEngine:
         finally:
             self.waiting -= 1
         if i in self.refuse:
-            raise EngineRefusal("queue_full", "the waiting queue is full")
+            raise EngineBusyError("the waiting queue is full")
         stream = StubStream()
         self.streams.append(stream)
         return stream
