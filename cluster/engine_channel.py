@@ -153,7 +153,8 @@ class EngineEndpoint:
             logger.exception("engine channel %s failed", client)
         finally:
             self.writers.discard(writer)
-            for key in outputs.detach(client):
+            outputs.detach(client)
+            for key in self.core.requests_of(client):
                 await self.core.abort(key)  # nobody reads them any more
             writer.close()
 

@@ -259,18 +259,18 @@ class EngineCore:
             logger.exception("stopping the workers failed")
 
     def _fail_all(self, message: str) -> None:
-        """Ends every request with an error; works from the clients' side too, so
-        that a scheduler whose state is broken cannot keep a request from ending.
-        The first reason is the one the engine keeps reporting."""
+        """Ends every request with an error, each ended in the scheduler and its
+        failure sent on its own: a scheduler whose state is broken cannot keep the
+        others from ending. The first reason is the one the engine keeps reporting."""
         if self.dead_reason is None:
             self.dead_reason = message
-        for request_id in {*self.scheduler.requests, *self.outputs.owner}:
+        for request in list(self.scheduler.requests.values()):
             try:
-                self.scheduler.finish_with_error(request_id)
+                self.scheduler.finish_with_error(request.request_id)
             except Exception:
-                logger.exception("%s: ending it in the scheduler failed", request_id)
-            self.outputs.push(EngineOutput.failed(request_id, message))
-            self.recorder.finished(request_id, FinishReason.ERROR)
+                logger.exception("%s: ending it in the scheduler failed", request.request_id)
+            self.outputs.push(request.client, EngineOutput.failed(request.request_id, message))
+            self.recorder.finished(request, FinishReason.ERROR)
         with contextlib.suppress(Exception):
             self.recorder.state(self.scheduler)
 
@@ -281,6 +281,7 @@ class EngineCore:
         push = self.outputs.push
         for out in outputs:
             push(
+                out.request.client,
                 EngineOutput(
                     out.request_id,
                     out.new_token_ids,
@@ -289,7 +290,7 @@ class EngineCore:
                     out.finish_reason.value if out.finish_reason else None,
                     None,
                     out.num_cached_tokens,
-                )
+                ),
             )
 
     async def add_request(
@@ -319,6 +320,7 @@ class EngineCore:
                 limits=self.config.scheduler,
                 vocab_size=self.vocab_size,
             )
+            request.client = client
             self.scheduler.add_request(request)
         except QueueFullError as exc:
             self.recorder.rejected("queue_full")
@@ -327,8 +329,7 @@ class EngineCore:
             return (ContextLengthError.kind, str(exc))
         except (SamplingParamsError, ValueError, TypeError) as exc:
             return (InvalidRequestError.kind, str(exc))
-        self.outputs.own(request_id, client)
-        self.recorder.admitted(request_id, len(prompt_token_ids))
+        self.recorder.admitted(request)
         self.wake.set()
         return None
 
@@ -338,9 +339,13 @@ class EngineCore:
         out = self.scheduler.abort(request_id)
         if out is None:
             return False
-        self.recorder.finished(request_id, FinishReason.ABORT)
-        self.outputs.push(EngineOutput.aborted(request_id))
+        self.recorder.finished(out.request, FinishReason.ABORT)
+        self.outputs.push(out.request.client, EngineOutput.aborted(request_id))
         return True
+
+    def requests_of(self, client: str) -> list[str]:
+        """The requests ``client`` added that have not ended."""
+        return [r.request_id for r in self.scheduler.requests.values() if r.client == client]
 
     # -- introspection ----------------------------------------------------------------------
 

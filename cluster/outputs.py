@@ -1,8 +1,10 @@
-"""Where an engine's outputs go: to the client that owns each request.
+"""Where an engine's outputs go: to the client that reads each request's.
 
 Every client is an engine channel connection with a *sink*: everything one step
 produced for that client is handed over in one call, once the step's outputs
-are all published (one frame per client per step, never one per token).
+are all published (one frame per client per step, never one per token). Which
+client a request belongs to is the request's own (``Request.client``): this
+keeps no table of requests.
 """
 
 from __future__ import annotations
@@ -17,38 +19,23 @@ Sink = Callable[[list[EngineOutput]], None]
 
 
 class OutputBuffers:
-    """Outputs per client, and which client owns each request."""
+    """Each client's sink, and its outputs not yet handed over."""
 
     def __init__(self) -> None:
-        self.owner: dict[str, str] = {}  # request_id -> client
         self.buffers: dict[str, list[EngineOutput]] = defaultdict(list)
         self.sinks: dict[str, Sink] = {}
         self._flush_pending = False
-
-    def own(self, request_id: str, client: str) -> None:
-        self.owner[request_id] = client
 
     def attach(self, client: str, sink: Sink) -> None:
         """From now on ``client``'s outputs go to ``sink``, a batch at a time."""
         self.sinks[client] = sink
 
-    def detach(self, client: str) -> list[str]:
-        """Forgets a client; returns the requests it still owns (to abort)."""
+    def detach(self, client: str) -> None:
         self.sinks.pop(client, None)
         self.buffers.pop(client, None)
-        owned = [rid for rid, owner in self.owner.items() if owner == client]
-        for request_id in owned:
-            del self.owner[request_id]
-        return owned
 
-    def push(self, output: EngineOutput) -> None:
-        """Queues an output for its request's client; a finishing output ends the
-        request's ownership."""
-        client = self.owner.get(output.request_id)
-        if client is None:
-            return
-        if output.finish_reason is not None:
-            del self.owner[output.request_id]
+    def push(self, client: str, output: EngineOutput) -> None:
+        """Queues an output for ``client`` (dropped when it is gone)."""
         if client not in self.sinks:
             return
         self.buffers[client].append(output)

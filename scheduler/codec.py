@@ -242,7 +242,7 @@ def _encode_plan(m: StepPlan) -> list:
         [
             [
                 n.seq_id,
-                n.request_id,
+                n.label,
                 n.slot_idx,
                 n.token_ids,
                 n.num_prompt_tokens,

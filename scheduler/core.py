@@ -112,7 +112,7 @@ class Scheduler:
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
         self._finish(request, reason)
-        return RequestOutput(request_id, finish_reason=reason)
+        return RequestOutput(request_id, finish_reason=reason, request=request)
 
     def requeue_running(self) -> None:
         """The steps in flight were lost with the workers: forget them and preempt
@@ -148,6 +148,10 @@ class Scheduler:
         self.policy.schedule(step, now)
         if not step.scheduled:
             return None
+        for new in step.new_seqs:
+            request = step.requests[new.slot_idx]
+            if request.scheduled_time is None:
+                request.scheduled_time = now
         self.step += 1
         self.num_in_flight += 1
         scheduled = step.build(self.step, self._released_slots)
@@ -175,7 +179,7 @@ class Scheduler:
                 continue  # aborted while the step was in flight
             request.output_token_ids.append(sampled.token_id)
             out = outputs[request.request_id] = RequestOutput(
-                request.request_id, [sampled.token_id]
+                request.request_id, [sampled.token_id], request=request
             )
             if len(request.output_token_ids) == 1:
                 out.num_cached_tokens = request.num_cached_tokens
@@ -186,7 +190,9 @@ class Scheduler:
         for prompt in result.prompt_logprobs:  # once, with the step completing the prompt
             request = live.get(prompt.seq_id)
             if request is not None:
-                out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
+                out = outputs.setdefault(
+                    request.request_id, RequestOutput(request.request_id, request=request)
+                )
                 out.prompt_logprobs = prompt
         for finished in result.finished:
             request = live.get(finished.seq_id)
@@ -204,7 +210,7 @@ class Scheduler:
             reason = FinishReason(finished.reason)
             self._finish(request, reason)
             outputs.setdefault(
-                request.request_id, RequestOutput(request.request_id)
+                request.request_id, RequestOutput(request.request_id, request=request)
             ).finish_reason = reason
         for request in expected:
             if request.request_id not in outputs:
@@ -240,7 +246,7 @@ class Scheduler:
         self._by_seq[request.seq_id] = request
         return NewSequence(
             seq_id=request.seq_id,
-            request_id=request.label,
+            label=request.label,
             slot_idx=request.slot_idx,
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,

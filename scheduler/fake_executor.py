@@ -5,8 +5,9 @@ It consumes real :class:`StepPlan` messages and answers real
 (:class:`SequenceTable`) as the model runner, so the scheduler, the Ray actor,
 the Serve app and the benchmarks run end to end without a model.
 
-The token at output position ``i`` of a request depends only on the request id
-and ``i``: a preempted request that is recomputed produces the same tokens, and
+The token at output position ``i`` of a request depends only on its label (the
+name its client gave it, ``NewSequence.label``; a request added to a scheduler
+directly has its id as its label) and ``i``: a preempted request that is recomputed produces the same tokens, and
 tests can predict every request's exact output. A request ends with EOS after
 ``output_len(request_id)`` tokens (``None``: never by itself).
 
@@ -105,7 +106,7 @@ class FakeExecutor:
                 needed = blocks_for(entry.start_pos + entry.num_tokens, self.block_size)
                 if len(seq.block_ids) < needed:
                     raise AssertionError(
-                        f"{seq.request_id}: {len(seq.block_ids)} blocks cannot hold "
+                        f"{seq.label}: {len(seq.block_ids)} blocks cannot hold "
                         f"{entry.start_pos + entry.num_tokens} tokens"
                     )
             self.table.advance(entry)
@@ -116,7 +117,7 @@ class FakeExecutor:
             if seq.params.max_tokens == 0:  # the prompt alone was asked for
                 result.finished.append(self.table.end(entry.slot_idx, FinishReason.LENGTH))
                 continue
-            token = self._next_token(seq.request_id, seq.num_output_tokens, seq.params)
+            token = self._next_token(seq.label, seq.num_output_tokens, seq.params)
             logprob = -0.5 if seq.params.logprobs is not None else None
             top = [(token, -0.5)][: seq.params.logprobs or 0]
             result.sampled.append(SampledToken(seq.seq_id, token, logprob, top))
@@ -156,6 +157,6 @@ class FakeExecutor:
                 held = self._kv.get(block, empty)[pos % size]
                 if held != (pos, self._digest(seq, pos)):
                     raise AssertionError(
-                        f"{seq.request_id}: block {block} does not hold its KV of position "
+                        f"{seq.label}: block {block} does not hold its KV of position "
                         f"{pos} in step {plan.step}"
                     )

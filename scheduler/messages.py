@@ -44,8 +44,10 @@ class NewSequence:
     """A sequence the workers have not seen yet, sent in full once.
 
     ``seq_id`` names the sequence in every result; the scheduler never gives two
-    requests the same one. ``request_id`` is the caller's name for it (a client's
-    request id), for logs; it need not be unique. ``token_ids`` is the prompt plus
+    requests the same one. ``label`` is its client's name for it (a user's request
+    id), for logs only: it need not be unique, and the ranks key nothing by it
+    (but the fake executor, a stand-in for tests, derives its tokens from it, so
+    that a test can predict them). ``token_ids`` is the prompt plus
     any output produced before a preemption (recompute resumes from there); the
     first ``num_prompt_tokens`` are prompt. The first ``num_cached_tokens`` (whole
     blocks, fewer than ``len(token_ids)``) are in the KV cache already, in the
@@ -53,7 +55,7 @@ class NewSequence:
     """
 
     seq_id: int
-    request_id: str
+    label: str
     slot_idx: int
     token_ids: list[int]
     num_prompt_tokens: int

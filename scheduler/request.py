@@ -116,6 +116,14 @@ class Request:
     num_cached_tokens: int | None = None
     # Tokens computed before its last preemption: what recompute may have to redo.
     num_dropped_tokens: int = 0
+    # What the engine around the scheduler keeps of a request lives here too, so
+    # that a request is in one table (Scheduler.requests): the client that reads
+    # its outputs, and the times its metrics are measured from (``now`` of the
+    # schedule() that first admitted it; its first and latest output tokens).
+    client: str = ""
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -186,6 +194,7 @@ class RequestOutput:
     # The prompt's logprobs, in the output of the step that completed the prompt
     # of a request that asked for them.
     prompt_logprobs: PromptLogprobs | None = None
+    request: Request | None = field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:

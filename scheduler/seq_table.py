@@ -24,7 +24,7 @@ class PlanMismatchError(RuntimeError):
 @dataclass(slots=True)
 class SeqState:
     seq_id: int
-    request_id: str
+    label: str  # its client's name for it: for messages only
     slot_idx: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -86,12 +86,12 @@ class SequenceTable:
             seq = self.get(entry.slot_idx)
             if entry.start_pos != seq.num_computed_tokens:
                 raise PlanMismatchError(
-                    f"slot {entry.slot_idx} ({seq.request_id}): plan starts at {entry.start_pos}, "
+                    f"slot {entry.slot_idx} ({seq.label}): plan starts at {entry.start_pos}, "
                     f"worker has {seq.num_computed_tokens} tokens computed"
                 )
             if entry.start_pos + entry.num_tokens > len(seq.token_ids):
                 raise PlanMismatchError(
-                    f"slot {entry.slot_idx} ({seq.request_id}): plan computes up to "
+                    f"slot {entry.slot_idx} ({seq.label}): plan computes up to "
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
                 )
             seq.block_ids.extend(entry.new_block_ids)
@@ -112,16 +112,16 @@ class SequenceTable:
     def _add(self, new: NewSequence) -> None:
         if new.slot_idx in self.by_slot:
             raise PlanMismatchError(
-                f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].request_id}"
+                f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].label}"
             )
         if not 0 <= new.num_cached_tokens < len(new.token_ids):
             # At least the last token is computed, so that there are logits to sample.
             raise PlanMismatchError(
-                f"{new.request_id}: {new.num_cached_tokens} cached tokens of {len(new.token_ids)}"
+                f"{new.label}: {new.num_cached_tokens} cached tokens of {len(new.token_ids)}"
             )
         self.by_slot[new.slot_idx] = SeqState(
             seq_id=new.seq_id,
-            request_id=new.request_id,
+            label=new.label,
             slot_idx=new.slot_idx,
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,

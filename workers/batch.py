@@ -181,7 +181,7 @@ def _check_entry(
 
 
 def _name(entry: ScheduledSeq, seq) -> str:
-    return f"slot {entry.slot_idx} ({seq.request_id})"
+    return f"slot {entry.slot_idx} ({seq.label})"
 
 
 def _block_tables(tables: list[list[int]], needed_blocks: list[int], scratch_block: int):

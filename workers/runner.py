@@ -210,8 +210,7 @@ class ModelRunner:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise PlanMismatchError(
-                    f"{new.request_id}: token id {bad[0]} outside the vocabulary "
-                    f"of {self.vocab_size}"
+                    f"{new.label}: token id {bad[0]} outside the vocabulary of {self.vocab_size}"
                 )
         plan = self.table.apply(plan)
         for new in plan.new_seqs:
@@ -310,7 +309,7 @@ class ModelRunner:
         if not constrained or self.grammars is None or seq.seq_id not in self.grammars:
             return self.table.append_token(seq.slot_idx, token)
         if not self.grammars.accept(seq.seq_id, token):
-            logger.error("%s: its grammar refused token %d; ending it", seq.request_id, token)
+            logger.error("%s: its grammar refused token %d; ending it", seq.label, token)
             seq.token_ids.append(token)
             return self.table.end(seq.slot_idx, FinishReason.ERROR)
         finished = self.table.append_token(seq.slot_idx, token)

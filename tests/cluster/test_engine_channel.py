@@ -22,21 +22,29 @@ class StubCore:
         self.outputs = OutputBuffers()
         self.added: list[tuple] = []
         self.aborted: list[str] = []
+        self.clients: dict[str, str] = {}  # running request -> its client
 
     async def add_request(self, client, key, prompt, params, priority, label):
         if params.get("refuse"):
             return ("queue_full", "the waiting queue is full")
-        self.outputs.own(key, client)
+        self.clients[key] = client
         self.added.append((key, label, prompt, priority))
         return None
 
     async def abort(self, key):
         self.aborted.append(key)
-        self.outputs.push(EngineOutput.aborted(key))
+        self.publish(EngineOutput.aborted(key))
+
+    def requests_of(self, client):
+        return [key for key, owner in self.clients.items() if owner == client]
 
     def publish(self, *outputs: EngineOutput):
         for output in outputs:
-            self.outputs.push(output)
+            client = self.clients.get(output.request_id)
+            if output.finished:
+                self.clients.pop(output.request_id, None)
+            if client is not None:
+                self.outputs.push(client, output)
 
 
 async def _connected(local: bool = True):

@@ -24,8 +24,9 @@ def test_prefix_cache_hits_queries_and_cached_blocks_reach_the_metrics():
     recorder = MetricsRecorder(metrics)
     prompt = list(range(3, 13))  # two full blocks, then a partial one
     for i in range(3):
-        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=2)))
-        recorder.admitted(f"r{i}", len(prompt))
+        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=2))
+        sched.add_request(request)
+        recorder.admitted(request)
     while sched.has_work:
         step = sched.schedule(0.0)
         result = executor.execute(step.plan)
@@ -56,7 +57,8 @@ def test_queue_time_is_recorded_for_requests_whose_label_is_not_their_id(monkeyp
     queue time, and the first token's time must split into queue and prefill."""
     from iterserve.cluster import recorder as recorder_module
 
-    monkeypatch.setattr(recorder_module, "time", _Clock())
+    clock = _Clock()
+    monkeypatch.setattr(recorder_module, "time", clock)
     sched = Scheduler(SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32, block_size=4,
         num_kv_blocks=32,
@@ -65,12 +67,12 @@ def test_queue_time_is_recorded_for_requests_whose_label_is_not_their_id(monkeyp
     metrics = EngineMetrics("demo", 0, "chunked")
     recorder = MetricsRecorder(metrics)
     for i in range(6):  # two slots: four of them wait
-        prompt = [3 + i, 4, 5]
-        sched.add_request(Request(f"ingress.{i}", prompt, SamplingParams(max_tokens=3),
-                                  label=f"client-{i}"))  # fmt: skip
-        recorder.admitted(f"ingress.{i}", len(prompt))
+        request = Request(f"ingress.{i}", [3 + i, 4, 5], SamplingParams(max_tokens=3),
+                          arrival_time=clock.monotonic(), label=f"client-{i}")  # fmt: skip
+        sched.add_request(request)
+        recorder.admitted(request)
     while sched.has_work:
-        step = sched.schedule(0.0)
+        step = sched.schedule(clock.monotonic())
         result = executor.execute(step.plan)
         outputs = sched.update(step, result)
         recorder.step(step, result, 0.5, sched)  # as the engine does: the step, then its outputs

@@ -54,7 +54,7 @@ plans = st.builds(
         st.builds(
             NewSequence,
             seq_id=ints,
-            request_id=st.text(max_size=40),
+            label=st.text(max_size=40),
             slot_idx=ints,
             token_ids=st.lists(ints, max_size=50),
             num_prompt_tokens=ints,

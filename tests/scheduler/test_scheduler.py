@@ -183,7 +183,7 @@ def test_continuous_frees_a_finished_slot_for_a_waiting_request_next_step():
     step(sched, executor)  # a: prefill + first token
     step(sched, executor)  # a: EOS
     plan, _ = step(sched, executor)
-    assert [n.request_id for n in plan.new_seqs] == ["b"]
+    assert [n.label for n in plan.new_seqs] == ["b"]
 
 
 def test_chunked_cuts_a_long_prompt_and_never_stalls_running_decodes():
@@ -242,7 +242,7 @@ def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahea
     later = executor.execute(ahead.plan)
     # Built while a's last token is still being sampled: a retires, b takes the slot.
     third = sched.schedule(0.0)
-    assert "a" in retiring_ids(sched) and [n.request_id for n in third.plan.new_seqs] == ["b"]
+    assert "a" in retiring_ids(sched) and [n.label for n in third.plan.new_seqs] == ["b"]
     assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
     sched.check_integrity()
     outputs = {o.request_id: o for o in sched.update(ahead, later)}

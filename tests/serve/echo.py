@@ -94,7 +94,7 @@ class EchoExecutor(FakeExecutor):
     def execute(self, plan):
         for new in plan.new_seqs:
             prompt = new.token_ids[: new.num_prompt_tokens]
-            self.replies[new.request_id] = echo_reply(prompt, self.user_id, self.end_id)
+            self.replies[new.label] = echo_reply(prompt, self.user_id, self.end_id)
         return super().execute(plan)
 
     def _next_token(self, request_id: str, output_pos: int, params: SamplingParams) -> int:
