@@ -1,20 +1,19 @@
 """The scheduler actor: owns the iteration clock, the slot table and the workers.
 
-Its loop is one tick after another; the steps handed to the ranks and not yet
-taken back are one queue, ``in_flight`` (at most two: the one running and the
-one built ahead of it)::
+Its loop is one tick after another. The steps handed to the ranks and not yet
+taken back are one queue, the scheduler's ``in_flight``: it holds at most two
+(the one running and the one built ahead of it) with ``async_scheduling``,
+else one, and ``schedule`` builds nothing while it is full::
 
     tick():
-        in_flight.append(submit(scheduler.schedule(now)))   # when the queue has room
-        if in_flight has room and there is work: return     # build the next one ahead
-        step = in_flight.popleft()
-        outputs = scheduler.update(step, await collect())   # tokens, finishes, freed KV
+        submit(scheduler.schedule(now))             # when the queue has room
+        submit(scheduler.schedule(now))             # built ahead, while the one before runs
+        outputs = scheduler.update(oldest, await collect())   # tokens, finishes, freed KV
         publish(outputs)
 
-With ``async_scheduling`` the queue holds two steps, so the ranks start step
-N+1 the moment N ends and the scheduler's own work for a step (update,
-publish, schedule, encode) overlaps the next step's forward; without it, one.
-It sleeps while there is no work and wakes on arrival.
+With two in flight the ranks start step N+1 the moment N ends, and the
+scheduler's own work for a step (update, publish, schedule, encode) overlaps
+the next step's forward. It sleeps while there is no work and wakes on arrival.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +47,6 @@ from iterserve.scheduler import (
     QueueFullError,
     RequestOutput,
     SamplingParamsError,
-    ScheduledStep,
     Scheduler,
 )
 from iterserve.scheduler.messages import EngineOutput
@@ -92,10 +89,6 @@ class EngineCore:
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
-        # The steps handed to the ranks and not yet collected, oldest first, each with
-        # when its scheduling began.
-        self.in_flight: deque[tuple[ScheduledStep, float]] = deque()
-        self.depth = 2 if config.async_scheduling else 1
         self.last_result_at = 0.0
         self.dead_reason: str | None = None
         self.num_restarts = 0
@@ -118,7 +111,8 @@ class EngineCore:
                 num_kv_blocks=self.workers.num_kv_blocks,
                 max_model_len=self.max_model_len,
                 device=info["device"],
-            )
+            ),
+            max_in_flight=2 if self.config.async_scheduling else 1,
         )
         self.recorder.state(self.scheduler)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
@@ -155,7 +149,7 @@ class EngineCore:
     async def _loop(self) -> None:
         try:
             while self.dead_reason is None:
-                if not self.scheduler.has_work and not self.in_flight:
+                if not self.scheduler.has_work and not self.scheduler.in_flight:
                     self.wake.clear()
                     await self.wake.wait()
                     continue
@@ -173,32 +167,27 @@ class EngineCore:
         """One iteration (see the module docstring). False when nothing ran."""
         async with self.step_lock:
             await self._submit_next()
-            if not self.in_flight:
+            if not self.scheduler.in_flight:
                 return False
-            if len(self.in_flight) < self.depth and self.scheduler.has_work:
+            if self.scheduler.has_work:
                 await self._submit_next()  # built ahead, while the one before runs
             outputs = await self._collect()
         self.publish(outputs)
         return True
 
     async def _submit_next(self) -> None:
-        if len(self.in_flight) >= self.depth:
-            return
-        started = time.perf_counter()
-        step = self.scheduler.schedule(time.monotonic())
-        if step is None:
-            return
-        await self.workers.submit(step.plan)
-        self.in_flight.append((step, started))
+        step = self.scheduler.schedule(time.monotonic())  # None: the queue is full, or no work
+        if step is not None:
+            await self.workers.submit(step.plan)
 
     async def _collect(self) -> list[RequestOutput]:
-        step, started = self.in_flight.popleft()
+        step = self.scheduler.in_flight[0]
         result = await self.workers.collect()
         outputs = self.scheduler.update(step, result)
-        now = time.perf_counter()
+        now = time.monotonic()
         # The step's time on the critical path: from the previous result when it was
         # built ahead, else from the start of its scheduling.
-        step_s = now - max(started, self.last_result_at)
+        step_s = now - max(step.scheduled_at, self.last_result_at)
         self.last_result_at = now
         self.recorder.step(step, result, step_s, self.scheduler)
         return outputs
@@ -207,7 +196,7 @@ class EngineCore:
         """Collects every step in flight (under ``step_lock``), so that nothing runs
         behind a health check or an integrity check. A result that breaks the
         scheduler here ends the engine as it would in the loop."""
-        while self.in_flight:
+        while self.scheduler.in_flight:
             try:
                 outputs = await self._collect()
             except WorkerFailure:
@@ -234,8 +223,7 @@ class EngineCore:
         async with self.step_lock:
             if exc.generation != self.workers.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
-            self.in_flight.clear()  # lost with the workers
-            self.scheduler.requeue_running()
+            self.scheduler.requeue_running()  # the steps in flight were lost with the workers
             if self.num_restarts >= self.config.max_restarts:
                 self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
                 await self.workers.stop()
@@ -251,7 +239,7 @@ class EngineCore:
         """Fails every request at once and reports unhealthy from now on, so that
         nobody waits on an engine that no longer steps; under Serve the health
         check then replaces this replica."""
-        self.in_flight.clear()
+        self.scheduler.in_flight.clear()  # nothing will collect them
         self._fail_all(message)
         try:
             await self.workers.stop()

@@ -47,6 +47,5 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
         # Its KV up to its last known token is computed by the step in flight.
         known = min(request.num_computed_tokens, request.num_tokens)
         sched.retiring[request.seq_id] = (request, sched.prefix.release(request, known))
-        sched.slots.release(request.slot_idx)
-        request.slot_idx = -1
+        sched.release_slot(request, tell_workers=False)
         del sched.running[request.request_id]

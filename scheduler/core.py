@@ -17,6 +17,7 @@ Prefix caching (which blocks are shared by content, and when) is explained in
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 
 from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
 from iterserve.scheduler.blocks import BlockManager
@@ -37,9 +38,15 @@ from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    """``max_in_flight``: steps handed out whose results have not come back, at
+    most (2: one built ahead of the one running; 1: one at a time)."""
+
+    def __init__(self, config: SchedulerConfig, max_in_flight: int = 2):
         config.check_complete()
+        if max_in_flight not in (1, 2):
+            raise ValueError(f"max_in_flight must be 1 or 2, got {max_in_flight}")
         self.config = config
+        self.max_in_flight = max_in_flight
         self.slots = SlotTable(config.max_num_seqs)
         slab = config.max_model_len if config.kv_layout == "slab" else 0
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
@@ -50,7 +57,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.policy = make_policy(config)
         self.step = 0
-        self.num_in_flight = 0  # steps scheduled whose results have not come back (0-2)
+        # The steps handed out whose results have not come back, oldest first: the
+        # one queue of them (the engine keeps none); update() takes the oldest.
+        self.in_flight: deque[ScheduledStep] = deque()
         self._next_seq_id = 0
         # The requests the workers know, by the id results name them with: running
         # ones and retiring ones. An aborted request leaves at once, so a result
@@ -117,7 +126,7 @@ class Scheduler:
     def requeue_running(self) -> None:
         """The steps in flight were lost with the workers: forget them and preempt
         every running sequence, to be recomputed on fresh workers. No token is lost."""
-        self.num_in_flight = 0
+        self.in_flight.clear()
         self.policy.reset(self)
         retiring = [request for request, _ in self.retiring.values()]
         self.retiring.clear()
@@ -128,15 +137,16 @@ class Scheduler:
     # -- the step --------------------------------------------------------------
 
     def schedule(self, now: float) -> ScheduledStep | None:
-        """Builds the next step, or returns None when there is nothing to run.
+        """Builds the next step, or returns None when there is nothing to run or
+        ``max_in_flight`` steps are out already.
 
         With a step in flight, builds the step after it (a lookahead plan, see
         the module docstring), or returns None when that step must wait for the
-        result of the one in flight. The caller keeps the step and hands it back
-        to :meth:`update` with its result."""
-        if self.num_in_flight > 1:
-            raise RuntimeError("two steps are in flight already: update one first")
-        lookahead = self.num_in_flight == 1
+        result of the one in flight. The step's result goes back to :meth:`update`
+        with it, oldest step first."""
+        if len(self.in_flight) >= self.max_in_flight:
+            return None
+        lookahead = bool(self.in_flight)
         finishing: list[Request] = []
         if lookahead:
             finishing = finishing_if_ahead_fits(self)
@@ -153,17 +163,19 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = now
         self.step += 1
-        self.num_in_flight += 1
-        scheduled = step.build(self.step, self._released_slots)
+        scheduled = step.build(self.step, self._released_slots, now)
         self._released_slots = []
+        self.in_flight.append(scheduled)
         return scheduled
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """Applies the workers' result for ``step`` (the oldest step in flight):
         append tokens, finish, free."""
+        if not self.in_flight or step is not self.in_flight[0]:
+            raise ProtocolError(f"step {step.plan.step} is not the oldest step in flight")
         if result.step != step.plan.step:
             raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
-        self.num_in_flight -= 1
+        self.in_flight.popleft()
         expected: list[Request] = []
         for entry in step.plan.scheduled:
             if entry.sample:
@@ -265,7 +277,7 @@ class Scheduler:
             self.prefix.release(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
-            self._release_slot(request)
+            self.release_slot(request, tell_workers=True)
             del self.running[request.request_id]
         request.num_dropped_tokens = request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -276,14 +288,14 @@ class Scheduler:
         self.num_preempted += 1
         self.waiting.push(request)
 
-    def release_slot(self, request: Request) -> None:
-        """Frees the slot a finished member of a static batch kept, as the batch ends."""
+    def release_slot(self, request: Request, *, tell_workers: bool) -> None:
+        """Frees a request's slot, the one place slots are freed. ``tell_workers``:
+        the next plan releases it (an abort, an error, a preemption: the workers
+        still hold the sequence); otherwise they dropped it themselves (it ended
+        where it was sampled, or its last token is being sampled: retiring)."""
         self.slots.release(request.slot_idx)
-        request.slot_idx = -1
-
-    def _release_slot(self, request: Request) -> None:
-        self.slots.release(request.slot_idx)
-        self._released_slots.append(request.slot_idx)
+        if tell_workers:
+            self._released_slots.append(request.slot_idx)
         request.slot_idx = -1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -309,13 +321,16 @@ class Scheduler:
             return
         del self.running[request.request_id]
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
-            self._release_slot(request)  # the workers still hold it: tell them
+            self.release_slot(request, tell_workers=True)  # the workers still hold it
         elif not self.policy.holds_finished_slots:
-            # The worker dropped the sequence itself when it finished it.
-            self.release_slot(request)
+            self.release_slot(request, tell_workers=False)  # the worker ended it itself
         # else: static batching keeps the slot, as padding, until its batch ends.
 
     # -- introspection ---------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
 
     @property
     def has_work(self) -> bool:

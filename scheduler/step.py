@@ -14,8 +14,8 @@ preempted. Policies fill it through its small API::
     step.pad_slot(slot_idx)                 a padding row (static batching)
 
 :meth:`StepBuilder.build` turns it into a :class:`ScheduledStep`: the plan for
-the workers and what ``update`` needs to take the result, which the caller
-keeps while the step runs (the scheduler keeps no copy).
+the workers and what ``update`` needs to take the result; the scheduler keeps
+it in its queue of steps in flight until then.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class ScheduledStep:
     plan: StepPlan
     requests: dict[int, Request]  # slot_idx -> the request its entry computes
     num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
+    scheduled_at: float = 0.0  # the ``now`` it was scheduled at
 
 
 class StepBuilder:
@@ -167,7 +168,7 @@ class StepBuilder:
 
     # -- the result ------------------------------------------------------------------
 
-    def build(self, step: int, released_slots: list[int]) -> ScheduledStep:
+    def build(self, step: int, released_slots: list[int], now: float) -> ScheduledStep:
         plan = StepPlan(
             step=step,
             new_seqs=self.new_seqs,
@@ -178,4 +179,4 @@ class StepBuilder:
         )
         tables = self.sched.blocks.tables
         num_blocks = {r.seq_id: len(tables[r.request_id]) for r in self.requests.values()}
-        return ScheduledStep(plan, self.requests, num_blocks)
+        return ScheduledStep(plan, self.requests, num_blocks, now)

@@ -60,7 +60,7 @@ class StaticPolicy(Policy):
     def reset(self, sched: Scheduler) -> None:
         for member in self.batch:
             if member.status.finished and member.slot_idx >= 0:
-                sched.release_slot(member)
+                sched.release_slot(member, tell_workers=False)  # ended on the worker
         self.batch = []
 
     def next_deadline(self, sched: Scheduler) -> float | None:
