@@ -5,14 +5,28 @@ A worker (the real model runner or the fake executor) keeps one
 out the token ids to compute, records sampled tokens and decides when a
 sequence ends (EOS, stop token, length). Pure Python, so the fake executor and
 the real runner share exactly the same stop rules.
+
+Everything a rank keeps for one sequence is in its :class:`SeqState`: tokens,
+blocks, its row of the penalties' token counts, its grammar matcher, the
+prompt logprobs it is gathering. A sequence leaves by one door,
+:meth:`SequenceTable.forget` (released by a plan, or ended on the rank), which
+hands it to the table's ``on_forget`` for what it holds outside itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from iterserve.scheduler.messages import FinishedSeq, NewSequence, ScheduledSeq, StepPlan
+from iterserve.scheduler.messages import (
+    FinishedSeq,
+    NewSequence,
+    PromptLogprobs,
+    ScheduledSeq,
+    StepPlan,
+)
 from iterserve.scheduler.request import FinishReason
 from iterserve.scheduler.sampling import SamplingParams
 
@@ -31,6 +45,12 @@ class SeqState:
     params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Its row in the rank's token-count tables (penalties; -1: none), and the
+    # (length, last token) of the tokens that row counts.
+    counts_row: int = -1
+    counted: tuple[int, int] = (0, -1)
+    grammar: Any = None  # its grammar's matcher state (structured outputs)
+    prompt_logprobs: PromptLogprobs | None = None  # entries gathered, until its prompt is in
 
     @property
     def num_output_tokens(self) -> int:
@@ -61,10 +81,16 @@ def stop_reason(
 
 
 class SequenceTable:
-    """Per-slot sequence state on a worker."""
+    """Per-slot sequence state on a worker. ``on_forget(seq)`` is called for each
+    sequence that leaves, whatever the reason."""
 
-    def __init__(self, eos_token_ids: frozenset[int] | set[int] = frozenset()):
+    def __init__(
+        self,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        on_forget: Callable[[SeqState], None] | None = None,
+    ):
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_forget = on_forget
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
 
@@ -77,7 +103,7 @@ class SequenceTable:
         previous step ended, a copy in which their entries are padding slots."""
         ended, self.ended = self.ended, set()
         for slot_idx in plan.released_slots:
-            self.by_slot.pop(slot_idx, None)
+            self.forget(slot_idx)
         for new in plan.new_seqs:
             self._add(new)
         if plan.lookahead and ended:
@@ -129,6 +155,13 @@ class SequenceTable:
             num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
         )
 
+    def forget(self, slot_idx: int) -> SeqState | None:
+        """Drops the sequence in ``slot_idx`` and all it holds (the one way out)."""
+        seq = self.by_slot.pop(slot_idx, None)
+        if seq is not None and self.on_forget is not None:
+            self.on_forget(seq)
+        return seq
+
     def get(self, slot_idx: int) -> SeqState:
         try:
             return self.by_slot[slot_idx]
@@ -157,6 +190,8 @@ class SequenceTable:
         """Ends a sequence without a new token: one whose ``max_tokens`` is 0 once its
         prompt is computed (``length``), or one the worker cannot go on with
         (``error``). Like a stop by a token, it leaves the table at once."""
-        seq = self.by_slot.pop(slot_idx)
+        seq = self.forget(slot_idx)
+        if seq is None:
+            raise PlanMismatchError(f"slot {slot_idx} holds no sequence")
         self.ended.add(slot_idx)
         return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=seq.block_ids)

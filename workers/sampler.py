@@ -57,12 +57,6 @@ if TYPE_CHECKING:
     from iterserve.workers.grammar import GrammarMask
 
 
-def sequence_key(row: SampleRow) -> int:
-    """What names a row's sequence across steps: its generator and token counts
-    live under this key until :meth:`Sampler.forget`."""
-    return row.seq_id
-
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -105,16 +99,24 @@ class Sampler:
         # the same tokens and their sequence tables stay in step.
         self._shared = torch.Generator(device=self.device).manual_seed(seed)
         self._positioned = torch.Generator(device=self.device)  # seeded rows: see draw_seed
-        self._counts = TokenCounts(self.device, key=sequence_key)
+        self._counts = TokenCounts(self.device)
         # Parameters and indices cross as float64: exact for every int id and for
         # the Python floats, which then round to fp32 as torch.tensor would.
         self._staging = Staging(self.device, torch.float64)
         self._mask_staging = Staging(self.device, torch.int32)  # grammar bitmasks
 
-    def forget(self, key: int) -> None:
-        """Drops a finished or released sequence's token counts (``key`` as
-        :func:`sequence_key` gives it)."""
-        self._counts.forget(key)
+    def release(self, row: SampleRow) -> None:
+        """Hands back what a sequence leaving the rank holds here: its row of the
+        token counts (its draws need nothing kept: see the module docstring)."""
+        self._counts.release(row)
+
+    def step_params(
+        self, rows: list[SampleRow], vocab: int, grammar: GrammarMask | None
+    ) -> StepParams:
+        return StepParams(
+            rows, vocab, grammar,
+            eos_token_ids=self.eos_token_ids, counts=self._counts, staging=self._staging,
+        )  # fmt: skip
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
@@ -133,7 +135,7 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        batch = StepParams(self, rows, vocab, grammar)
+        batch = self.step_params(rows, vocab, grammar)
         logits = self._process(logits, rows, batch)
         if not batch.random:
             tokens = logits.argmax(dim=-1)
@@ -186,7 +188,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
     ) -> torch.Tensor:
         """Steps 1-6: masks, bias and penalties, on a float copy of ``logits``."""
-        batch = StepParams(self, rows, logits.shape[1], grammar)
+        batch = self.step_params(rows, logits.shape[1], grammar)
         out = self._process(logits.float(), rows, batch)
         return out.clone() if out is logits else out
 

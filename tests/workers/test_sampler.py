@@ -19,6 +19,8 @@ class Row:
     token_ids: list[int]
     num_prompt_tokens: int
     seq_id: int = 0
+    counts_row: int = -1
+    counted: tuple[int, int] = (0, -1)
 
 
 def rows_of(params: SamplingParams, n: int, prompt=(1, 2), output=()) -> list[Row]:
@@ -84,7 +86,9 @@ def test_one_row_that_changes_its_logits_takes_the_whole_batch_down_the_full_pat
 
     built = []
     step_params = sampler_module.StepParams
-    monkeypatch.setattr(sampler_module, "StepParams", lambda *a: built.append(1) or step_params(*a))
+    monkeypatch.setattr(
+        sampler_module, "StepParams", lambda *a, **k: built.append(1) or step_params(*a, **k)
+    )
     plain = SamplingParams(temperature=0.0)
     special = SamplingParams(temperature=0.0, **extra)
     assert plain.takes_argmax and not special.takes_argmax
@@ -235,23 +239,22 @@ def test_device_token_counts_follow_the_sequence():
         logits = random_logits(1, seed=step)
         torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
         row.token_ids.append(s(logits, [row]).token_ids[0])
-    s.forget("p")
+    s.release(row)
     row = Row(params, [9, 9, 1, 2, 2], 3, "p")
     torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
-    # The same request id, other tokens of the same length: rebuilt, not trusted.
+    # Other tokens of the same length under the same row: rebuilt, not trusted.
     row.token_ids[-1] = 7
     torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
 
 
 def test_top_k_without_a_sort_keeps_what_the_sort_keeps():
     from iterserve.workers.sampler import _filter
-    from iterserve.workers.step_params import StepParams
 
     logits = random_logits(5, seed=4)
     params = [SamplingParams(top_k=k) for k in (1, 3, 0, 31, 40)]
     rows = [Row(p, [1], 1, f"k{i}") for i, p in enumerate(params)]
     s = sampler()
-    got = _filter(logits, params, StepParams(s, rows, VOCAB, None))
+    got = _filter(logits, params, s.step_params(rows, VOCAB, None))
     for i, k in enumerate((1, 3, 0, 31, 40)):
         if not 0 < k < VOCAB:
             assert torch.equal(got[i], logits[i])
@@ -334,7 +337,7 @@ def test_a_seeded_row_resumes_its_random_stream_after_being_forgotten():
     s = sampler()
     row = Row(params, [1], 1, 7)
     first = _seeded_tokens(s, logits, row, 4)
-    s.forget(7)  # preempted: the rank drops the sequence; it comes back with its tokens
+    s.release(row)  # preempted: the rank drops the sequence; it comes back with its tokens
     again = _seeded_tokens(s, logits, Row(params, list(row.token_ids), 1, 7), 4)
     restarted = Row(params, [1, *first], 1, 7)  # a fresh rank after a worker restart
     assert first + again == straight
