@@ -28,6 +28,7 @@ from iterserve.cluster.engine_errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
+from iterserve.cluster.executors import ExecutorFactory
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.messages import EngineOutput
 
@@ -45,26 +46,28 @@ __all__ = [
 ]
 
 
-def start_scheduler_actor(config: EngineConfig, name: str | None = None):
+def start_scheduler_actor(config: EngineConfig, executor: ExecutorFactory | None = None):
     """Creates the scheduler actor (it owns the clock, so it must not be restarted
     behind the clients' back: ``max_restarts=0``)."""
     actor_cls = ray.remote(EngineCore)
     options = {"num_cpus": 0, "max_concurrency": 10_000, "max_restarts": 0}
-    if name:
-        options["name"] = name
-    return actor_cls.options(**options).remote(config)
+    return actor_cls.options(**options).remote(config, executor=executor)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    """One engine in this Ray cluster. ``executor`` builds what its ranks run
+    (:mod:`executors`; None: the checkpoint's model)."""
+
+    def __init__(self, config: EngineConfig, executor: ExecutorFactory | None = None):
         self.config = config
+        self.executor = executor
         self.actor = None
         self.connection: EngineConnection | None = None
         self.labels: dict[str, set[RequestStream]] = {}  # a caller's request id -> its streams
         self.info: dict = {}
 
     async def start(self) -> AsyncEngine:
-        self.actor = start_scheduler_actor(self.config)
+        self.actor = start_scheduler_actor(self.config, self.executor)
         try:
             self.info = await self.actor.start.remote()
         except BaseException:

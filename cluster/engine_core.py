@@ -35,6 +35,7 @@ from iterserve.cluster.engine_errors import (
     EngineDeadError,
     InvalidRequestError,
 )
+from iterserve.cluster.executors import ExecutorFactory
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.intake import checked_request
 from iterserve.cluster.metrics import EngineMetrics
@@ -59,7 +60,10 @@ METRICS_PUSH_INTERVAL_S = 5.0
 
 class EngineCore:
     """``model_name`` and ``engine_index`` label this engine's metrics; with
-    ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress."""
+    ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress.
+    ``executor`` builds what its ranks run (:mod:`executors`; None: the model);
+    ``workers`` stands in for the ranks themselves (tests run an engine in one
+    process so), else they are Ray actors (:class:`WorkerGroup`)."""
 
     def __init__(
         self,
@@ -68,6 +72,8 @@ class EngineCore:
         model_name: str | None = None,
         engine_index: int = 0,
         metrics_hub: str | None = None,
+        executor: ExecutorFactory | None = None,
+        workers: WorkerGroup | None = None,
     ):
         self.config = config
         self.metrics = EngineMetrics(
@@ -80,7 +86,7 @@ class EngineCore:
         self.metrics_hub = metrics_hub
         self.engine_key = f"{self.metrics.model_name}/{engine_index}"
         self.push_task: asyncio.Task | None = None
-        self.workers = WorkerGroup(config)
+        self.workers = workers or WorkerGroup(config, executor)
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -150,6 +156,10 @@ class EngineCore:
         try:
             while self.dead_reason is None:
                 if not self.scheduler.has_work and not self.scheduler.in_flight:
+                    # The allocators check themselves each time the engine goes idle:
+                    # every slot and block free again, no request lost. A failure is a
+                    # bug, and ends the engine as any other.
+                    self.scheduler.check_integrity()
                     self.wake.clear()
                     await self.wake.wait()
                     continue
@@ -353,13 +363,6 @@ class EngineCore:
         """This engine's metrics in the Prometheus text format."""
         return self.metrics.exposition()
 
-    async def check_integrity(self) -> None:
-        async with self.step_lock:
-            await self._drain()
-            if self.dead_reason is not None:
-                raise RuntimeError(self.dead_reason)
-            self.scheduler.check_integrity()
-
     async def health(self) -> tuple[bool, str]:
         """Healthy when a ping travels through every worker and back."""
         if self.dead_reason is not None:
@@ -377,9 +380,6 @@ class EngineCore:
             # down this replica and the requests it is recomputing.
             return self.dead_reason is None, self.dead_reason or "ok"
         return True, "ok"
-
-    async def worker_pids(self) -> list[int]:
-        return await self.workers.pids()
 
     async def worker_nodes(self) -> list[dict]:
         return await self.workers.placement()

@@ -19,6 +19,7 @@ from ray import serve
 from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine_core import EngineCore
+from iterserve.cluster.executors import ExecutorFactory
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,19 @@ def _replica_rank() -> int:
 class EngineServer:
     """One data-parallel engine copy: an ``EngineCore`` running in this replica."""
 
-    def __init__(self, config: EngineConfig, model_name: str, metrics_hub: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        metrics_hub: str,
+        executor: ExecutorFactory | None = None,
+    ):
         self.core = EngineCore(
-            config, model_name=model_name, engine_index=_replica_rank(), metrics_hub=metrics_hub
+            config,
+            model_name=model_name,
+            engine_index=_replica_rank(),
+            metrics_hub=metrics_hub,
+            executor=executor,
         )
         self.replica = _replica_name()
         # Start-up (worker placement, model load) runs in the background so the
@@ -96,17 +107,8 @@ class EngineServer:
             status.update(healthy=healthy, ready=healthy, message=message)
         return status
 
-    async def check_integrity(self) -> None:
-        await self._ready()
-        await self.core.check_integrity()
-
-    async def worker_pids(self) -> list[int]:
-        """The worker actors' process ids, in rank order (fault-injection tests)."""
-        await self._ready()
-        return await self.core.worker_pids()
-
     async def placement(self) -> dict:
-        """Where this replica and its ranks run: node and placement group ids."""
+        """Where this replica and its ranks run: node, placement group and process ids."""
         await self._ready()
         context = ray.get_runtime_context()
         return {

@@ -53,8 +53,8 @@ class OpenAIIngress:
         from iterserve.workers.tokenizer import Tokenizer
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
-        api_key = args.api_key
-        if api_key is None and args.api_key_env is not None:
+        api_key = None
+        if args.api_key_env is not None:
             # The key is read here, on the ingress's node, and never travels in configs.
             api_key = os.environ.get(args.api_key_env) or None
             if api_key is None:

@@ -30,6 +30,7 @@ from ray.serve import Application
 from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.engine_server import EngineServer
+from iterserve.cluster.executors import ExecutorFactory
 from iterserve.cluster.ingress import OpenAIIngress
 from iterserve.cluster.metrics_hub import HUB_NAME
 
@@ -59,7 +60,6 @@ class ServeArgs(BaseModel):
     api_key_env: str | None = Field(
         None, description="Environment variable holding the API key; unset: no auth."
     )
-    api_key: str | None = Field(None, description="The API key itself (tests); prefer api_key_env.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body in bytes.")
     model_name: str | None = Field(
         None, description="Name clients use in `model`; default: the checkpoint's directory name."
@@ -128,8 +128,12 @@ class ServeArgs(BaseModel):
         return self.num_engine_replicas * (per_engine + ENGINE_HEADROOM)
 
 
-def build_app(args: dict[str, Any] | ServeArgs) -> Application:
-    """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``."""
+def build_app(
+    args: dict[str, Any] | ServeArgs, *, executor: ExecutorFactory | None = None
+) -> Application:
+    """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``.
+    ``executor`` (code, never a config's: a Serve config passes ``args`` alone)
+    builds what the ranks run instead of the model (:mod:`executors`)."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     name = args.served_model_name(config)
@@ -143,7 +147,7 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
         # and steps reach the ranks over Unix sockets.
         placement_group_bundles=resources.engine_bundles(config),
         placement_group_strategy=config.placement_strategy,
-    ).bind(config, name, metrics_hub_name(name))
+    ).bind(config, name, metrics_hub_name(name), executor)
     # Behind Serve's proxy, the proxy bounds what the ingress holds and queues; an
     # ingress answering HTTP itself bounds it in its own gate (503 beyond).
     bound = args.max_ongoing_requests(config)

@@ -21,10 +21,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
 from iterserve.cluster.prefix_router import ROUTINGS
+
+if TYPE_CHECKING:
+    from iterserve.cluster.executors import ExecutorFactory
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -67,6 +70,7 @@ def run_server(
     cors_allow_credentials: bool = False,
     metrics_require_api_key: bool = True,
     routing: str = "prefix",
+    executor: ExecutorFactory | None = None,
 ) -> str:
     """Serves the OpenAI-compatible API; returns the base URL.
 
@@ -88,6 +92,7 @@ def run_server(
     metrics_require_api_key: whether /metrics needs the API key too.
     routing: how the ingress spreads requests over engine replicas: ``prefix``
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
+    executor: what the ranks run instead of the model (code only: :mod:`executors`).
     """
     from iterserve.cluster.serve_app import ServeArgs, build_app
 
@@ -130,7 +135,7 @@ def run_server(
                 signal.signal(signal.SIGTERM, _interrupt)
         # The ingress answers HTTP on host:port itself: no proxy in the token path.
         serve.start(proxy_location="Disabled")
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(args, executor=executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         engines.broadcast("info").results(timeout_s=ready_timeout_s)
         print(f"iterserve: serving {name} at {url}/v1", flush=True)

@@ -19,6 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from iterserve.cluster.config import EngineConfig
+from iterserve.cluster.executors import ExecutorFactory
 from iterserve.cluster.framing import new_token
 from iterserve.cluster.resources import rank_bundle
 from iterserve.cluster.step_channel import SchedulerChannel
@@ -45,8 +46,9 @@ class WorkerGroup:
     ranks take bundles 1..tp; otherwise the group reserves a placement group of
     its own."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executors: ExecutorFactory | None = None):
         self.config = config
+        self.executors = executors  # what each rank runs (None: the model)
         self.workers: list = []
         self.pg = None
         self.owns_pg = True
@@ -85,7 +87,7 @@ class WorkerGroup:
                     placement_group=self.pg,
                     placement_group_bundle_index=self.first_bundle + rank,
                 ),
-            ).remote(self.config, rank)
+            ).remote(self.config, rank, self.executors)
             for rank in range(tp)
         ]
         host, port = await self.workers[0].address.remote()
@@ -147,9 +149,6 @@ class WorkerGroup:
     async def placement(self) -> list[dict]:
         """Node id and pid of every rank, in rank order."""
         return list(await asyncio.gather(*(w.placement.remote() for w in self.workers)))
-
-    async def pids(self) -> list[int]:
-        return list(await asyncio.gather(*(w.pid.remote() for w in self.workers)))
 
     async def stop(self) -> None:
         """Kills the ranks (a hung or dead one included); the placement stays reserved.

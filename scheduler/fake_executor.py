@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from iterserve.scheduler.blocks import blocks_for
 from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
@@ -160,3 +162,35 @@ class FakeExecutor:
                         f"{seq.label}: block {block} does not hold its KV of position "
                         f"{pos} in step {plan.step}"
                     )
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """An engine's stand-in model: each rank runs a :class:`FakeExecutor` (the
+    control plane on its own, outputs a test can predict). Given to an engine in
+    code (``AsyncEngine(config, executor=FakeModel(...))``), it is out of reach of
+    any deployment config. ``max_model_len`` and ``vocab_size`` are the facts of
+    the checkpoint it stands in for; the rest are :class:`FakeExecutor`'s."""
+
+    vocab_size: int = 32000
+    max_model_len: int = 2048
+    eos_token_id: int = 2
+    output_len: int | None = None
+    step_sleep_s: float = 0.0
+    check_blocks: bool = True
+
+    def model_info(self, config: Any) -> dict:
+        return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
+
+    def kv_capacity(self, config: Any, rank: int, world_size: int, device: str) -> int:
+        return 4096
+
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
+        return FakeExecutor(
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            output_len=self.output_len,
+            step_sleep_s=self.step_sleep_s,
+            check_blocks=self.check_blocks,
+            block_size=config.scheduler.block_size,
+        )

@@ -13,7 +13,7 @@ from iterserve.cluster.engine import (
     InvalidRequestError,
 )
 from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams
-from tests.cluster.conftest import collect, fake_config, start_engine, wait_idle
+from tests.cluster.conftest import assert_sound, collect, fake_config, start_engine, wait_idle
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -33,7 +33,7 @@ async def test_every_policy_streams_exactly_the_expected_tokens(policy):
             assert (tokens, reason) == reference.expected_output(rid, sp)
         stats = await engine.stats()
         assert stats["policy"] == policy and stats["kv_blocks_used"] == 0
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -54,7 +54,7 @@ async def test_leaving_a_stream_early_aborts_and_frees_slot_and_blocks():
         stats = await wait_idle(engine)
         assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
         assert stats["counters"]["finished_abort"] == 1
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -132,7 +132,6 @@ async def test_health_and_integrity_checks_while_steps_are_planned_ahead():
         for _ in range(5):
             await asyncio.sleep(0.03)
             assert await engine.health() == (True, "ok")
-            await engine.actor.check_integrity.remote()
         reference = FakeExecutor(vocab_size=1000)
         for rid, result in zip(ids, await streams):
             assert result == reference.expected_output(rid, params)
@@ -149,7 +148,7 @@ async def test_a_bad_result_a_health_check_collects_ends_the_engine_with_its_own
     and never steps again on the scheduler's broken count of steps in flight."""
     engine = await start_engine(
         fake_config(
-            executor="tests.faults:faulty",
+            executor="faulty",
             executor_options={"output_len": None, "step_sleep_s": 0.3,
                               "fault_bad_result_at_step": 5},
         )

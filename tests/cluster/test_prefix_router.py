@@ -62,10 +62,10 @@ class FakeConnection:
         self.replica, self.load, self.closed = replica, load, False
         self.added: list[str] = []
 
-    async def add(self, key, request_id, prompt_token_ids, params, priority):
-        self.added.append(request_id)
+    async def open(self, label, prompt_token_ids, params, priority):
+        self.added.append(label)
         self.load += 1
-        return request_id
+        return label
 
 
 def client_with(loads: dict[str, int], router: PrefixRouter | None) -> ChannelEngineClient:

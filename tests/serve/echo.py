@@ -2,9 +2,9 @@
 
 Tests of tool calling need output they choose: the user writes the reply
 (``<tool_call>{...}</tool_call>``, a Llama-style JSON call, plain text) and the
-stand-in "generates" exactly those tokens, then EOS. It exists twice over: as an
-executor for the real server (``executor: "tests.serve.echo:echo_executor"``)
-and as an in-process :class:`EchoEngine` for the HTTP layer without Ray.
+stand-in "generates" exactly those tokens, then EOS. It exists twice over: as a
+stand-in model for the real server (:class:`Echo`, handed to ``build_app`` in
+code) and as an in-process :class:`EchoEngine` for the HTTP layer without Ray.
 
 The tokenizer (:func:`build_tools_tokenizer`) marks turns with special tokens
 (``<|user|>`` ... ``<|end|>``), so the tokens of a message's content are exactly
@@ -15,10 +15,12 @@ results the way Hermes-style templates do.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from iterserve.scheduler import SamplingParams
-from iterserve.scheduler.fake_executor import FakeExecutor
+from iterserve.scheduler.fake_executor import FakeExecutor, FakeModel
 from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 from iterserve.scheduler.seq_table import stop_reason
 
@@ -108,10 +110,21 @@ class EchoExecutor(FakeExecutor):
         return self.eos_token_id
 
 
-def echo_executor(config, rank, world_size, all_reduce):
-    options = dict(config.executor_options)
-    options.pop("max_model_len", None)
-    return EchoExecutor(block_size=config.scheduler.block_size, **options)
+@dataclass(frozen=True)
+class Echo(FakeModel):
+    """The fake model answering each request with its last user message: the ids
+    of ``<|user|>`` and ``<|end|>`` in the tokenizer say where that is."""
+
+    user_id: int = -1
+    end_id: int = -1
+
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
+        return EchoExecutor(
+            user_id=self.user_id, end_id=self.end_id, vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id, output_len=self.output_len,
+            step_sleep_s=self.step_sleep_s, check_blocks=self.check_blocks,
+            block_size=config.scheduler.block_size,
+        )  # fmt: skip
 
 
 class EchoStream:
