@@ -147,7 +147,7 @@ class EngineEndpoint:
         try:
             while True:
                 await self._handle(client, writer, *await read_message(reader, client))
-        except ChannelClosed:
+        except (ChannelClosed, asyncio.CancelledError):  # gone, or the engine is stopping
             pass
         except Exception:
             logger.exception("engine channel %s failed", client)
@@ -299,6 +299,8 @@ class EngineConnection:
                         stream = streams.get(output.request_id)
                         if stream is not None:
                             stream.feed(output)
+                            if output.finish_reason is not None:  # nothing follows its end
+                                del streams[output.request_id]
                 elif kind in (ACCEPTED, REFUSED) and body:
                     answer = self.pending.pop(body[0], None)
                     if answer is not None and not answer.done():
