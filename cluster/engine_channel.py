@@ -33,7 +33,11 @@ from typing import Any
 
 import msgpack
 
-from iterserve.cluster.engine_errors import EngineUnavailableError, refusal
+from iterserve.cluster.engine_errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    refusal,
+)
 from iterserve.cluster.framing import (
     ChannelClosed,
     PrivateDir,
@@ -93,6 +97,17 @@ def output_frames(outputs: list[EngineOutput]) -> tuple[list[bytes], list[Engine
     first, too_large = output_frames(outputs[:half])
     second, more = output_frames(outputs[half:])
     return first + second, too_large + more
+
+
+def _unsendable(label, prompt, params, priority, exc: Exception) -> str:
+    """Which field of a request msgpack cannot carry (an int past 64 bits, an object)."""
+    fields = {"label": label, "prompt_token_ids": prompt, "params": params, "priority": priority}
+    for name, value in fields.items():
+        try:
+            msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError):
+            return f"{name}: cannot be sent to the engine ({exc})"
+    return f"the request cannot be sent to the engine ({exc})"
 
 
 # -- the engine's end ----------------------------------------------------------------
@@ -275,9 +290,13 @@ class EngineConnection:
         if self.closed:
             raise EngineUnavailableError(f"the channel to engine {self.replica} is closed")
         key = f"{self.name}.{next(self.keys)}"
+        try:  # before anything is registered: a value msgpack cannot carry refuses it here
+            message = encode(ADD, [key, label, prompt, params, priority])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidRequestError(_unsendable(label, prompt, params, priority, exc)) from None
         stream = self.streams[key] = RequestStream(self, key)
         answer = self.pending[key] = asyncio.get_running_loop().create_future()
-        self.send(ADD, [key, label, prompt, params, priority])
+        self.writer.write(message)
         try:
             refused = await answer
         except BaseException:

@@ -186,7 +186,11 @@ class FakeModel:
         return 4096
 
     def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
-        return FakeExecutor(
+        return FakeExecutor(**self.executor_options(config))
+
+    def executor_options(self, config: Any) -> dict:
+        """:class:`FakeExecutor`'s keywords, for an engine of ``config``."""
+        return dict(
             vocab_size=self.vocab_size,
             eos_token_id=self.eos_token_id,
             output_len=self.output_len,

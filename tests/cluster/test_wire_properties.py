@@ -99,6 +99,7 @@ def test_an_engine_refuses_what_is_wrong_by_name_and_serves_the_rest_exactly(dra
             assert core.scheduler.blocks.num_used == 0
             core.scheduler.check_integrity()
             served = sum(not isinstance(r, EngineRefusal) for r in results)
+            assert client.load == 0  # the client keeps nothing of a refused request
             queue_count = _metric(core, "iterserve_request_queue_time_seconds_count")
             queue_sum = _metric(core, "iterserve_request_queue_time_seconds_sum")
             return results, served, queue_count, queue_sum

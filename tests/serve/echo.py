@@ -119,12 +119,8 @@ class Echo(FakeModel):
     end_id: int = -1
 
     def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
-        return EchoExecutor(
-            user_id=self.user_id, end_id=self.end_id, vocab_size=self.vocab_size,
-            eos_token_id=self.eos_token_id, output_len=self.output_len,
-            step_sleep_s=self.step_sleep_s, check_blocks=self.check_blocks,
-            block_size=config.scheduler.block_size,
-        )  # fmt: skip
+        options = self.executor_options(config)
+        return EchoExecutor(user_id=self.user_id, end_id=self.end_id, **options)
 
 
 class EchoStream:
