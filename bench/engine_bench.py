@@ -22,7 +22,7 @@ import ray
 
 from iterserve.bench.report import forward_ms_per_step
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine import AsyncEngine
+from iterserve.cluster.engine.api import AsyncEngine
 from iterserve.scheduler import FakeModel, Request, SamplingParams, Scheduler, SchedulerConfig
 from iterserve.scheduler.blocks import blocks_for
 

@@ -67,7 +67,7 @@ def engine_config(policy: str, spec: Spec, model: str, torch_threads: int) -> En
 
 async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict:
     """Serves ``requests`` open-loop through a fresh engine; one policy's entry."""
-    from iterserve.cluster.engine import AsyncEngine
+    from iterserve.cluster.engine.api import AsyncEngine
 
     engine = await AsyncEngine(config).start()
     try:

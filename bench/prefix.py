@@ -38,7 +38,7 @@ from iterserve.bench.workloads import (
 )
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
+from iterserve.cluster.serve.routing import PrefixRouter, choose_replica
 from iterserve.scheduler import SamplingParams
 
 WALL_CAP_S = 1800.0  # one mode's run never outlives this, whatever the machine
@@ -156,7 +156,7 @@ async def run_mode(
     routing: str = "load",
 ) -> tuple[dict, list]:
     """Serves the workload through fresh engines; one mode's entry and its outputs."""
-    from iterserve.cluster.engine import AsyncEngine
+    from iterserve.cluster.engine.api import AsyncEngine
 
     engines = [await AsyncEngine(config).start() for _ in range(replicas)]
     try:

@@ -1,7 +1,7 @@
 """Frames and the handshake of the cluster's two socket channels.
 
-The step channel (scheduler -> ranks, :mod:`step_channel`) and the engine
-channel (ingress -> engine, :mod:`engine_channel`) are both stream sockets: a
+The step channel (scheduler -> ranks, :mod:`~iterserve.cluster.ranks.step_channel`) and the engine
+channel (ingress -> engine, :mod:`~iterserve.cluster.engine.channel`) are both stream sockets: a
 Unix socket in a private directory for a peer on the same node, TCP beyond it.
 Both speak in frames, and both admit a peer only with a one-off token that the
 listener handed it through Ray; this module is the one place that does either.

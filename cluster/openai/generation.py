@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from iterserve.cluster.engine_errors import EngineRefusal
+from iterserve.cluster.engine.errors import EngineRefusal
 from iterserve.cluster.openai.errors import (
     APIError,
     EngineFailure,

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from iterserve.cluster.metrics_hub import CONTENT_TYPE
+from iterserve.cluster.metrics.hub import CONTENT_TYPE
 from iterserve.cluster.openai.errors import RETRY_AFTER_UNAVAILABLE_S, APIError, error_body
 from iterserve.cluster.openai.gate import request_id
 from iterserve.cluster.openai.serving import OpenAIServing

@@ -14,7 +14,7 @@ import time
 import pytest
 
 pytest.importorskip(
-    "iterserve.cluster.serve_app", reason="the Serve app (cluster/serve_app.py) is not built yet"
+    "iterserve.cluster.serve.app", reason="the Serve app (cluster/serve/app.py) is not built yet"
 )
 
 from iterserve_client import (  # noqa: E402
@@ -61,7 +61,7 @@ def server(ray_session, tmp_path_factory):
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from iterserve.cluster.serve_app import build_app
+    from iterserve.cluster.serve.app import build_app
     from iterserve.workers.tokenizer import Tokenizer
 
     running = _get_global_client(raise_if_no_controller_running=False)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine import AsyncEngine
+from iterserve.cluster.engine.api import AsyncEngine
 from iterserve.scheduler import FakeModel, Request, SamplingParams, Scheduler
 from tests.stand_ins import stand_in
 from tests.workers.tiny_checkpoints import build_hf_model, save

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from iterserve.cluster import engine_channel
-from iterserve.cluster.engine_channel import ADD, EngineConnection, EngineEndpoint, encode
-from iterserve.cluster.engine_errors import EngineBusyError, EngineUnavailableError
+from iterserve.cluster.engine import channel as engine_channel
+from iterserve.cluster.engine.channel import ADD, EngineConnection, EngineEndpoint, encode
+from iterserve.cluster.engine.errors import EngineBusyError, EngineUnavailableError
+from iterserve.cluster.engine.outputs import OutputBuffers
 from iterserve.cluster.framing import hello
-from iterserve.cluster.outputs import OutputBuffers
 from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 
 

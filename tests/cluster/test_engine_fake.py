@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from iterserve.cluster.engine import (
+from iterserve.cluster.engine.api import (
     ContextLengthError,
     EngineBusyError,
     EngineError,

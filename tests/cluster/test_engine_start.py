@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from iterserve.cluster.engine import LLM
+from iterserve.cluster.engine.api import LLM
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from iterserve.cluster.engine import EngineDeadError, EngineError
+from iterserve.cluster.engine.api import EngineDeadError, EngineError
 from iterserve.scheduler import FakeExecutor, SamplingParams
 from tests.cluster.conftest import (
     PROMPTS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.cluster.intake import checked_request
+from iterserve.cluster.engine.intake import checked_request
 from iterserve.scheduler import SamplingParamsError, SchedulerConfig
 
 LIMITS = SchedulerConfig(max_n=4, max_logprobs=5)

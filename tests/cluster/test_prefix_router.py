@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from iterserve.cluster.engine_client import ChannelEngineClient
-from iterserve.cluster.prefix_router import PrefixRouter
+from iterserve.cluster.serve.replicas import ChannelEngineClient
+from iterserve.cluster.serve.routing import PrefixRouter
 
 BS = 4
 SYSTEM_A = list(range(100, 116))  # four full blocks

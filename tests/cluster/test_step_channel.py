@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from iterserve.cluster.framing import hello
-from iterserve.cluster.step_channel import (
+from iterserve.cluster.ranks.step_channel import (
     TOKEN_BYTES,
     ChannelClosed,
     RankEndpoint,

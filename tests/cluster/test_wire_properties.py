@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.cluster import engine_channel
-from iterserve.cluster.engine_channel import EngineConnection, EngineEndpoint
-from iterserve.cluster.engine_errors import EngineRefusal, InvalidRequestError
+from iterserve.cluster.engine import channel as engine_channel
+from iterserve.cluster.engine.channel import EngineConnection, EngineEndpoint
+from iterserve.cluster.engine.errors import EngineRefusal, InvalidRequestError
 from iterserve.scheduler import FakeExecutor, FakeModel, SamplingParams
 from iterserve.scheduler.messages import EngineOutput
 from tests.cluster.inproc import engine_in_process

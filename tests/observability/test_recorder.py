@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.cluster.metrics import EngineMetrics
-from iterserve.cluster.recorder import MetricsRecorder
+from iterserve.cluster.metrics.engine import EngineMetrics
+from iterserve.cluster.metrics.recorder import MetricsRecorder
 from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 
@@ -55,7 +55,7 @@ def test_queue_time_is_recorded_for_requests_whose_label_is_not_their_id(monkeyp
     """The engine names a request by its own id; a client's label (what the ranks
     log) is another string. Requests that waited for a slot must show that wait as
     queue time, and the first token's time must split into queue and prefill."""
-    from iterserve.cluster import recorder as recorder_module
+    from iterserve.cluster.metrics import recorder as recorder_module
 
     clock = _Clock()
     monkeypatch.setattr(recorder_module, "time", clock)

@@ -12,7 +12,7 @@ import pytest
 import ray
 from ray import serve
 
-from iterserve.cluster.serve_cli import run_server
+from iterserve.cluster.serve.cli import run_server
 from iterserve.scheduler import FakeModel
 
 RAY_PUBLIC_PORTS = {8265: "dashboard / Jobs API", 10001: "Ray client server"}

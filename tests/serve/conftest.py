@@ -90,7 +90,7 @@ def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> 
     environment variable the session set it in (tests/conftest.py)."""
     from ray import serve
 
-    from iterserve.cluster.serve_app import build_app
+    from iterserve.cluster.serve.app import build_app
     from tests.conftest import api_key_env
     from tests.stand_ins import split
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iterserve.cluster.engine_errors import EngineBusyError
+from iterserve.cluster.engine.errors import EngineBusyError
 from iterserve.cluster.openai.errors import APIError
 from iterserve.cluster.openai.generation import Generation, Job
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from iterserve.cluster.serve_app import ServeArgs, build_app
-from iterserve.cluster.serve_cli import add_serve_arguments, load_config_file, run_server
+from iterserve.cluster.serve.app import ServeArgs, build_app
+from iterserve.cluster.serve.cli import add_serve_arguments, load_config_file, run_server
 from tests.serve.conftest import fake_engine
 from tests.stand_ins import split
 
@@ -20,7 +20,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "serve-config.example
 
 def test_the_example_config_names_the_builder_and_valid_args():
     (app,) = yaml.safe_load(EXAMPLE.read_text())["applications"]
-    assert app["import_path"] == "iterserve.cluster.serve_app:build_app"
+    assert app["import_path"] == "iterserve.cluster.serve.app:build_app"
     args = ServeArgs.model_validate(app["args"])
     config = args.engine_config()
     assert config.scheduler.policy == "chunked" and args.num_engine_replicas == 1

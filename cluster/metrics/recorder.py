@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from iterserve.cluster.metrics import EngineMetrics
+from iterserve.cluster.metrics.engine import EngineMetrics
 from iterserve.scheduler import (
     FinishReason,
     Request,

@@ -9,9 +9,9 @@
                         tick(): schedule → submit → collect → update → publish
 
 Serve runs, places, health-checks and replaces both deployments; requests and
-tokens travel on the engine channels (:mod:`engine_channel`), not on Serve's
+tokens travel on the engine channels (:mod:`~iterserve.cluster.engine.channel`), not on Serve's
 request path, and with ``http_port`` set the ingress answers HTTP itself
-(:mod:`ingress`), without Serve's proxy. The ingress routes each request to the
+(:mod:`~iterserve.cluster.serve.ingress`), without Serve's proxy. The ingress routes each request to the
 replica with the fewest of its requests in flight. It takes at most what its
 engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``)
 and answers 503 beyond; each engine's own bounded queue answers 429.
@@ -27,12 +27,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_server import EngineServer
-from iterserve.cluster.executors import ExecutorFactory
-from iterserve.cluster.ingress import OpenAIIngress
-from iterserve.cluster.metrics_hub import HUB_NAME
+from iterserve.cluster.engine.server import EngineServer
+from iterserve.cluster.metrics.hub import HUB_NAME
+from iterserve.cluster.ranks.executors import ExecutorFactory
+from iterserve.cluster.serve import resources
+from iterserve.cluster.serve.ingress import OpenAIIngress
 
 ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
 # How often a stopping replica checks whether its last request has ended (Serve's
@@ -131,9 +131,9 @@ class ServeArgs(BaseModel):
 def build_app(
     args: dict[str, Any] | ServeArgs, *, executor: ExecutorFactory | None = None
 ) -> Application:
-    """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``.
+    """The Serve application: ``import_path: iterserve.cluster.serve.app:build_app``.
     ``executor`` (code, never a config's: a Serve config passes ``args`` alone)
-    builds what the ranks run instead of the model (:mod:`executors`)."""
+    builds what the ranks run instead of the model (:mod:`~iterserve.cluster.ranks.executors`)."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     name = args.served_model_name(config)

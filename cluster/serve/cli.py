@@ -2,7 +2,7 @@
 
 ``run_server`` starts Ray on this machine, sized by the machine itself (no
 dashboard; Ray listens on loopback, see docs/reliability.md), starts Serve's
-HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
+HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve.app.build_app`
 at ``/``, waits until every engine replica has loaded its model, prints the URL
 and serves until Ctrl-C or SIGTERM, then stops Serve and Ray within seconds.
 
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
-from iterserve.cluster.prefix_router import ROUTINGS
+from iterserve.cluster.serve.routing import ROUTINGS
 
 if TYPE_CHECKING:
-    from iterserve.cluster.executors import ExecutorFactory
+    from iterserve.cluster.ranks.executors import ExecutorFactory
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -92,9 +92,9 @@ def run_server(
     metrics_require_api_key: whether /metrics needs the API key too.
     routing: how the ingress spreads requests over engine replicas: ``prefix``
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
-    executor: what the ranks run instead of the model (code only: :mod:`executors`).
+    executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
     """
-    from iterserve.cluster.serve_app import ServeArgs, build_app
+    from iterserve.cluster.serve.app import ServeArgs, build_app
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
@@ -154,7 +154,7 @@ def run_server(
 def _check_before_starting(args) -> str:
     """Refuses a bad config, or one this machine cannot place, before anything
     starts; returns the served model's name."""
-    from iterserve.cluster import resources
+    from iterserve.cluster.serve import resources
 
     replicas = args.num_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)

@@ -28,20 +28,20 @@ from typing import Any
 import ray
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_channel import EngineEndpoint
-from iterserve.cluster.engine_errors import (
+from iterserve.cluster.engine.channel import EngineEndpoint
+from iterserve.cluster.engine.errors import (
     ContextLengthError,
     EngineBusyError,
     EngineDeadError,
     InvalidRequestError,
 )
-from iterserve.cluster.executors import ExecutorFactory
+from iterserve.cluster.engine.intake import checked_request
+from iterserve.cluster.engine.outputs import OutputBuffers
 from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.intake import checked_request
-from iterserve.cluster.metrics import EngineMetrics
-from iterserve.cluster.outputs import OutputBuffers
-from iterserve.cluster.recorder import MetricsRecorder
-from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
+from iterserve.cluster.metrics.engine import EngineMetrics
+from iterserve.cluster.metrics.recorder import MetricsRecorder
+from iterserve.cluster.ranks.executors import ExecutorFactory
+from iterserve.cluster.ranks.group import WorkerFailure, WorkerGroup
 from iterserve.scheduler import (
     FinishReason,
     PromptTooLongError,
@@ -61,7 +61,7 @@ METRICS_PUSH_INTERVAL_S = 5.0
 class EngineCore:
     """``model_name`` and ``engine_index`` label this engine's metrics; with
     ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress.
-    ``executor`` builds what its ranks run (:mod:`executors`; None: the model);
+    ``executor`` builds what its ranks run (:mod:`~iterserve.cluster.ranks.executors`; None: the model);
     ``workers`` stands in for the ranks themselves (tests run an engine in one
     process so), else they are Ray actors (:class:`WorkerGroup`)."""
 
@@ -128,7 +128,7 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
         if self.metrics_hub:
-            from iterserve.cluster.metrics_hub import push_periodically
+            from iterserve.cluster.metrics.hub import push_periodically
 
             self.push_task = loop.create_task(
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
@@ -301,7 +301,7 @@ class EngineCore:
         label: str = "",
     ) -> tuple[str, str] | None:
         """Queues a request. Returns None, or ``(kind, message)`` when refused, the
-        kind of a refusal class of :mod:`engine_errors`.
+        kind of a refusal class of :mod:`~iterserve.cluster.engine.errors`.
 
         ``request_id`` must be unique among the engine's requests: clients make
         it so themselves (never from what a user sends). ``label`` is the user's

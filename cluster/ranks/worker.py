@@ -2,8 +2,8 @@
 
 Between steps a worker only ever receives encoded :class:`StepPlan` bytes and
 answers encoded :class:`StepResult` bytes (rank 0 only; other ranks answer
-``b""``), through the step channel (:mod:`step_channel`). What executes the
-steps is the model, or what the engine's :mod:`executors` factory builds.
+``b""``), through the step channel (:mod:`~iterserve.cluster.ranks.step_channel`). What executes the
+steps is the model, or what the engine's :mod:`~iterserve.cluster.ranks.executors` factory builds.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import socket
 from typing import Any
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.executors import ExecutorFactory, ModelExecutors
 from iterserve.cluster.gc_pauses import freeze_startup_objects
+from iterserve.cluster.ranks.executors import ExecutorFactory, ModelExecutors
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
 from iterserve.workers.host_memory import keep_freed_memory
@@ -121,11 +121,11 @@ class EngineWorker:
         freeze_startup_objects()
 
     def open_step_channel(self, token: bytes, local: bool) -> tuple:
-        """Listens for the scheduler's step channel (see :mod:`step_channel`); returns
+        """Listens for the scheduler's step channel (see :mod:`~iterserve.cluster.ranks.step_channel`); returns
         the address to connect to: a Unix socket path when ``local``, else TCP."""
         import ray
 
-        from iterserve.cluster.step_channel import RankEndpoint
+        from iterserve.cluster.ranks.step_channel import RankEndpoint
 
         self.endpoint = RankEndpoint(self.execute, token, local, ray.util.get_node_ip_address())
         return self.endpoint.address

@@ -3,7 +3,7 @@
 Each ``EngineServer`` replica runs an ``EngineCore`` on its own event loop and
 owns that core's worker actors. Serve starts, places, health-checks and
 replaces the replicas; requests and their tokens reach a replica over the
-engine channels its ingresses open (:mod:`engine_channel`), never through
+engine channels its ingresses open (:mod:`~iterserve.cluster.engine.channel`), never through
 Serve's request path.
 """
 
@@ -16,10 +16,10 @@ import uuid
 import ray
 from ray import serve
 
-from iterserve.cluster import resources
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_core import EngineCore
-from iterserve.cluster.executors import ExecutorFactory
+from iterserve.cluster.engine.core import EngineCore
+from iterserve.cluster.ranks.executors import ExecutorFactory
+from iterserve.cluster.serve import resources
 
 logger = logging.getLogger(__name__)
 

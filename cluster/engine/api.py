@@ -2,7 +2,7 @@
 
 ``AsyncEngine`` starts one scheduler actor, which starts its worker actors, and
 reaches it the way an ingress reaches an engine replica: requests and their
-outputs over the engine channel (:mod:`engine_channel`), one frame per step
+outputs over the engine channel (:mod:`~iterserve.cluster.engine.channel`), one frame per step
 for all requests together; stats and health through Ray.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass
 import ray
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_channel import EngineConnection, RequestStream
-from iterserve.cluster.engine_core import EngineCore
-from iterserve.cluster.engine_errors import (
+from iterserve.cluster.engine.channel import EngineConnection, RequestStream
+from iterserve.cluster.engine.core import EngineCore
+from iterserve.cluster.engine.errors import (
     ContextLengthError,
     EngineBusyError,
     EngineDeadError,
@@ -28,7 +28,7 @@ from iterserve.cluster.engine_errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
-from iterserve.cluster.executors import ExecutorFactory
+from iterserve.cluster.ranks.executors import ExecutorFactory
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.messages import EngineOutput
 
@@ -56,7 +56,7 @@ def start_scheduler_actor(config: EngineConfig, executor: ExecutorFactory | None
 
 class AsyncEngine:
     """One engine in this Ray cluster. ``executor`` builds what its ranks run
-    (:mod:`executors`; None: the checkpoint's model)."""
+    (:mod:`~iterserve.cluster.ranks.executors`; None: the checkpoint's model)."""
 
     def __init__(self, config: EngineConfig, executor: ExecutorFactory | None = None):
         self.config = config

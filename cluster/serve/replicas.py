@@ -18,9 +18,9 @@ import uuid
 
 import ray
 
-from iterserve.cluster.engine_channel import EngineConnection, RequestStream
-from iterserve.cluster.engine_errors import EngineUnavailableError
-from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
+from iterserve.cluster.engine.channel import EngineConnection, RequestStream
+from iterserve.cluster.engine.errors import EngineUnavailableError
+from iterserve.cluster.serve.routing import PrefixRouter, choose_replica
 
 logger = logging.getLogger(__name__)
 REFRESH_S = 5.0  # how often the ingress looks for replicas Serve started or replaced

@@ -1,12 +1,12 @@
 """The engine channel: one stream socket between an engine and each of its clients.
 
 Every client reaches an engine this way: an ingress reaches each engine replica,
-an in-process :class:`~iterserve.cluster.engine.AsyncEngine` the engine actor it
+an in-process :class:`~iterserve.cluster.engine.api.AsyncEngine` the engine actor it
 started. Requests go in and outputs come out on it, not through Ray: Ray's
 per-item streaming between actors cost more CPU per token than the model's
 forward on a CPU. An engine listens on a Unix socket (for clients on its node)
 and on TCP (for the others); a client connects with the token the engine handed
-out through Ray (frames and the handshake: :mod:`framing`). Then a frame's
+out through Ray (frames and the handshake: :mod:`~iterserve.cluster.framing`). Then a frame's
 payload is one kind byte and its body::
 
     client -> engine   ADD    [key, label, prompt_token_ids, params, priority]
@@ -33,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-from iterserve.cluster.engine_errors import (
+from iterserve.cluster.engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     refusal,
@@ -285,7 +285,7 @@ class EngineConnection:
 
     async def open(self, label: str, prompt, params: dict, priority: int) -> RequestStream:
         """Queues a request on this engine; raises the :class:`EngineRefusal` of
-        :mod:`engine_errors` that says why it was refused (``unavailable`` when
+        :mod:`~iterserve.cluster.engine.errors` that says why it was refused (``unavailable`` when
         the channel is closed)."""
         if self.closed:
             raise EngineUnavailableError(f"the channel to engine {self.replica} is closed")

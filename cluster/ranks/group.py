@@ -1,7 +1,7 @@
 """The worker group: placement, start-up, and the per-step broadcast.
 
 Each step's plan is encoded once and written to every rank over the step
-channel (:mod:`step_channel`: one stream socket per rank, Unix on the
+channel (:mod:`~iterserve.cluster.ranks.step_channel`: one stream socket per rank, Unix on the
 scheduler's node, TCP beyond it). ``submit`` writes a plan; ``collect`` reads
 the next reply of every rank. Ranks answer in order, so a second plan may be
 submitted before the first is collected: the scheduler builds the next step
@@ -19,11 +19,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.executors import ExecutorFactory
 from iterserve.cluster.framing import new_token
-from iterserve.cluster.resources import rank_bundle
-from iterserve.cluster.step_channel import SchedulerChannel
-from iterserve.cluster.worker import PING_STEP, EngineWorker
+from iterserve.cluster.ranks.executors import ExecutorFactory
+from iterserve.cluster.ranks.step_channel import SchedulerChannel
+from iterserve.cluster.ranks.worker import PING_STEP, EngineWorker
+from iterserve.cluster.serve.resources import rank_bundle
 from iterserve.scheduler import codec
 from iterserve.scheduler.messages import StepPlan, StepResult
 
@@ -42,7 +42,7 @@ class WorkerFailure(RuntimeError):
 
 class WorkerGroup:
     """The ranks of one engine. Inside a placement group laid out by
-    :func:`~iterserve.cluster.resources.engine_bundles` (a Serve replica's), the
+    :func:`~iterserve.cluster.serve.resources.engine_bundles` (a Serve replica's), the
     ranks take bundles 1..tp; otherwise the group reserves a placement group of
     its own."""
 

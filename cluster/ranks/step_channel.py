@@ -8,7 +8,7 @@ plan reaches a rank in tens of microseconds. Ranks on the scheduler's node are
 reached over a Unix socket in a private directory; ranks on other nodes over
 TCP. Either way a rank takes the first connection that presents the one-off
 token the scheduler handed it through Ray, and drops any other (frames and the
-handshake: :mod:`framing`).
+handshake: :mod:`~iterserve.cluster.framing`).
 
 A rank answers its frames in order, so the scheduler may write the next plan
 before the previous reply has come (scheduling ahead): the rank finds it

@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from iterserve.cluster.ray_metrics import RayMirror
+from iterserve.cluster.metrics.ray_export import RayMirror
 from iterserve.scheduler.config import POLICIES
 
 # `_created` series double the sample count and no dashboard reads them. The switch is
