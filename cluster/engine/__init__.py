@@ -4,7 +4,8 @@
   collect, update, publish), its requests and their outputs;
 - :mod:`.intake` — what it checks in a request from the wire;
 - :mod:`.outputs` — each client's outputs, one batch per step;
-- :mod:`.channel` — the engine channel, the socket every client speaks over;
+- :mod:`.channel` — the engine channel, the socket every client speaks over,
+  and the engine's end of it; :mod:`.connection` — the client's end;
 - :mod:`.errors` — refusals and failures, as clients see them;
 - :mod:`.server` — an engine copy as a Serve deployment;
 - :mod:`.api` — ``AsyncEngine`` and ``LLM``, the engine in a Python program.

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import ray
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.channel import EngineConnection, RequestStream
+from iterserve.cluster.engine.connection import EngineConnection, RequestStream
 from iterserve.cluster.engine.core import EngineCore
 from iterserve.cluster.engine.errors import (
     ContextLengthError,

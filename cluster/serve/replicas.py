@@ -18,7 +18,7 @@ import uuid
 
 import ray
 
-from iterserve.cluster.engine.channel import EngineConnection, RequestStream
+from iterserve.cluster.engine.connection import EngineConnection, RequestStream
 from iterserve.cluster.engine.errors import EngineUnavailableError
 from iterserve.cluster.serve.routing import PrefixRouter, choose_replica
 

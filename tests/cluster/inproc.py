@@ -14,7 +14,7 @@ import contextlib
 from collections import deque
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.channel import EngineConnection
+from iterserve.cluster.engine.connection import EngineConnection
 from iterserve.cluster.engine.core import EngineCore
 from iterserve.scheduler import FakeModel, codec
 from iterserve.scheduler.messages import StepPlan, StepResult

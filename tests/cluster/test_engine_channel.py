@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from iterserve.cluster.engine import channel as engine_channel
-from iterserve.cluster.engine.channel import ADD, EngineConnection, EngineEndpoint, encode
+from iterserve.cluster.engine.channel import ADD, EngineEndpoint, encode
+from iterserve.cluster.engine.connection import EngineConnection
 from iterserve.cluster.engine.errors import EngineBusyError, EngineUnavailableError
 from iterserve.cluster.engine.outputs import OutputBuffers
 from iterserve.cluster.framing import hello

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.cluster.engine import channel as engine_channel
-from iterserve.cluster.engine.channel import EngineConnection, EngineEndpoint
+from iterserve.cluster.engine.channel import EngineEndpoint
+from iterserve.cluster.engine.connection import EngineConnection
 from iterserve.cluster.engine.errors import EngineRefusal, InvalidRequestError
 from iterserve.scheduler import FakeExecutor, FakeModel, SamplingParams
 from iterserve.scheduler.messages import EngineOutput
