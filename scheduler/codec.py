@@ -294,6 +294,46 @@ def _encode_result(m: StepResult) -> list:
     ]
 
 
+def _decode_outputs(value: list) -> EngineOutputs:
+    """EngineOutputs with the same checks as the schema's, written out: a client
+    decodes one per step with every stream's outputs, the hot path of its reads."""
+    if len(value) != 1 or type(value[0]) is not list:
+        raise CodecError("malformed EngineOutputs")
+    outputs = []
+    for v in value[0]:
+        if type(v) is not list or len(v) != 7:
+            raise CodecError("malformed EngineOutput")
+        request_id, token_ids, logprobs, prompt, reason, error, cached = v
+        if type(request_id) is not str:
+            raise CodecError("EngineOutput.request_id: expected str")
+        if type(token_ids) is not list:
+            raise CodecError("EngineOutput.token_ids: expected list")
+        for t in token_ids:
+            if type(t) is not int:
+                raise CodecError("EngineOutput.token_ids: expected int")
+        if token_ids and not INT_MIN <= min(token_ids) <= max(token_ids) <= INT_MAX:
+            raise CodecError("EngineOutput.token_ids: an int out of range")
+        if logprobs:
+            try:
+                logprobs = _list(_token_logprobs)(logprobs)
+            except CodecError as exc:
+                raise CodecError(f"EngineOutput.logprobs: {exc}") from None
+        elif type(logprobs) is not list:
+            raise CodecError("EngineOutput.logprobs: expected list")
+        if prompt is not None:
+            prompt = _decode_record(PromptLogprobs, prompt)
+        if reason is not None and (type(reason) is not str or reason not in FINISH_REASONS):
+            raise CodecError(
+                f"EngineOutput.finish_reason: expected a finish reason, got {reason!r}"
+            )
+        if error is not None and type(error) is not str:
+            raise CodecError("EngineOutput.error: expected str")
+        if cached is not None and type(cached) is not int:
+            raise CodecError("EngineOutput.num_cached_tokens: expected int")
+        outputs.append(EngineOutput(request_id, token_ids, logprobs, prompt, reason, error, cached))
+    return EngineOutputs(outputs)
+
+
 _ENCODERS = {StepPlan: _encode_plan, StepResult: _encode_result, EngineOutputs: _encode_outputs}
 
 Message: TypeAlias = "StepPlan | StepResult | EngineOutputs"
@@ -347,6 +387,8 @@ def decode(data: bytes, expected: type | None = None) -> Message:
     if expected is not None and cls is not expected:
         raise CodecError(f"expected {expected.__name__}, got {cls.__name__}")
     try:
+        if cls is EngineOutputs:
+            return _decode_outputs(raw[2:])
         return _decode_record(cls, raw[2:])
     except CodecError:
         raise

@@ -33,6 +33,7 @@ from typing import Any
 import msgpack
 
 from iterserve.cluster.framing import (
+    HEADER,
     ChannelClosed,
     PrivateDir,
     frame,
@@ -47,6 +48,7 @@ from iterserve.scheduler.messages import EngineOutput, EngineOutputs
 logger = logging.getLogger(__name__)
 
 ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(1, 6)
+_OUTPUTS_KIND = bytes((OUTPUTS,))
 MAX_FRAME_BYTES = 64 << 20
 # A client that stops reading its outputs must not grow the engine without bound.
 MAX_UNSENT_BYTES = 256 << 20
@@ -79,9 +81,9 @@ def output_frames(outputs: list[EngineOutput]) -> tuple[list[bytes], list[Engine
     """``OUTPUTS`` frames for one step's outputs, each within the frame bound
     (one frame, unless a step's outputs are larger); and the outputs too large
     for a frame on their own, which are replaced by a failure of their request."""
-    payload = bytes((OUTPUTS,)) + codec.encode(EngineOutputs(outputs))
-    if len(payload) <= MAX_FRAME_BYTES:
-        return [frame(payload)], []
+    body = codec.encode(EngineOutputs(outputs))
+    if len(body) < MAX_FRAME_BYTES:  # the kind byte is the payload's first
+        return [b"".join((HEADER.pack(len(body) + 1), _OUTPUTS_KIND, body))], []
     if len(outputs) == 1:
         (output,) = outputs
         message = f"one step's outputs exceed the engine channel's frame of {MAX_FRAME_BYTES} bytes"
