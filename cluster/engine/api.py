@@ -70,13 +70,18 @@ class AsyncEngine:
         self.actor = start_scheduler_actor(self.config, self.executor)
         try:
             self.info = await self.actor.start.remote()
+            endpoint = self.info["endpoint"]
+            local = endpoint["node_id"] == ray.get_runtime_context().get_node_id()
+            name = uuid.uuid4().hex[:12]
+            self.connection = await EngineConnection.connect(endpoint, name, local)
         except BaseException:
-            ray.kill(self.actor)  # it released its ranks; the actor itself goes too
+            # A start that failed released its ranks; the actor goes too (and with
+            # it the ranks of an engine that started but could not be reached).
+            with contextlib.suppress(Exception):
+                await self.actor.shutdown.remote()
+            ray.kill(self.actor)
             self.actor = None
             raise
-        endpoint = self.info["endpoint"]
-        local = endpoint["node_id"] == ray.get_runtime_context().get_node_id()
-        self.connection = await EngineConnection.connect(endpoint, uuid.uuid4().hex[:12], local)
         return self
 
     @property
@@ -116,10 +121,11 @@ class AsyncEngine:
                 self.labels.pop(label, None)
 
     async def abort(self, request_id: str) -> bool:
-        """Aborts every running request of this client named ``request_id``."""
+        """Aborts every running request of this client named ``request_id``; each
+        one's stream ends with an output whose finish reason is ``abort``."""
         streams = list(self.labels.get(request_id, ()))
         for stream in streams:
-            stream.cancel()
+            stream.abort()
         return bool(streams)
 
     async def stats(self) -> dict:

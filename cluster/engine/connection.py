@@ -64,7 +64,14 @@ class RequestStream:
             self.connection.streams.pop(self.key, None)
         return batch
 
+    def abort(self) -> None:
+        """Asks the engine to abort the request; its last output (``abort``) still
+        comes through this stream."""
+        if not self.done:
+            self.connection.send(ABORT, [self.key])
+
     def cancel(self) -> None:
+        """Aborts the request and stops listening for its outputs."""
         if not self.done:
             self.done = True
             self.connection.streams.pop(self.key, None)

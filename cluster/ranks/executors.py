@@ -3,7 +3,7 @@ something else.
 
 An engine builds one executor per rank (``execute(plan) -> result``) through an
 :class:`ExecutorFactory`. The factory is an object given in Python
-(``AsyncEngine(config, executor=...)``, ``build_app(args, executor=...)``), never
+(``AsyncEngine(config, executor=...)``, ``build_application(args, executor)``), never
 a configuration key: a deployment config is data and cannot name code, so the
 stand-ins that tests and control-plane benchmarks run
 (:class:`~iterserve.scheduler.fake_executor.FakeModel`) are out of its reach.

@@ -128,12 +128,18 @@ class ServeArgs(BaseModel):
         return self.num_engine_replicas * (per_engine + ENGINE_HEADROOM)
 
 
-def build_app(
-    args: dict[str, Any] | ServeArgs, *, executor: ExecutorFactory | None = None
+def build_app(args: dict[str, Any] | ServeArgs) -> Application:
+    """The Serve application: ``import_path: iterserve.cluster.serve.app:build_app``
+    (Serve hands a builder the config's ``args``, and nothing else)."""
+    return build_application(args)
+
+
+def build_application(
+    args: dict[str, Any] | ServeArgs, executor: ExecutorFactory | None = None
 ) -> Application:
-    """The Serve application: ``import_path: iterserve.cluster.serve.app:build_app``.
-    ``executor`` (code, never a config's: a Serve config passes ``args`` alone)
-    builds what the ranks run instead of the model (:mod:`~iterserve.cluster.ranks.executors`)."""
+    """The Serve application, for code: ``executor`` builds what the ranks run
+    instead of the model (:mod:`~iterserve.cluster.ranks.executors`), which no
+    config can ask for."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     name = args.served_model_name(config)

@@ -94,7 +94,7 @@ def run_server(
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
     executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
     """
-    from iterserve.cluster.serve.app import ServeArgs, build_app
+    from iterserve.cluster.serve.app import ServeArgs, build_application
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
@@ -135,7 +135,7 @@ def run_server(
                 signal.signal(signal.SIGTERM, _interrupt)
         # The ingress answers HTTP on host:port itself: no proxy in the token path.
         serve.start(proxy_location="Disabled")
-        serve.run(build_app(args, executor=executor), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(args, executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         engines.broadcast("info").results(timeout_s=ready_timeout_s)
         print(f"iterserve: serving {name} at {url}/v1", flush=True)

@@ -61,7 +61,7 @@ def server(ray_session, tmp_path_factory):
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from iterserve.cluster.serve.app import build_app
+    from iterserve.cluster.serve.app import build_application
     from iterserve.workers.tokenizer import Tokenizer
 
     running = _get_global_client(raise_if_no_controller_running=False)
@@ -76,7 +76,7 @@ def server(ray_session, tmp_path_factory):
                      vocab_size=Tokenizer(tokenizer_dir).vocab_size)  # fmt: skip
     args = {"model": str(tokenizer_dir), "config": ENGINE_CONFIG, "num_engine_replicas": 1,
             "api_key_env": api_key_env(API_KEY), "model_name": MODEL}  # fmt: skip
-    serve.run(build_app(args, executor=fake), name=APP, route_prefix=f"/{APP}")
+    serve.run(build_application(args, fake), name=APP, route_prefix=f"/{APP}")
     serve.get_deployment_handle("EngineServer", APP).broadcast("info").results(timeout_s=120)
     yield f"http://127.0.0.1:{port}/{APP}"
     serve.delete(APP)

@@ -212,3 +212,21 @@ async def test_an_output_past_the_frame_bound_fails_its_request_alone(monkeypatc
     finally:
         connection.close()
         endpoint.close()
+
+
+async def test_an_abort_asked_of_a_stream_ends_it_with_the_engines_abort_output():
+    """AsyncEngine.abort: the request ends on the engine, and its stream still
+    delivers the last output, whose finish reason says so."""
+    core, endpoint, connection, _ = await _connected()
+    try:
+        stream = await connection.open("c", [1], {}, 0)
+        core.publish(EngineOutput(stream.key, [4]))
+        stream.abort()
+        got = [out for batch in await _batches(stream, 1) for out in batch]
+        while not got[-1].finished:
+            got += await stream.__anext__()
+        assert [o.token_ids for o in got] == [[4], []] and got[-1].finish_reason == "abort"
+        assert core.aborted == [stream.key]
+    finally:
+        connection.close()
+        endpoint.close()

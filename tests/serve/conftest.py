@@ -90,7 +90,7 @@ def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> 
     environment variable the session set it in (tests/conftest.py)."""
     from ray import serve
 
-    from iterserve.cluster.serve.app import build_app
+    from iterserve.cluster.serve.app import build_application
     from tests.conftest import api_key_env
     from tests.stand_ins import split
 
@@ -101,7 +101,7 @@ def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> 
     args["config"], executor = split(args.get("config", {}))
     if "api_key" in args:
         args["api_key_env"] = api_key_env(args.pop("api_key"))
-    serve.run(build_app(args, executor=executor), name=name, route_prefix=f"/{name}")
+    serve.run(build_application(args, executor), name=name, route_prefix=f"/{name}")
     engine = serve.get_deployment_handle("EngineServer", name)
     engine.broadcast("info").results(timeout_s=120)
     _wait_answering(url)

@@ -131,3 +131,11 @@ def test_no_stand_in_model_and_no_key_in_clear_is_a_setting_a_deployment_can_rea
             build_app({"config": config})
     with pytest.raises(ValueError, match="api_key"):
         build_app({"api_key": "in-clear"})
+
+
+def test_the_builder_a_serve_config_names_takes_its_args_alone():
+    """Serve refuses a builder with any other parameter (it passes the config's
+    args, nothing else); code hands a stand-in model to build_application."""
+    import inspect
+
+    assert list(inspect.signature(build_app).parameters) == ["args"]
