@@ -145,7 +145,7 @@ class _CeilingRun:
         config = self.config.scheduler.resolved(
             num_kv_blocks=self.num_kv_blocks, max_model_len=512, device="cpu"
         )
-        sched = Scheduler(config)
+        sched = Scheduler(config, kv_window=self.runner.config.kv_window)
         for i, prompt in enumerate(self.prompts):
             sched.add_request(Request(f"r{i}", prompt, self.params))
         bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0

@@ -29,14 +29,15 @@ class EngineConfig:
 
     model: str | None = knob(
         None,
-        "Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2)",
+        "Hugging Face checkpoint directory (architectures: docs/model-runtime.md)",
         helm=False,
         shown_default="demo model",
     )
     dtype: str = knob(
         "auto",
-        "weights and activations: `float32`, `float16` or `bfloat16`; `auto`: fp32 on CPU, "
-        "the checkpoint's on GPU",
+        "weights, activations and KV cache: `float32`, `float16` or `bfloat16`; `auto`: "
+        "bf16 on a CPU with AMX or avx512_bf16, fp32 on other CPUs, the checkpoint's on GPU "
+        "(`/version` says which and why)",
         choices=DTYPES,
     )
     tensor_parallel_size: int = knob(

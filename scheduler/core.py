@@ -39,9 +39,13 @@ from iterserve.scheduler.step import ScheduledStep, StepBuilder
 
 class Scheduler:
     """``max_in_flight``: steps handed out whose results have not come back, at
-    most (2: one built ahead of the one running; 1: one at a time)."""
+    most (2: one built ahead of the one running; 1: one at a time). ``kv_window``:
+    the model's, when every layer reads only that many last positions (blocks
+    before it are handed on while a sequence runs; paged only)."""
 
-    def __init__(self, config: SchedulerConfig, max_in_flight: int = 2):
+    def __init__(
+        self, config: SchedulerConfig, max_in_flight: int = 2, *, kv_window: int | None = None
+    ):
         config.check_complete()
         if max_in_flight not in (1, 2):
             raise ValueError(f"max_in_flight must be 1 or 2, got {max_in_flight}")
@@ -49,7 +53,9 @@ class Scheduler:
         self.max_in_flight = max_in_flight
         self.slots = SlotTable(config.max_num_seqs)
         slab = config.max_model_len if config.kv_layout == "slab" else 0
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
+        window = kv_window if config.kv_layout == "paged" else None
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab,
+                                   window=window)  # fmt: skip
         self.prefix_caching = config.prefix_caching
         self.prefix = PrefixCache(self.blocks, config.block_size, config.prefix_caching)
         self.waiting = WaitingQueue(config.max_queue_len)
@@ -212,8 +218,8 @@ class Scheduler:
                 continue  # aborted while the step was in flight
             if finished.seq_id in self.retiring:
                 held = self.retiring[finished.seq_id][1]
-            else:  # a step built after this one may have granted more blocks since
-                held = self.blocks.table(request.request_id)[: step.num_blocks[request.seq_id]]
+            else:  # a step built after this one may have changed its table since
+                held = step.held(self, request)
             if list(finished.block_ids) != held:
                 raise ProtocolError(
                     f"{request.request_id}: worker released blocks "

@@ -1,4 +1,4 @@
-"""The model runtime: checkpoint loading, tokenizer, Llama-family model, sampler, runner.
+"""The model runtime: checkpoint loading, tokenizer, the decoder (dense and MoE), sampler, runner.
 
 Public surface:
 - :class:`ModelRunner` — ``execute(StepPlan) -> StepResult`` over a paged KV cache.

@@ -119,6 +119,7 @@ class EngineCore:
                 device=info["device"],
             ),
             max_in_flight=2 if self.config.async_scheduling else 1,
+            kv_window=info.get("kv_window"),
         )
         self.recorder.state(self.scheduler)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
@@ -140,6 +141,8 @@ class EngineCore:
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
             "endpoint": {**address, "node_id": node_id},
+            # What the ranks compute in and why ("auto" is decided on their device).
+            **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
         }
 
     async def shutdown(self) -> None:

@@ -168,7 +168,7 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": VERSION, **serving.settings}
+        return {"version": VERSION, **serving.settings, **await serving.compute_dtype()}
 
     async def unsupported(request: Request) -> Response:
         path = route_path(request.scope)

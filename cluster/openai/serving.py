@@ -95,6 +95,15 @@ class OpenAIServing:
                 raise unavailable(f"{type(exc).__name__}: {exc}") from None
         return self._info
 
+    async def compute_dtype(self) -> dict:
+        """The dtype the engine's ranks compute in and why (``dtype``, ``dtype_reason``),
+        once an engine has answered; nothing while none has."""
+        try:
+            info = await self.engine_info()
+        except APIError:
+            return {}
+        return {key: info[key] for key in ("dtype", "dtype_reason") if key in info}
+
     # -- parsing ----------------------------------------------------------------------
 
     def parse(self, model_cls: type[RequestModel], body: bytes):

@@ -26,8 +26,10 @@ class Executor(Protocol):
 
 
 class ExecutorFactory(Protocol):
-    def model_info(self, config: EngineConfig) -> dict:
-        """``{"max_model_len", "vocab_size"}`` of what the executors run."""
+    def model_info(self, config: EngineConfig, device: str) -> dict:
+        """``{"max_model_len", "vocab_size"}`` of what the executors run on ``device``;
+        optionally ``kv_window`` (the window every layer reads within; None when a layer
+        reads everything) and ``dtype``, ``dtype_reason`` (what the ranks compute in, why)."""
 
     def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
         """KV blocks one rank can hold, when the config does not say."""
@@ -54,11 +56,19 @@ def _available_memory_bytes(device: str) -> int:
 class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
-    def model_info(self, config: EngineConfig) -> dict:
+    def model_info(self, config: EngineConfig, device: str) -> dict:
         from iterserve.workers.checkpoint import load_checkpoint
+        from iterserve.workers.dtype import choose_dtype
 
         ckpt = load_checkpoint(config.model_path)
-        info = {"max_model_len": ckpt.config.max_model_len, "vocab_size": ckpt.config.vocab_size}
+        choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
+        info = {
+            "max_model_len": ckpt.config.max_model_len,
+            "vocab_size": ckpt.config.vocab_size,
+            "dtype": choice.name,
+            "dtype_reason": choice.reason,
+            "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
+        }
         ckpt.close()
         return info
 
@@ -74,7 +84,7 @@ class ModelExecutors:
 
         ckpt = load_checkpoint(config.model_path)
         c = ckpt.config
-        dtype = resolve_dtype(config.dtype, c, device)
+        dtype = resolve_dtype(config.dtype, c, device, config.kernel_backend)
         ckpt.close()
         free = _available_memory_bytes(device)
         kv_heads = max(1, c.num_kv_heads // world_size)

@@ -103,8 +103,9 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Facts the scheduler needs: context length, vocabulary, the rank's device."""
-        return {**self.executors.model_info(self.config), "device": self.device}
+        """Facts the scheduler needs (context length, vocabulary, the rank's device,
+        the window every layer reads within), and the dtype the rank computes in, with why."""
+        return {**self.executors.model_info(self.config, self.device), "device": self.device}
 
     def kv_capacity(self) -> int:
         """KV blocks this rank can hold (the configured number, when set)."""

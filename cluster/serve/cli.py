@@ -137,8 +137,8 @@ def run_server(
         serve.start(proxy_location="Disabled")
         serve.run(build_application(args, executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
-        engines.broadcast("info").results(timeout_s=ready_timeout_s)
-        print(f"iterserve: serving {name} at {url}/v1", flush=True)
+        infos = engines.broadcast("info").results(timeout_s=ready_timeout_s)
+        print(f"iterserve: serving {name} at {url}/v1{_dtype_note(infos)}", flush=True)
         if block:
             threading.Event().wait()
     except KeyboardInterrupt:
@@ -160,6 +160,12 @@ def _check_before_starting(args) -> str:
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
     resources.check_fits(checked, num_engine_replicas=replicas, ingress_cpus=args.ingress_cpus)
     return args.served_model_name(checked)
+
+
+def _dtype_note(infos: list[dict]) -> str:
+    """ ", in bfloat16 (auto: why)" from the engines' start-up answers."""
+    chosen = {(i["dtype"], i["dtype_reason"]) for i in infos if "dtype" in i}
+    return "".join(f", in {dtype} ({reason})" for dtype, reason in sorted(chosen))
 
 
 def _start_ray() -> None:
