@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.config import SchedulerConfig, check_knobs, knob
+from ..scheduler.config import SchedulerConfig, check_knobs, knob
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -98,7 +98,7 @@ class EngineConfig:
     def model_path(self) -> str:
         if self.model is not None:
             return self.model
-        from iterserve.models import DEMO_MODEL_PATH
+        from ..models import DEMO_MODEL_PATH
 
         return str(DEMO_MODEL_PATH)
 

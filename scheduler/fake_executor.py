@@ -30,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.scheduler.seq_table import SequenceTable, stop_reason
+from .blocks import blocks_for
+from .messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from .request import FinishReason
+from .sampling import SamplingParams
+from .seq_table import SequenceTable, stop_reason
 
 OutputLen = Callable[[str], "int | None"]
 

@@ -20,16 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.blocks import blocks_before_window
-from iterserve.scheduler.messages import (
+from .blocks import blocks_before_window
+from .messages import (
     FinishedSeq,
     NewSequence,
     PromptLogprobs,
     ScheduledSeq,
     StepPlan,
 )
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
+from .request import FinishReason
+from .sampling import SamplingParams
 
 
 class PlanMismatchError(RuntimeError):

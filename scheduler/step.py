@@ -23,15 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.blocks import blocks_before_window
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.request import Request
+from .blocks import blocks_before_window
+from .messages import NewSequence, ScheduledSeq, StepPlan
+from .request import Request
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.queue import WaitingQueue
+    from .core import Scheduler
+    from .queue import WaitingQueue
 
 
 @dataclass(slots=True)

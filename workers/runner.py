@@ -15,22 +15,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.kernels import build_cos_sin_cache, get_ops
-from iterserve.kernels.cpu_linear import packs_every_batch
-from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
-from iterserve.workers.batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.dtype import choose_dtype
-from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.model import AllReduce, LlamaModel
-from iterserve.workers.prompt_logprobs import PromptLogprobsCollector
-from iterserve.workers.sampler import Sampler
+from ..kernels import build_cos_sin_cache, get_ops
+from ..kernels.cpu_linear import packs_every_batch
+from ..scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
+from ..scheduler.request import FinishReason
+from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
+from .batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
+from .config import ModelConfig
+from .dtype import choose_dtype
+from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
+from .kv_cache import KVCache
+from .model import AllReduce, LlamaModel
+from .prompt_logprobs import PromptLogprobsCollector
+from .sampler import Sampler
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import Grammars
+    from .grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ModelRunner:
         max_model_len: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
-        from iterserve.workers.checkpoint import load_checkpoint
+        from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(model_path)
         device = torch.device(device)
@@ -259,7 +259,7 @@ class ModelRunner:
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:
             if self.grammars is None:
-                from iterserve.workers.grammar import Grammars
+                from .grammar import Grammars
 
                 self.grammars = Grammars(
                     self.tokenizer_path, self.config.vocab_size, self.eos_token_ids

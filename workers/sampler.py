@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.workers.batch import Staging
-from iterserve.workers.step_params import SampleRow, StepParams
-from iterserve.workers.token_counts import TokenCounts
+from ..scheduler.sampling import SamplingParams
+from .batch import Staging
+from .step_params import SampleRow, StepParams
+from .token_counts import TokenCounts
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import GrammarMask
+    from .grammar import GrammarMask
 
 
 _MASK64 = (1 << 64) - 1
@@ -202,7 +202,7 @@ class Sampler:
             return logits  # nothing to change: no copy (a greedy batch's common case)
         logits = logits.clone()
         if batch.grammar is not None:
-            from iterserve.workers.grammar import apply_token_bitmask
+            from .grammar import apply_token_bitmask
 
             (bitmask,) = self._mask_staging.put([batch.grammar.bitmask])
             apply_token_bitmask(logits, batch.grammar, bitmask)

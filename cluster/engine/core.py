@@ -27,22 +27,7 @@ from typing import Any
 
 import ray
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.channel import EngineEndpoint
-from iterserve.cluster.engine.errors import (
-    ContextLengthError,
-    EngineBusyError,
-    EngineDeadError,
-    InvalidRequestError,
-)
-from iterserve.cluster.engine.intake import checked_request
-from iterserve.cluster.engine.outputs import OutputBuffers
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.metrics.engine import EngineMetrics
-from iterserve.cluster.metrics.recorder import MetricsRecorder
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.cluster.ranks.group import WorkerFailure, WorkerGroup
-from iterserve.scheduler import (
+from ...scheduler import (
     FinishReason,
     PromptTooLongError,
     QueueFullError,
@@ -50,7 +35,22 @@ from iterserve.scheduler import (
     SamplingParamsError,
     Scheduler,
 )
-from iterserve.scheduler.messages import EngineOutput
+from ...scheduler.messages import EngineOutput
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from ..metrics.engine import EngineMetrics
+from ..metrics.recorder import MetricsRecorder
+from ..ranks.executors import ExecutorFactory
+from ..ranks.group import WorkerFailure, WorkerGroup
+from .channel import EngineEndpoint
+from .errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineDeadError,
+    InvalidRequestError,
+)
+from .intake import checked_request
+from .outputs import OutputBuffers
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -129,7 +129,7 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
         if self.metrics_hub:
-            from iterserve.cluster.metrics.hub import push_periodically
+            from ..metrics.hub import push_periodically
 
             self.push_task = loop.create_task(
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,

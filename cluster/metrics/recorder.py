@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import time
 
-from iterserve.cluster.metrics.engine import EngineMetrics
-from iterserve.scheduler import (
+from ...scheduler import (
     FinishReason,
     Request,
     RequestOutput,
@@ -21,6 +20,7 @@ from iterserve.scheduler import (
     Scheduler,
     StepResult,
 )
+from .engine import EngineMetrics
 
 
 class MetricsRecorder:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from iterserve.cluster.config import EngineConfig
-    from iterserve.scheduler.messages import StepPlan, StepResult
+    from ...scheduler.messages import StepPlan, StepResult
+    from ..config import EngineConfig
 
 CPU_KV_CACHE_MAX_BYTES = 1 << 30
 
@@ -57,8 +57,8 @@ class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
     def model_info(self, config: EngineConfig, device: str) -> dict:
-        from iterserve.workers.checkpoint import load_checkpoint
-        from iterserve.workers.dtype import choose_dtype
+        from ...workers.checkpoint import load_checkpoint
+        from ...workers.dtype import choose_dtype
 
         ckpt = load_checkpoint(config.model_path)
         choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
@@ -78,9 +78,9 @@ class ModelExecutors:
         Free memory is read before the weights load, so on a GPU the budget is
         also capped by what the weights and the largest step's activations leave.
         """
-        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
-        from iterserve.workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
-        from iterserve.workers.model import weight_bytes
+        from ...workers.checkpoint import load_checkpoint, resolve_dtype
+        from ...workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
+        from ...workers.model import weight_bytes
 
         ckpt = load_checkpoint(config.model_path)
         c = ckpt.config
@@ -115,8 +115,8 @@ class ModelExecutors:
     def build(
         self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
     ) -> Executor:
-        from iterserve.workers.graphs import graph_buckets
-        from iterserve.workers.runner import ModelRunner
+        from ...workers.graphs import graph_buckets
+        from ...workers.runner import ModelRunner
 
         runner = ModelRunner(
             config.model_path,

@@ -13,12 +13,12 @@ import os
 import socket
 from typing import Any
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.ranks.executors import ExecutorFactory, ModelExecutors
-from iterserve.scheduler import codec
-from iterserve.scheduler.messages import StepPlan, StepResult
-from iterserve.workers.host_memory import keep_freed_memory
+from ...scheduler import codec
+from ...scheduler.messages import StepPlan, StepResult
+from ...workers.host_memory import keep_freed_memory
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from .executors import ExecutorFactory, ModelExecutors
 
 logger = logging.getLogger(__name__)
 PING_STEP = -1  # a plan with this step number only checks that the workers answer
@@ -126,7 +126,7 @@ class EngineWorker:
         the address to connect to: a Unix socket path when ``local``, else TCP."""
         import ray
 
-        from iterserve.cluster.ranks.step_channel import RankEndpoint
+        from .step_channel import RankEndpoint
 
         self.endpoint = RankEndpoint(self.execute, token, local, ray.util.get_node_ip_address())
         return self.endpoint.address

@@ -23,11 +23,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
-from iterserve.cluster.serve.routing import ROUTINGS
+from ..openai.tool_parsers import TOOL_CALL_PARSERS
+from .routing import ROUTINGS
 
 if TYPE_CHECKING:
-    from iterserve.cluster.ranks.executors import ExecutorFactory
+    from ..ranks.executors import ExecutorFactory
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -94,7 +94,7 @@ def run_server(
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
     executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
     """
-    from iterserve.cluster.serve.app import ServeArgs, build_application
+    from .app import ServeArgs, build_application
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
@@ -154,7 +154,7 @@ def run_server(
 def _check_before_starting(args) -> str:
     """Refuses a bad config, or one this machine cannot place, before anything
     starts; returns the served model's name."""
-    from iterserve.cluster.serve import resources
+    from . import resources
 
     replicas = args.num_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
