@@ -7,11 +7,16 @@ two processes (rank → engine replica → ingress → client) instead of four, 
 no Ray message is sent per token at all. Several replicas on one node share
 the port (``SO_REUSEPORT``). Without ``http_port`` the same ASGI app sits
 behind Serve's proxy, as any Serve ingress.
+
+A stopping ingress (a redeploy, the server's shutdown) stops accepting
+connections and lets those it has finish their responses, streams included,
+for up to the engines' ``drain_timeout_s`` and a margin before it closes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -29,6 +34,7 @@ from iterserve.cluster.serve.routing import PrefixRouter
 
 logger = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
+DRAIN_MARGIN_S = 5.0  # beyond drain_timeout_s: the last outputs travel to their clients
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -53,6 +59,8 @@ class OpenAIIngress:
         from iterserve.workers.tokenizer import Tokenizer
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
+        self.server_task: asyncio.Task | None = None
+        self.drain_timeout_s = config.drain_timeout_s
         api_key = None
         if args.api_key_env is not None:
             # The key is read here, on the ingress's node, and never travels in configs.
@@ -105,7 +113,13 @@ class OpenAIIngress:
         import uvicorn
 
         config = uvicorn.Config(
-            self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_keep_alive=30
+            self.asgi,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            # On stopping: responses in flight (streams the engines drain) finish first.
+            timeout_graceful_shutdown=self.drain_timeout_s + DRAIN_MARGIN_S,
         )
         self.server = uvicorn.Server(config)
         try:
@@ -124,4 +138,9 @@ class OpenAIIngress:
     async def __del__(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
+            if self.server_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        asyncio.shield(self.server_task), self.drain_timeout_s + DRAIN_MARGIN_S
+                    )
         self.engines.close()

@@ -4,9 +4,16 @@ channels, everything else (health, stats, model facts) through Serve.
 Serve keeps the replicas running and says which exist; the ingress routes each
 request itself: to the replica likely to hold its prompt's prefix in its cache
 (:class:`PrefixRouter`), within a bound on imbalance, else to the one with the
-fewest of its requests in flight. It opens one channel per replica (a Unix socket when they share a node). A replica
-Serve replaces closes its channel: the requests on it end with an error, and
-the next refresh finds the new one.
+fewest of its requests in flight. It opens one channel per replica (a Unix
+socket when they share a node). A replica Serve replaces closes its channel:
+the requests on it end with an error, and the next refresh finds the new one.
+
+Only a replica that takes requests is ever chosen: one that announced it is
+draining or dead (the channel's ``NOTICE``), or whose channel closed, is
+skipped from that moment, and the prefix router forgets the prompts it had
+recorded as that replica's. A request refused because its replica is gone,
+dead or draining has reached nobody yet: it is tried on each other replica in
+turn (after one refresh, when none is left) before the refusal reaches the client.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import uuid
 import ray
 
 from iterserve.cluster.engine.connection import EngineConnection, RequestStream
-from iterserve.cluster.engine.errors import EngineUnavailableError
+from iterserve.cluster.engine.errors import EngineRefusal, EngineUnavailableError, refusal
 from iterserve.cluster.serve.routing import PrefixRouter, choose_replica
 
 logger = logging.getLogger(__name__)
@@ -43,29 +50,51 @@ class ChannelEngineClient:
     # -- routing ------------------------------------------------------------------------
 
     async def open(self, request_id, prompt_token_ids, params, priority) -> RequestStream:
-        """Queues a request on the replica chosen for it; raises the EngineRefusal
-        that says why it was refused (``request_id`` is the client's: its label)."""
+        """Queues a request on the replica chosen for it, or on another when that
+        one turns out gone, dead or draining; raises the EngineRefusal that says
+        why it was refused (``request_id`` is the client's: its label)."""
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        for attempt in range(2):  # once more after a refresh, if the first replica was gone
-            connection = await self._pick(prompt_token_ids)
+        tried: set[str] = set()
+        refused: EngineRefusal | None = None
+        while True:
+            connection = await self._pick(prompt_token_ids, tried, refused)
             try:
                 return await connection.open(request_id, prompt_token_ids, params, priority)
-            except EngineUnavailableError as exc:
-                if type(exc) is not EngineUnavailableError or attempt == 1:
-                    raise
-            await self._refresh()
-        raise AssertionError("unreachable")
+            except EngineUnavailableError as exc:  # closed, dead, draining: never started
+                tried.add(connection.replica)
+                refused = exc
+                self._unusable(connection)
 
-    async def _pick(self, prompt_token_ids: list[int]) -> EngineConnection:
-        live = {r: c for r, c in self.connections.items() if not c.closed}
+    async def _pick(
+        self, prompt_token_ids: list[int], tried: set[str], refused: EngineRefusal | None
+    ) -> EngineConnection:
+        """The replica for a prompt among those that take requests and were not
+        tried for it; raises the last refusal (or ``unavailable``) when none is left."""
+        live = self._usable(tried)
         if not live:
             await self._refresh()
-            live = {r: c for r, c in self.connections.items() if not c.closed}
+            live = self._usable(tried)
             if not live:
-                raise EngineUnavailableError("no engine replica is ready")
+                raise refused or self._none_left()
         loads = {replica: c.load for replica, c in live.items()}
         return live[choose_replica(self.router, prompt_token_ids, loads)]
+
+    def _usable(self, tried: set[str]) -> dict[str, EngineConnection]:
+        return {r: c for r, c in self.connections.items() if c.usable and r not in tried}
+
+    def _none_left(self) -> EngineRefusal:
+        """Why no replica takes a request: the states they announced, if any."""
+        states = [c for c in self.connections.values() if not c.closed]
+        if not states:
+            return EngineUnavailableError("no engine replica is ready")
+        connection = states[0]
+        return refusal(connection.state, connection.state_message or connection.state)
+
+    def _unusable(self, connection: EngineConnection) -> None:
+        """A replica no request may be sent to (any more): the router forgets it."""
+        if self.router is not None:
+            self.router.forget(connection.replica)
 
     # -- replicas -------------------------------------------------------------------------
 
@@ -90,7 +119,11 @@ class ChannelEngineClient:
             local = endpoint["node_id"] == self.node_id
             try:
                 self.connections[endpoint["replica"]] = await EngineConnection.connect(
-                    endpoint, f"{self.ingress_id}-{next(self.num_connections)}", local, self._forget
+                    endpoint,
+                    f"{self.ingress_id}-{next(self.num_connections)}",
+                    local,
+                    self._forget,
+                    self._unusable,
                 )
             except OSError as exc:
                 logger.warning("connecting to engine replica %s: %s", endpoint["replica"], exc)
@@ -98,6 +131,7 @@ class ChannelEngineClient:
     def _forget(self, connection: EngineConnection) -> None:
         if self.connections.get(connection.replica) is connection:
             del self.connections[connection.replica]
+        self._unusable(connection)
 
     async def _refresh_forever(self) -> None:
         while True:
