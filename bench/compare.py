@@ -11,6 +11,12 @@ and the CPU each server's processes spent per output token (for iterserve also
 without the rank's model forward: the serving path's own cost). ``--vllm``
 names a ``vllm`` executable whose ``bench serve`` client then also runs
 against both, so the figures exist under that client too.
+
+At a real size: ``--shape llama-1b`` (:mod:`iterserve.bench.shapes`) builds that
+random-weight checkpoint once (under ``~/.cache/iterserve/shapes``), serves it
+and draws prompts from its tokenizer; ``--model PATH`` serves any checkpoint;
+``--dtype`` sets the served dtype (default: what ``auto`` picks). The other
+server must be started on the same checkpoint: its path is printed first.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from iterserve.bench.loadgen import Item, fixed_items, run_load
-from iterserve.bench.report import summarize, write_json
+from .loadgen import Item, fixed_items, run_load
+from .report import summarize, write_json
 
 METRICS = (  # key, label, better
     ("throughput_tok_s", "output tok/s", "higher"),
@@ -87,15 +93,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_iterserve(port: int, log_path: str, timeout_s: float = 600.0) -> subprocess.Popen:
-    """``iterserve serve`` on ``port`` with no config, as the README says to run it."""
+def start_iterserve(
+    port: int,
+    log_path: str,
+    timeout_s: float = 600.0,
+    *,
+    model: str | None = None,
+    dtype: str | None = None,
+) -> subprocess.Popen:
+    """``iterserve serve`` on ``port``, as the README says to run it: no config, or
+    only the checkpoint and the dtype asked for."""
     import httpx
 
+    cmd = [os.path.join(os.path.dirname(sys.executable), "iterserve"), "serve", "--port", str(port)]
+    if model:
+        cmd += ["--model", model]
+    if dtype:
+        config = os.path.join(os.path.dirname(log_path), "iterserve-config.json")
+        with open(config, "w") as f:
+            json.dump({"dtype": dtype}, f)
+        cmd += ["--config", config]
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "iterserve"), "serve", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -189,7 +208,7 @@ def render(result: dict, a: str, b: str) -> str:
 
 
 def plot(result: dict, a: str, b: str, path: str) -> None:
-    from iterserve.bench.plots import _pyplot
+    from .plots import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(3 * len(METRICS), 3.2))
@@ -204,10 +223,19 @@ def plot(result: dict, a: str, b: str, path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
-    tokenizer = args.tokenizer or str(DEMO_MODEL_PATH)
-    from iterserve.workers.tokenizer import Tokenizer
+    if args.shape:
+        from .shapes import cached_checkpoint
+
+        args.model = str(cached_checkpoint(args.shape))
+        print(f"checkpoint {args.shape}: {args.model}", file=sys.stderr)
+    tokenizer = args.tokenizer or args.model or str(DEMO_MODEL_PATH)
+    # The name iterserve serves a checkpoint under: its directory's.
+    args.a_model = args.a_model or (
+        os.path.basename(args.model.rstrip("/")) if args.model else "demo"
+    )
+    from ..workers.tokenizer import Tokenizer
 
     vocab = Tokenizer(tokenizer).vocab_size
     rng = np.random.default_rng(args.seed)
@@ -219,7 +247,8 @@ def main(args: argparse.Namespace) -> None:
         a = Server("iterserve", args.a_url.rstrip("/"), args.a_model, args.a_pid, iterserve=True)
     else:
         port = _free_port()
-        started = start_iterserve(port, os.path.join(out_dir, "iterserve.log"))
+        started = start_iterserve(port, os.path.join(out_dir, "iterserve.log"),
+                                  model=args.model, dtype=args.dtype)  # fmt: skip
         a = Server("iterserve", f"http://127.0.0.1:{port}", args.a_model, started.pid, True)
     b = Server(args.b_name, args.b_url.rstrip("/"), args.b_model, args.b_pid)
     try:
@@ -231,7 +260,8 @@ def main(args: argparse.Namespace) -> None:
                       f"{server.runs[-1]['throughput_tok_s']} tok/s", file=sys.stderr)  # fmt: skip
         result = summarize_servers(a, b)
         result["workload"] = {k: getattr(args, k) for k in
-                              ("num_prompts", "input_len", "output_len", "rounds", "seed")}  # fmt: skip
+                              ("num_prompts", "input_len", "output_len", "rounds", "seed",
+                               "model", "shape", "dtype")}  # fmt: skip
         if args.vllm:
             result["vllm_client"] = {
                 s.name: vllm_client_run(args.vllm, s, args, tokenizer, out_dir) for s in (a, b)
@@ -254,7 +284,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--b-name", default="other", help="what to call it in the report")
     p.add_argument("--b-pid", type=int, help="its process (tree) to measure CPU of")
     p.add_argument("--a-url", help="a running iterserve (default: start iterserve serve)")
-    p.add_argument("--a-model", default="demo")
+    p.add_argument("--a-model", help="the model name iterserve expects (default: its served name)")
+    p.add_argument("--model", help="the checkpoint iterserve serves (default: the demo model)")
+    p.add_argument("--shape", help="serve a random-weight checkpoint of this named shape")
+    p.add_argument("--dtype", help="the dtype iterserve serves in (default: auto)")
     p.add_argument("--a-pid", type=int, help="the running iterserve's process (tree)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)

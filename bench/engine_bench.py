@@ -20,11 +20,11 @@ from pathlib import Path
 
 import ray
 
-from iterserve.bench.report import forward_ms_per_step
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.api import AsyncEngine
-from iterserve.scheduler import FakeModel, Request, SamplingParams, Scheduler, SchedulerConfig
-from iterserve.scheduler.blocks import blocks_for
+from ..cluster.config import EngineConfig
+from ..cluster.engine.api import AsyncEngine
+from ..scheduler import FakeModel, Request, SamplingParams, Scheduler, SchedulerConfig
+from ..scheduler.blocks import blocks_for
+from .report import forward_ms_per_step
 
 
 def ensure_ray() -> None:
@@ -110,7 +110,7 @@ class _CeilingRun:
     ):
         import torch
 
-        from iterserve.workers.runner import ModelRunner
+        from ..workers.runner import ModelRunner
 
         block_size = SchedulerConfig().block_size
         # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
@@ -145,7 +145,7 @@ class _CeilingRun:
         config = self.config.scheduler.resolved(
             num_kv_blocks=self.num_kv_blocks, max_model_len=512, device="cpu"
         )
-        sched = Scheduler(config)
+        sched = Scheduler(config, kv_window=self.runner.config.kv_window)
         for i, prompt in enumerate(self.prompts):
             sched.add_request(Request(f"r{i}", prompt, self.params))
         bare_s, forward_s, steps, num_tokens = 0.0, 0.0, 0, 0
@@ -192,7 +192,7 @@ class _CeilingRun:
 
 
 def _default_model() -> str:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
     if not (Path(DEMO_MODEL_PATH) / "config.json").exists():
         raise SystemExit(f"no checkpoint at {DEMO_MODEL_PATH}; pass --model")

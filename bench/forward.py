@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +79,14 @@ def write_random_llama(path: Path, config: dict[str, Any] = RANDOM_LLAMA, seed: 
 
 
 class _Plans:
-    """Just enough scheduling for the benchmark: fresh blocks from a counter."""
+    """Just enough scheduling for the benchmark: fresh blocks from a counter. ``run``
+    returns the step's ``forward_s``, or with ``cpu_clock`` the CPU time this thread
+    spent in the whole step (on one torch thread every kernel runs on it, and a
+    shared machine's other load does not count)."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, cpu_clock: bool = False):
         self.runner, self.bs = runner, runner.block_size
+        self.cpu_clock = cpu_clock
         self.step = 0
         self.next_block = 0
         self.blocks: dict[int, int] = {}
@@ -97,9 +102,10 @@ class _Plans:
         return ScheduledSeq(slot, start, n, new, sample=sample)
 
     def run(self, new: list[NewSequence], scheduled: list[ScheduledSeq]) -> float:
+        start = time.thread_time()
         result = self.runner.execute(StepPlan(self.step, new_seqs=new, scheduled=scheduled))
         self.step += 1
-        return result.forward_s
+        return time.thread_time() - start if self.cpu_clock else result.forward_s
 
 
 def bench_forward(
@@ -151,13 +157,28 @@ def _bench(model_path, device, batch_sizes, context, prefill_len, steps, block_s
         )
 
 
-def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps, block_size):
-    batch = max(batch_sizes)
+def cache_blocks(batch_sizes, context: int, prefill_len: int, steps: int, block_size: int) -> int:
+    """KV blocks :func:`measure` uses: every decode sequence, and each prefill piece."""
     decode_len = context + 1 + (steps + 1) * len(batch_sizes)
-    num_blocks = batch * blocks_for(decode_len, block_size) + (steps + 1) * blocks_for(
+    return max(batch_sizes) * blocks_for(decode_len, block_size) + (steps + 1) * blocks_for(
         prefill_len, block_size
     )
+
+
+def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps, block_size):
+    num_blocks = cache_blocks(batch_sizes, context, prefill_len, steps, block_size)
     runner = ModelRunner(path, num_kv_blocks=num_blocks, block_size=block_size, device=device)
+    out: dict[str, Any] = {"model": model_name, "device": device, "dtype": str(runner.dtype)}
+    return {**out, **measure(runner, batch_sizes, context, prefill_len, steps)}
+
+
+def measure(runner: ModelRunner, batch_sizes, context: int, prefill_len: int, steps: int,
+            cpu_clock: bool = False):  # fmt: skip
+    """Decode tokens/s at each batch size over ``context`` cached tokens, and one
+    ``prefill_len`` piece's, on a runner with :func:`cache_blocks` blocks and no
+    sequence (it has none again after); timed by ``forward_s``, or with
+    ``cpu_clock`` by the thread's CPU time per step (see :class:`_Plans`)."""
+    batch = max(batch_sizes)
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -165,7 +186,7 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
-    plans = _Plans(runner)
+    plans = _Plans(runner, cpu_clock)
     # Fill the cache: every sequence holds `context` tokens, its next one is pending.
     per_step = max(1, 2048 // context)
     for first in range(0, batch, per_step):
@@ -173,8 +194,7 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
         new = [NewSequence(s, f"d{s}", s, prompt(context + 1), context + 1, params) for s in slots]
         plans.run(new, [plans.entry(s, context, sample=False) for s in slots])
 
-    out: dict[str, Any] = {"model": model_name, "device": device, "dtype": str(runner.dtype)}
-    out["num_threads"] = torch.get_num_threads()
+    out: dict[str, Any] = {"num_threads": torch.get_num_threads()}
     out["kernel_backend"] = runner.ops.name
     for b in sorted(batch_sizes):
         times = [
@@ -192,6 +212,7 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
         runner.execute(release)
         plans.step += 1
     out[f"prefill_tok_s_{prefill_len}"] = round(prefill_len / statistics.median(times[1:]), 1)
+    runner.execute(StepPlan(plans.step, released_slots=list(range(batch))))  # measurable again
     return out
 
 

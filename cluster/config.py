@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.config import SchedulerConfig, check_knobs, knob
+from ..scheduler.config import SchedulerConfig, check_knobs, knob
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -29,14 +29,15 @@ class EngineConfig:
 
     model: str | None = knob(
         None,
-        "Hugging Face checkpoint directory (Llama 2/3, Mistral, Qwen2)",
+        "Hugging Face checkpoint directory (architectures: docs/model-runtime.md)",
         helm=False,
         shown_default="demo model",
     )
     dtype: str = knob(
         "auto",
-        "weights and activations: `float32`, `float16` or `bfloat16`; `auto`: fp32 on CPU, "
-        "the checkpoint's on GPU",
+        "weights, activations and KV cache: `float32`, `float16` or `bfloat16`; `auto`: "
+        "bf16 on a CPU with AMX or avx512_bf16, fp32 on other CPUs, the checkpoint's on GPU "
+        "(`/version` says which and why)",
         choices=DTYPES,
     )
     tensor_parallel_size: int = knob(
@@ -111,7 +112,7 @@ class EngineConfig:
     def model_path(self) -> str:
         if self.model is not None:
             return self.model
-        from iterserve.models import DEMO_MODEL_PATH
+        from ..models import DEMO_MODEL_PATH
 
         return str(DEMO_MODEL_PATH)
 

@@ -26,7 +26,21 @@ def _bench_scheduler(args: argparse.Namespace) -> None:
 def _bench_forward(args: argparse.Namespace) -> None:
     from iterserve.bench.forward import bench_forward
 
-    _write(bench_forward(args.model, num_threads=args.threads), args.json)
+    if not (args.architectures or args.moe):
+        _write(bench_forward(args.model, num_threads=args.threads), args.json)
+        return
+    import torch
+
+    from iterserve.bench import architectures
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = {}
+    if args.architectures:
+        result["vs_llama"] = architectures.compare_architectures()
+    if args.moe:
+        result["moe_experts_used"] = architectures.moe_experts_used()
+    _write(result, args.json)
 
 
 def _bench_overhead(args: argparse.Namespace) -> None:
@@ -76,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     forward.add_argument("--model", help="checkpoint directory (default: the demo model)")
     forward.add_argument("--json", help="also write the result to this file")
     forward.add_argument("--threads", type=int, default=None, help="torch threads")
+    forward.add_argument(
+        "--architectures",
+        action="store_true",
+        help="each architecture's tokens/s over a Llama's of the same shape",
+    )
+    forward.add_argument(
+        "--moe", action="store_true", help="an MoE step's time by the experts it uses"
+    )
     forward.set_defaults(func=_bench_forward)
     overhead = benches.add_parser("overhead", help="control-plane ms per step through Ray")
     overhead.add_argument("--json", help="also write the result to this file")
@@ -96,12 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import compare, loadgen, policies, prefix
+    from iterserve.bench import agreement, compare, loadgen, policies, prefix, shapes
 
     loadgen.register(benches)
     policies.register(benches)
     prefix.register(benches)
     compare.register(benches)
+    shapes.register(benches)
+    agreement.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"

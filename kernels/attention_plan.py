@@ -61,8 +61,10 @@ def tiles_for(elem_bytes: int, head_dim: int, group: int) -> Tiles:
     padded = next_power_of_2(max(head_dim, 16))
     decode_n = max(16, min(128, 8192 // padded))
     if elem_bytes >= 4:
+        # 256-wide fp32 heads (Gemma) hold a quarter as many rows in registers.
+        rows = 32 if padded <= 128 else 16
         return Tiles(block_m, block_q, min(decode_n, 64), 8,
-                     max(32, next_power_of_2(group)), 32)  # fmt: skip
+                     max(rows, next_power_of_2(group)), rows)  # fmt: skip
     prefill_n = 64 if padded <= 128 else 32
     return Tiles(block_m, block_q, decode_n, 4, max(64, next_power_of_2(group)), prefill_n)
 
@@ -110,6 +112,7 @@ def plan_attention(
     max_query_len: int | None = None,
     elem_bytes: int = 2,
     num_sms: int = DEFAULT_NUM_SMS,
+    window: int | None = None,
 ) -> AttentionPlan:
     """The launches for a call with these shapes.
 
@@ -117,9 +120,12 @@ def plan_attention(
     times the block size does). ``max_query_len`` is the longest query piece
     when the caller knows it; otherwise ``num_tokens`` bounds it. A wrong
     (too small) hint leaves rows uncomputed: hints are trusted, like the
-    metadata itself.
+    metadata itself. With a sliding ``window`` a decode row reads at most about
+    ``window`` positions, whatever its sequence's length: that is what is split.
     """
     tiles = tiles_for(elem_bytes, head_dim, num_heads // num_kv_heads)
+    if window is not None:
+        max_seq_len = min(max_seq_len, window + tiles.decode_block_q + tiles.decode_block_n)
     longest_piece = num_tokens if max_query_len is None else min(max_query_len, num_tokens)
     use_prefill = longest_piece > tiles.decode_block_q
     # With one sequence its piece is num_tokens rows exactly: all decode or all prefill.

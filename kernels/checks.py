@@ -110,8 +110,9 @@ def check_store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def check_paged_attention(
-    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-) -> None:
+    query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+    window=None, soft_cap=None,
+) -> None:  # fmt: skip
     query = check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     dev = query.device
     k_cache = check_tensor(
@@ -155,6 +156,11 @@ def check_paged_attention(
     check_dim("block_tables", block_tables, 0, num_seqs, "num_seqs, from seq_lens")
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):  # fmt: skip
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a positive number, got {soft_cap!r}")
 
 
 def check_rms_norm(x, weight, eps, residual) -> None:

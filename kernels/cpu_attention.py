@@ -13,11 +13,14 @@ kernel asks for the blocks ahead of the one it reads itself, and computes the
 softmax's exponentials in vector registers (:mod:`.cpu_math`).
 
 Short prefill pieces run here too, row by row, each row seeing the positions up
-to its own (:data:`SHORT_PIECE_WORK`); long pieces, whose many rows make matrix
-products efficient, stay with the reference (:func:`reference.attend_long_pieces`).
+to its own (:data:`SHORT_PIECE_WORK`); longer pieces, whose many rows make
+blocked matrix products efficient, go to torch's CPU flash attention
+(:func:`attend_long_pieces`: their blocks gathered once, then
+``scaled_dot_product_attention``, which keeps K/V shared across each GQA group).
 How a batch splits is read from its metadata once and reused by every layer
-(:func:`_plan`). fp32 caches only: numba has no fp16/bf16 arithmetic, so other
-dtypes take the reference path. With more than one torch thread the rows are
+(:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
+past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
+takes the reference path. With more than one torch thread the rows are
 split across numba's threads (as many as torch's). The kernel is compiled on
 first use (about a second) and cached on disk.
 """
@@ -29,9 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from iterserve.scheduler.blocks import blocks_for
 
 from . import checks, reference
-from .cpu_math import exp_f32, prefetch_l2
+from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +48,13 @@ except ImportError:  # pragma: no cover - numba is a dependency; degrade rather 
 
 if numba is not None:
     # Compiled lazily, on the first call with each argument type; cached on disk.
+    # numpy's error model: a float division by zero gives inf rather than raising,
+    # which spares every division its branch, so loops holding one vectorize.
     def _jit(parallel: bool = False):
         return numba.njit(
-            parallel=parallel, fastmath=True, nogil=True, cache=True, boundscheck=False
-        )
+            parallel=parallel, fastmath=True, nogil=True, cache=True, boundscheck=False,
+            error_model="numpy",
+        )  # fmt: skip
 
     prange = numba.prange
 else:
@@ -56,12 +65,15 @@ else:
     prange = range
 
 
-# A prefill piece of at most this many query rows x positions runs on the kernel
-# too (a 256-token prompt: 65536). Measured on the demo model's heads, 8 pieces at
-# once: 32 tokens 0.38 ms against the reference's 1.50 (whose per-piece gathers
-# and matmuls are mostly dispatch), 256 tokens 1.9 against 2.6; at 1024 tokens
-# the two are even, and the reference's matrix products scale better with heads.
-SHORT_PIECE_WORK = 1 << 16
+# A prefill piece of at most this many query rows x positions x query heads runs
+# on the row kernel too, whose time grows with all three; longer ones on torch's
+# flash attention, ~80 µs a piece and then little per position. Measured in bf16,
+# 4 pieces at once, 16/4 heads of 64: a 16-token prompt (4096) 0.25 ms on the
+# kernel against 0.36; 32 tokens (16384) 0.73 against 0.46; 64 tokens 2.3 against
+# 0.8; 64 after 200 cached 16.0 against 3.6; 128 tokens 12.7 against 1.9 (the
+# reference's fp32 products: 6.7). fp32, 16 pieces, 4/2 heads: 32 tokens (4096)
+# 0.92 against 1.03; 64 tokens 2.8 against 1.8.
+SHORT_PIECE_WORK = 8192
 
 
 def available() -> bool:
@@ -77,21 +89,25 @@ PREFETCH_BLOCKS = 2
 @_jit()
 def _prefetch_block(rows, block, rows_per_block, head_dim):
     first = block * rows_per_block * head_dim
-    for line in range(0, rows_per_block * head_dim, 16):  # 16 fp32 in a 64-byte line
+    for line in range(0, rows_per_block * head_dim, 64 // rows.itemsize):  # a 64-byte line
         prefetch_l2(rows, first + line)
 
 
 @_jit()
 def _attend_one(
     q, k_rows, v_rows, table, length, next_table, next_length, row, scale, out,
-    scores, acc, qh, block_size, num_kv_heads,
+    scores, acc, qh, top, block_size, num_kv_heads,
 ):  # fmt: skip
     """One sequence's decode row, every query head at once: each block of K, then
     of V, is read once, front to back (a position's KV heads lie side by side), so
     the cache is streamed rather than revisited; the inner loops run over 1-D rows
     and vectorize. ``k_rows``/``v_rows`` are the caches as ``[slot * num_kv_heads
-    + head, head_dim]``; ``scores``, ``acc`` and ``qh`` are scratch of
-    ``[num_heads, ...]``. While a block is read, the one :data:`PREFETCH_BLOCKS`
+    + head, head_dim]``; ``scores``, ``acc``, ``qh`` and ``top`` are scratch of
+    ``[num_heads, ...]``. Each head's largest score is kept as the scores are made
+    (a separate pass over them does not vectorize: numba's max reduction stays
+    scalar), and the softmax's division is left to the output row, one multiply
+    per output element instead of one per score. While a block is read, the one
+    :data:`PREFETCH_BLOCKS`
     further along this row's K blocks, then its V blocks, then the next row's K
     blocks (``next_table``, ``next_length``) is fetched into L2."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -100,8 +116,9 @@ def _attend_one(
     next_blocks = (next_length + block_size - 1) // block_size
     per_block = block_size * num_kv_heads
     for i in range(num_heads):
+        top[i] = np.float32(-3.0e38)
         for d in range(head_dim):
-            qh[i, d] = q[row, i, d] * scale
+            qh[i, d] = load_f32(q, (row, i, d)) * scale
             acc[i, d] = 0.0
     for j in range(num_blocks):
         ahead = j + PREFETCH_BLOCKS
@@ -116,20 +133,17 @@ def _attend_one(
                 for g in range(group):
                     x = np.float32(0.0)
                     for d in range(head_dim):
-                        x += qh[h * group + g, d] * k_row[d]
+                        x += qh[h * group + g, d] * load_f32(k_row, d)
                     scores[h * group + g, j * block_size + o] = x
+                    top[h * group + g] = max(top[h * group + g], x)
     for i in range(num_heads):
-        top = scores[i, 0]
-        for p in range(1, length):
-            top = max(top, scores[i, p])
+        head_scores, largest = scores[i], top[i]
         total = np.float32(0.0)
         for p in range(length):
-            e = exp_f32(scores[i, p] - top)
-            scores[i, p] = e
+            e = exp_f32(head_scores[p] - largest)
+            head_scores[p] = e
             total += e
-        inv = np.float32(1.0) / total
-        for p in range(length):
-            scores[i, p] *= inv
+        top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
     for j in range(num_blocks):
         ahead = j + PREFETCH_BLOCKS
         if ahead < num_blocks:
@@ -144,15 +158,15 @@ def _attend_one(
                 for g in range(group):
                     w = scores[h * group + g, p]
                     for d in range(head_dim):
-                        acc[h * group + g, d] += w * v_row[d]
+                        acc[h * group + g, d] += w * load_f32(v_row, d)
     for i in range(num_heads):
         for d in range(head_dim):
-            out[row, i, d] = acc[i, d]
+            store_f32(out, (row, i, d), acc[i, d] * top[i])
 
 
 @_jit()
 def _attend_row(
-    q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh,
+    q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh, top,
     block_size, num_kv_heads,
 ):  # fmt: skip
     """Row ``r`` of the batch, prefetching the first KV blocks of row ``r + 1``."""
@@ -160,7 +174,7 @@ def _attend_row(
     following = min(r + 1, n - 1)
     _attend_one(
         q, k_rows, v_rows, tables[table_of[r]], lengths[r], tables[table_of[following]],
-        lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh,
+        lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh, top,
         block_size, num_kv_heads,
     )  # fmt: skip
 
@@ -177,12 +191,13 @@ def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out
     scores = np.empty((num_heads, longest), dtype=np.float32)
     acc = np.empty((num_heads, head_dim), dtype=np.float32)
     qh = np.empty((num_heads, head_dim), dtype=np.float32)
+    top = np.empty(num_heads, dtype=np.float32)
     if n:  # the first row's first blocks; every later row's come with the row before
         for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size)):
             _prefetch_block(k_rows, tables[table_of[0], j], block_size * num_kv_heads, head_dim)
     for r in range(n):
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
 @_jit(parallel=True)
@@ -195,15 +210,21 @@ def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, s
         scores = np.empty((num_heads, max(lengths[r], 1)), dtype=np.float32)
         acc = np.empty((num_heads, head_dim), dtype=np.float32)
         qh = np.empty((num_heads, head_dim), dtype=np.float32)
+        top = np.empty(num_heads, dtype=np.float32)
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, block_size, num_kv_heads)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
+
+
+# The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _usable(query, k_cache, v_cache) -> bool:
     return (
         numba is not None
         and query.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and query.dtype == k_cache.dtype == v_cache.dtype
+        and query.dtype in DTYPES
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
@@ -224,11 +245,11 @@ class _Plan:
 _last_plan: list[_Plan | None] = [None]  # the plan of the batch the layers last attended
 
 
-def _plan(num_tokens, block_size, block_tables, seq_lens, query_start_loc) -> _Plan:
+def _plan(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start_loc) -> _Plan:
     """The last plan when called again with the same metadata tensors, unchanged
     since (the next layer of the same forward), else a new one. The plan holds its
     tensors, so an identity check cannot match a new tensor at a freed address."""
-    inputs = (block_tables, seq_lens, query_start_loc, num_tokens, block_size)
+    inputs = (block_tables, seq_lens, query_start_loc, num_tokens, num_heads, block_size)
     if any(t.is_inference() for t in inputs[:3]):  # no version counter: never reused
         versions = None
     else:
@@ -243,7 +264,7 @@ def _plan(num_tokens, block_size, block_tables, seq_lens, query_start_loc) -> _P
     ):
         return last
     pieces = reference.split_pieces(num_tokens, block_size, block_tables, seq_lens,
-                                    query_start_loc, SHORT_PIECE_WORK)  # fmt: skip
+                                    query_start_loc, SHORT_PIECE_WORK // num_heads)  # fmt: skip
     plan = _Plan(
         inputs, versions, pieces, _row_arrays(block_tables, pieces) if pieces.together else None
     )
@@ -271,6 +292,36 @@ def _row_arrays(block_tables, pieces: reference.Pieces) -> tuple:
     return tables, table_of, (seq_lens - q_lens)[table_of] + within + 1, first[table_of] + within
 
 
+def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: reference.Pieces, scale):
+    """A zeroed output with the rows of ``pieces.long`` attended by torch's CPU flash
+    attention: each piece's blocks gathered into contiguous ``[seq_len, kv_heads,
+    head_dim]`` K and V (one copy of what it reads), its rows seeing the positions
+    up to their own: causal from the corner when the piece starts the sequence,
+    else through a mask (row ``i`` of a piece after ``context`` cached positions
+    sees positions ``0..context + i``)."""
+    out = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    for s in pieces.long:
+        q_begin, q_end, seq_len = pieces.starts[s], pieces.starts[s + 1], pieces.lens[s]
+        q_len = q_end - q_begin
+        blocks = block_tables[s, : blocks_for(seq_len, block_size)].long()
+        # [1, kv_heads, seq_len, head_dim] views over the gathered blocks
+        k = reference._gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)
+        v = reference._gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)
+        k, v = k[:seq_len].transpose(0, 1)[None], v[:seq_len].transpose(0, 1)[None]
+        q = query[q_begin:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
+        context = seq_len - q_len
+        mask = None
+        if context:
+            positions = torch.arange(seq_len)
+            mask = positions[None, :] <= context + positions[:q_len, None]  # [q_len, seq_len]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=not context, scale=scale, enable_gqa=True
+        )  # [1, num_heads, q_len, head_dim]
+        out[q_begin:q_end] = o[0].transpose(0, 1)
+    return out
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -282,18 +333,22 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 on the CPU)."""
-    if not _usable(query, k_cache, v_cache):
-        return reference.paged_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-        )
+    on the compiled kernel where it applies (fp32 or bf16 on the CPU, no soft-capping,
+    no sliding window shorter than the longest sequence: those take the reference)."""
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if not _usable(query, k_cache, v_cache) or cuts or soft_cap is not None:
+        return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
-    plan = _plan(query.shape[0], k_cache.shape[1], block_tables, seq_lens, query_start_loc)
-    out = reference.attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
+    plan = _plan(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
+                 query_start_loc)  # fmt: skip
+    out = attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
     if plan.rows is not None:
         tables, table_of, lengths, rows = plan.rows
         threads = torch.get_num_threads()
@@ -301,7 +356,7 @@ def paged_attention(
         if parallel:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         (_attend_all_parallel if parallel else _attend_all)(
-            query.contiguous().numpy(), k_cache.numpy(), v_cache.numpy(), tables, table_of,
-            lengths, rows, np.float32(scale), out.numpy(),
+            as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
+            table_of, lengths, rows, np.float32(scale), as_array(out),
         )  # fmt: skip
     return out

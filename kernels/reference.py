@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
+from iterserve.scheduler.blocks import blocks_before_window, blocks_for
 
 from . import checks
 
@@ -69,24 +69,39 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened mixed batch over a paged KV cache.
 
     Query row ``i`` of sequence ``s`` sits at absolute position
-    ``seq_lens[s] - q_len + i`` and attends to KV positions ``0..`` that position.
-    ``max_query_len`` / ``max_seq_len`` are the Triton backend's kernel-choice
-    hints; this one reads the lengths themselves and ignores them.
+    ``p = seq_lens[s] - q_len + i`` and attends to KV positions ``0..p``, or with a
+    sliding ``window`` to ``p - window + 1..p`` only; the blocks wholly before
+    that are never read (the scheduler may have handed them on). ``soft_cap``
+    caps each scaled score as ``soft_cap * tanh(score / soft_cap)`` before the
+    softmax (Gemma 2). ``max_query_len`` / ``max_seq_len`` are the Triton
+    backend's kernel-choice hints; this one reads the lengths themselves.
     """
     checks.check_paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, soft_cap
     )
     pieces = split_pieces(query.shape[0], k_cache.shape[1], block_tables, seq_lens,
                           query_start_loc)  # fmt: skip
-    out = attend_long_pieces(query, k_cache, v_cache, block_tables, pieces, scale)
+    out = attend_long_pieces(query, k_cache, v_cache, block_tables, pieces, scale,
+                             window, soft_cap)  # fmt: skip
     if pieces.together:
-        _attend_decodes(query, k_cache, v_cache, block_tables, pieces.together, pieces.starts,
-                        pieces.lens, scale, out)  # fmt: skip
+        _attend_decodes(query, k_cache, v_cache, block_tables, pieces, scale, out,
+                        window, soft_cap)  # fmt: skip
     return out
+
+
+def _capped(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """``soft_cap * tanh(scores / soft_cap)``, as Gemma 2 bounds its attention scores;
+    in place (the scores are the caller's own fresh tensor): at a 512-row piece they
+    are megabytes, and each extra pass over them shows."""
+    if soft_cap is None:
+        return scores
+    return scores.div_(soft_cap).tanh_().mul_(soft_cap)
 
 
 @dataclass(frozen=True)
@@ -138,9 +153,11 @@ def split_pieces(
     return Pieces(starts, lens, long, together)
 
 
-def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: Pieces, scale):
+def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: Pieces, scale,
+                       window=None, soft_cap=None):  # fmt: skip
     """A zeroed output with the rows of ``pieces.long`` attended, each piece by
-    matrix products over its gathered blocks, ``_ATTN_QUERY_CHUNK`` rows at a time."""
+    matrix products over its gathered blocks, ``_ATTN_QUERY_CHUNK`` rows at a time.
+    With a window, a piece's gather starts at the first block its first row reads."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -148,14 +165,17 @@ def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: Pieces, sc
     for s in pieces.long:
         q_begin, q_end, seq_len = pieces.starts[s], pieces.starts[s + 1], pieces.lens[s]
         q_len = q_end - q_begin
-        blocks = block_tables[s, : blocks_for(seq_len, block_size)].long()
-        # Gather the sequence's cache blocks into contiguous [kv_heads, seq_len, head_dim].
-        k = _gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        v = _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        context_len = seq_len - q_len
+        first = blocks_before_window(context_len, window, block_size)
+        blocks = block_tables[s, first : blocks_for(seq_len, block_size)].long()
+        kv_begin = first * block_size  # position of the first gathered slot
+        kv_len = seq_len - kv_begin
+        # Gather the blocks read into contiguous [kv_heads, kv_len, head_dim].
+        k = _gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
+        v = _gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)[:kv_len]
         k = k.float().transpose(0, 1)
         v = v.float().transpose(0, 1)
-        context_len = seq_len - q_len
-        kv_pos = torch.arange(seq_len, device=query.device)
+        kv_pos = torch.arange(kv_begin, seq_len, device=query.device)
         for c0 in range(0, q_len, _ATTN_QUERY_CHUNK):
             c1 = min(c0 + _ATTN_QUERY_CHUNK, q_len)
             rows = c1 - c0
@@ -165,11 +185,14 @@ def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: Pieces, sc
             q = q.view(rows, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
             q = q.reshape(num_kv_heads, group * rows, head_dim)
             scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [kv_heads, group*rows, L]
+            scores = _capped(scores, soft_cap)
             q_pos = context_len + torch.arange(c0, c1, device=query.device)
             visible = kv_pos[None, :] <= q_pos[:, None]  # [rows, L]
-            scores = scores.view(num_kv_heads, group, rows, seq_len)
+            if window is not None:
+                visible &= kv_pos[None, :] > q_pos[:, None] - window
+            scores = scores.view(num_kv_heads, group, rows, kv_len)
             scores = scores.masked_fill(~visible, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * rows, seq_len)
+            probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * rows, kv_len)
             o = torch.matmul(probs, v)  # [kv_heads, group * rows, D]
             o = o.view(num_kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
             out[q_begin + c0 : q_begin + c1] = o.reshape(rows, num_heads, head_dim).to(out.dtype)
@@ -183,49 +206,67 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, blocks)
 
 
-def _attend_decodes(query, k_cache, v_cache, block_tables, seqs, starts, lens, scale, out):
-    """One query row per sequence, many sequences per matmul. Sequences are sorted by
-    length and cut into groups whose longest is at most ``_DECODE_GROUP_GROWTH``
-    times their shortest (plus a block), so padding every member to its group's
-    longest copies little more KV than the members own."""
+def _attend_decodes(query, k_cache, v_cache, block_tables, pieces: Pieces, scale, out,
+                    window=None, soft_cap=None):  # fmt: skip
+    """One query row per sequence, many sequences per matmul. Each row reads from
+    its first block in reach (block 0 without a window); sequences are sorted by
+    how much they read and cut into groups whose longest is at most
+    ``_DECODE_GROUP_GROWTH`` times their shortest (plus a block), so padding every
+    member to its group's longest copies little more KV than the members own."""
     block_size = k_cache.shape[1]
+    lens = pieces.lens
+    first = {s: blocks_before_window(lens[s] - 1, window, block_size) for s in pieces.together}
+    read = {s: lens[s] - first[s] * block_size for s in pieces.together}
     group: list[int] = []
-    for s in sorted(seqs, key=lambda s: lens[s]):
-        if group and lens[s] > _DECODE_GROUP_GROWTH * lens[group[0]] + block_size:
-            _attend_decode_group(query, k_cache, v_cache, block_tables, group, starts, lens,
-                                 scale, out)  # fmt: skip
+    for s in sorted(pieces.together, key=read.__getitem__):
+        if group and read[s] > _DECODE_GROUP_GROWTH * read[group[0]] + block_size:
+            _attend_decode_group(query, k_cache, v_cache, block_tables, group, first, pieces,
+                                 scale, out, window, soft_cap)  # fmt: skip
             group = []
         group.append(s)
-    _attend_decode_group(query, k_cache, v_cache, block_tables, group, starts, lens, scale, out)
+    _attend_decode_group(query, k_cache, v_cache, block_tables, group, first, pieces, scale, out,
+                         window, soft_cap)  # fmt: skip
 
 
-def _attend_decode_group(query, k_cache, v_cache, block_tables, seqs, starts, lens, scale, out):
-    """The blocks of every sequence in ``seqs`` gathered into one padded
-    [seqs, length, kv_heads, head_dim] tensor; positions past each sequence's
-    length masked out. Each kv head is one strided batched matmul over the gathered
+def _attend_decode_group(query, k_cache, v_cache, block_tables, seqs, first, pieces, scale, out,
+                         window, soft_cap):  # fmt: skip
+    """The blocks every sequence in ``seqs`` reads gathered into one padded
+    [seqs, length, kv_heads, head_dim] tensor, sequence ``s``'s from its block
+    ``first[s]`` on; slots past each sequence's length, or before its window,
+    masked out. Each kv head is one strided batched matmul over the gathered
     layout, with no transposed copy."""
     _, num_heads, head_dim = query.shape
     num_cache_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     dev = query.device
     n = len(seqs)
-    num_blocks = blocks_for(max(lens[s] for s in seqs), block_size)
+    lens = pieces.lens
+    num_blocks = max(blocks_for(lens[s], block_size) - first[s] for s in seqs)
     length = num_blocks * block_size
-    blocks = block_tables[torch.tensor(seqs, device=dev), :num_blocks].long()
+    firsts = torch.tensor([first[s] for s in seqs], device=dev)
+    columns = (firsts[:, None] + torch.arange(num_blocks, device=dev)[None, :]).clamp(
+        max=block_tables.shape[1] - 1
+    )
+    blocks = block_tables[torch.tensor(seqs, device=dev)[:, None], columns].long()
     # Columns past a sequence's own blocks may hold anything; they are masked below
     # and clamped here so the gather stays inside the cache.
     blocks = blocks.clamp(0, num_cache_blocks - 1).reshape(-1)
     shape = (n, length, num_kv_heads, head_dim)
     k = _gather_blocks(k_cache, blocks).view(shape).float()
     v = _gather_blocks(v_cache, blocks).view(shape).float()
-    rows = torch.tensor([starts[s] for s in seqs], device=dev)
+    rows = torch.tensor([pieces.starts[s] for s in seqs], device=dev)
     q = query.index_select(0, rows).float().view(n, num_kv_heads, group, head_dim)
     seq_lens = torch.tensor([lens[s] for s in seqs], device=dev)
-    beyond = torch.arange(length, device=dev)[None, None, :] >= seq_lens[:, None, None]
+    # [n, length] absolute position of each gathered slot
+    kv_pos = firsts[:, None] * block_size + torch.arange(length, device=dev)[None, :]
+    hidden = kv_pos >= seq_lens[:, None]
+    if window is not None:
+        hidden |= kv_pos <= seq_lens[:, None] - 1 - window
+    hidden = hidden[:, None, :]  # [n, 1, length]
     o = torch.empty(n, num_kv_heads, group, head_dim, device=dev)
     for h in range(num_kv_heads):
         scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) * scale  # [n, group, L]
-        probs = torch.softmax(scores.masked_fill_(beyond, float("-inf")), dim=-1)
+        probs = torch.softmax(_capped(scores, soft_cap).masked_fill_(hidden, float("-inf")), -1)
         o[:, h] = torch.bmm(probs, v[:, :, h])  # [n, group, D]
     out[rows] = o.view(n, num_heads, head_dim).to(out.dtype)
 
@@ -282,3 +323,12 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     # In place on silu's own output: one tensor fewer per call, the same values.
     return torch.nn.functional.silu(xf[:, :d]).mul_(xf[:, d:]).to(x.dtype)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :d]) * x[:, d:]`` with GELU's tanh approximation (Gemma's
+    ``gelu_pytorch_tanh``), computed in fp32, returned in x's dtype."""
+    checks.check_silu_mul(x)
+    d = x.shape[1] // 2
+    xf = x.float()
+    return torch.nn.functional.gelu(xf[:, :d], approximate="tanh").mul_(xf[:, d:]).to(x.dtype)

@@ -1,6 +1,7 @@
 """Backend selection: Triton kernels on CUDA; on CPU the torch references with
 attention, norms, rotary and the KV store compiled by numba (``cpu``), or the
-references alone (``torch``).
+references alone (``torch``). Experts run on the rows routed to each
+(:mod:`.experts`) on CPU, in one grouped Triton kernel per projection on CUDA.
 
 The Triton modules are imported only when the triton backend is requested, so
 importing this package or using the torch or cpu backend never imports triton.
@@ -21,7 +22,7 @@ BACKENDS = ("auto", "triton", "cpu", "torch")
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The five serving ops of one backend; every backend has the same signatures."""
+    """The serving ops of one backend; every backend has the same signatures."""
 
     name: str  # "triton" | "cpu" | "torch"
     store_kv: Callable[..., None]
@@ -29,6 +30,8 @@ class KernelOps:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul: Callable[..., torch.Tensor]
+    gelu_tanh_mul: Callable[..., torch.Tensor]
+    fused_experts: Callable[..., torch.Tensor]
 
 
 def triton_available() -> bool:
@@ -43,13 +46,15 @@ def numba_available() -> bool:
 
 @functools.cache
 def _load(name: str) -> KernelOps:
+    reference = importlib.import_module(f"{__package__}.reference")
     if name in ("torch", "cpu"):
-        mod = importlib.import_module(f"{__package__}.reference")
-        ops, attn, cache = mod, mod, mod
+        ops, attn, cache = reference, reference, reference
         if name == "cpu":
             attn = importlib.import_module(f"{__package__}.cpu_attention")
             ops = cache = importlib.import_module(f"{__package__}.cpu_ops")
+        experts = importlib.import_module(f"{__package__}.experts")
     else:
+        experts = importlib.import_module(f"{__package__}.triton_experts")
         ops = importlib.import_module(f"{__package__}.triton_ops")
         attn = importlib.import_module(f"{__package__}.triton_attention")
         cache = importlib.import_module(f"{__package__}.triton_cache")
@@ -60,6 +65,9 @@ def _load(name: str) -> KernelOps:
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
         silu_mul=ops.silu_mul,
+        # torch's GELU is vectorized already: the cpu backend keeps the reference's.
+        gelu_tanh_mul=getattr(ops, "gelu_tanh_mul", reference.gelu_tanh_mul),
+        fused_experts=experts.fused_experts,
     )
 
 

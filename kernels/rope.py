@@ -1,10 +1,17 @@
-"""Rotary embedding tables, computed the way Hugging Face transformers does for Llama.
+"""Rotary embedding tables, computed the way Hugging Face transformers does.
 
 ``inv_freq`` is computed in fp32 from ``arange(0, head_dim, 2)`` exactly like
-``transformers.modeling_rope_utils`` (default and ``llama3`` rope types), then
-``cos``/``sin`` of ``position * inv_freq`` are taken in fp32. The resulting
-cache is ``[max_position, head_dim]``: the first ``head_dim / 2`` columns hold
-cos, the last ``head_dim / 2`` hold sin.
+``transformers.modeling_rope_utils`` (rope types ``default``, ``linear``,
+``llama3``, ``yarn`` and ``longrope``), then ``cos``/``sin`` of
+``position * inv_freq`` are taken in fp32 and multiplied by the type's
+attention factor (yarn's and longrope's; 1 otherwise). The resulting cache is
+``[max_position, head_dim]``: the first ``head_dim / 2`` columns hold cos, the
+last ``head_dim / 2`` hold sin. ``head_dim`` here is the rotated width, which a
+partial rotary embedding (Phi-4-mini) makes smaller than the head.
+
+``longrope`` takes its short factors: transformers switches a whole sequence to
+the long ones once it passes ``original_max_position_embeddings``, which the
+runtime never lets a sequence reach (ModelConfig.max_model_len).
 """
 
 from __future__ import annotations
@@ -38,7 +45,70 @@ def compute_inv_freq(
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling)
+    if rope_type == "longrope":
+        factors = torch.tensor(_need(scaling, "short_factor", rope_type), dtype=torch.float32)
+        if factors.shape != (head_dim // 2,):
+            raise ValueError(f"longrope short_factor needs {head_dim // 2} values")
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (factors * base**shape)
     raise ValueError(f"scaling has unsupported rope_type {rope_type!r}")
+
+
+def _need(scaling: Mapping[str, Any], key: str, rope_type: str) -> Any:
+    try:
+        return scaling[key]
+    except KeyError:
+        raise ValueError(f"scaling for rope_type {rope_type!r} is missing {key!r}") from None
+
+
+def attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """What yarn and longrope multiply cos and sin by (1 for the other types)."""
+    rope_type = _rope_type(scaling)
+    if rope_type not in ("yarn", "longrope"):
+        return 1.0
+    assert scaling is not None
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = float(_need(scaling, "factor", rope_type))
+    if rope_type == "longrope":
+        original = _need(scaling, "original_max_position_embeddings", rope_type)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN: extrapolated frequencies above a band, interpolated (``/ factor``)
+    below it, a linear ramp across it; the band from ``beta_fast`` / ``beta_slow``
+    rotations over the original context."""
+    factor = float(_need(scaling, "factor", "yarn"))
+    original = _need(scaling, "original_max_position_embeddings", "yarn")
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # how much of each frequency is extrapolated
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
@@ -79,4 +149,6 @@ def build_cos_sin_cache(
     inv_freq = compute_inv_freq(head_dim, base, scaling)  # [head_dim / 2], fp32
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+    scale = attention_factor(scaling)
+    table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return (table * scale if scale != 1.0 else table).to(dtype)

@@ -36,12 +36,12 @@ from . import checks
 from .attention_plan import DEFAULT_NUM_SMS, AttentionPlan, plan_attention
 from .triton_decode import launch_decode
 from .triton_ops import device_guard
-from .triton_tiles import attend_kv_range, dot_precision, find_seq_of_block
+from .triton_tiles import LOG2E, attend_kv_range, dot_precision, find_seq_of_block, window_start
 
 
 # Per-step values are not specialised on: a new batch size or block-table width
 # must not compile a new variant in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "skip_q_len", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "skip_q_len", "stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], contiguous
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -51,6 +51,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
     scale,
+    window,  # sliding window (read only with USE_WINDOW)
     num_seqs,
     skip_q_len,  # sequences with at most this many rows belong to the decode kernel
     stride_qt,
@@ -72,6 +73,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # kv positions per tile
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,16 +113,19 @@ def _paged_attention_kernel(
 
     # Exclusive end of the kv range: one past the position of this block's last row.
     kv_end = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len)
-    qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp(x) = exp2(x * log2(e))
+    kv_begin = 0
+    if USE_WINDOW:  # nothing before the window of this block's first row
+        kv_begin = window_start(context_len + local_block * BLOCK_Q, window, BLOCK_N)
+    qk_scale = scale * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q, q_pos, 0, kv_end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-        offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, kv_begin, kv_end, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, window,
+        offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, SOFT_CAP,
     )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -134,6 +140,7 @@ def _paged_attention_kernel(
 def launch_prefill(
     out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
     *, block_m: int, block_n: int, skip_q_len: int = 0, num_warps: int = 4,
+    window: int | None = None, soft_cap: float | None = None,
 ) -> None:  # fmt: skip
     """The prefill kernel over every sequence with more than ``skip_q_len`` rows."""
     num_tokens, num_heads, head_dim = query.shape
@@ -144,7 +151,7 @@ def launch_prefill(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        float(scale), num_seqs, skip_q_len,
+        float(scale), window or 0, num_seqs, skip_q_len,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -157,6 +164,8 @@ def launch_prefill(
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(query.dtype),
+        USE_WINDOW=window is not None,
+        SOFT_CAP=float(soft_cap or 0.0),
         num_warps=num_warps,
     )  # fmt: skip
 
@@ -172,6 +181,8 @@ def paged_attention_launch(
     *,
     block_m: int,
     block_n: int,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Every sequence through the prefill kernel with explicit tile sizes
     (arguments already checked)."""
@@ -184,7 +195,7 @@ def paged_attention_launch(
     with device_guard(query):
         launch_prefill(
             out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-            block_m=block_m, block_n=block_n,
+            block_m=block_m, block_n=block_n, window=window, soft_cap=soft_cap,
         )  # fmt: skip
     return out
 
@@ -198,25 +209,27 @@ def run_plan(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The launches of ``plan`` (arguments already checked)."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    masks = {"window": window, "soft_cap": soft_cap}
     t = plan.tiles
     with device_guard(query):
         if plan.use_decode:
             launch_decode(
                 out, *args, block_m=t.decode_block_m, block_n=t.decode_block_n,
-                num_splits=plan.num_splits, num_warps=t.decode_num_warps,
+                num_splits=plan.num_splits, num_warps=t.decode_num_warps, **masks,
             )  # fmt: skip
         if plan.use_prefill:
             # Without the decode launch every sequence is the prefill kernel's.
             skip = t.decode_block_q if plan.use_decode else 0
-            launch_prefill(
-                out, *args, block_m=t.prefill_block_m, block_n=t.prefill_block_n, skip_q_len=skip
-            )
+            launch_prefill(out, *args, block_m=t.prefill_block_m, block_n=t.prefill_block_n,
+                           skip_q_len=skip, **masks)  # fmt: skip
     return out
 
 
@@ -238,6 +251,8 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened mixed batch over a paged KV cache.
 
@@ -247,7 +262,7 @@ def paged_attention(
     ``max_seq_len`` (longest sequence), which only steer the choice of kernels.
     """
     checks.check_paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, soft_cap
     )
     checks.check_triton_device("query", query)
     num_tokens, num_heads, head_dim = query.shape
@@ -263,5 +278,7 @@ def paged_attention(
         max_query_len=max_query_len,
         elem_bytes=query.element_size(),
         num_sms=_num_sms(query.device),
+        window=window,
     )
-    return run_plan(plan, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return run_plan(plan, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    window, soft_cap)  # fmt: skip

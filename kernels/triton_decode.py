@@ -11,7 +11,8 @@ multiple of the tile width, computed on the device from ``seq_len`` itself::
 
 so one launch shape serves every context length up to the block table's width
 (what a CUDA graph needs), and a short sequence simply leaves its later splits
-idle. Each split writes its unnormalised partial output with its running max
+idle. With a sliding window the splits cut the positions the rows read,
+``[window_start, seq_len)``, not the whole sequence. Each split writes its unnormalised partial output with its running max
 and denominator; the reduce kernel merges them. With ``num_splits == 1`` the
 decode kernel normalises and writes the output itself.
 
@@ -25,10 +26,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import attend_kv_range, dot_precision, find_seq_of_token
+from .triton_tiles import LOG2E, attend_kv_range, dot_precision, find_seq_of_token, window_start
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit
+def _split_range(seq_len, q_len, num_splits, window, BLOCK_N: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):  # fmt: skip
+    # Where the splits start and how long each is, shared by the kernel and its reduce.
+    kv_start = 0
+    if USE_WINDOW:  # the first row's window; later rows read less of it
+        kv_start = window_start(seq_len - q_len, window, BLOCK_N)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    return kv_start, split_len
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _paged_decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], contiguous
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] fp32 (SPLIT only)
@@ -40,6 +52,7 @@ def _paged_decode_kernel(
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
     scale,
+    window,
     num_splits,
     stride_qt,
     stride_qh,
@@ -61,6 +74,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # write partials for the reduce instead of the output
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,8 +87,8 @@ def _paged_decode_kernel(
     if (q_len == 0) | (q_len > BLOCK_Q):
         return  # nothing to compute, or a piece the prefill kernel takes
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * split_len
+    kv_start, split_len = _split_range(seq_len, q_len, num_splits, window, BLOCK_N, USE_WINDOW)
+    kv_lo = kv_start + split * split_len
     if kv_lo >= seq_len:
         return  # a short sequence: its later splits have nothing to read
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)
@@ -92,7 +107,7 @@ def _paged_decode_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
     q_pos = seq_len - q_len + q_idx  # [BLOCK_M] the last q_len positions are this step's rows
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -100,8 +115,8 @@ def _paged_decode_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q, q_pos, kv_lo, kv_hi, bt_row, k_cache_ptr, v_cache_ptr, kv_head,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-        offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, window,
+        offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, USE_WINDOW, SOFT_CAP,
     )  # fmt: skip
 
     if SPLIT:
@@ -120,7 +135,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
 def _split_reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM] fp32
@@ -129,12 +144,14 @@ def _split_reduce_kernel(
     query_start_loc_ptr,
     num_seqs,
     num_splits,
+    window,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
 ):
     # One program merges the splits of one (query row, head):
     #   out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
@@ -146,8 +163,8 @@ def _split_reduce_kernel(
     if q_len > BLOCK_Q:
         return  # the prefill kernel wrote this row
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    num_active = tl.cdiv(seq_len, split_len)
+    kv_start, split_len = _split_range(seq_len, q_len, num_splits, window, BLOCK_N, USE_WINDOW)
+    num_active = tl.cdiv(seq_len - kv_start, split_len)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -166,7 +183,7 @@ def _split_reduce_kernel(
         l_run = l_run * alpha + l_s * beta
         acc = acc * alpha + a_s * beta
         m_run = m_new
-    # Split 0 holds position 0, which every row sees: l_run > 0.
+    # Some split holds the row's own position, which it always sees: l_run > 0.
     out = acc / l_run
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
@@ -189,6 +206,8 @@ def launch_decode(
     block_n: int,
     num_splits: int,
     num_warps: int = 4,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> None:
     """The decode kernel (and its reduce when ``num_splits > 1``) over every
     sequence with at most ``block_m // group`` query rows."""
@@ -214,7 +233,7 @@ def launch_decode(
         part_acc = part_ml = out  # never touched without SPLIT
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_ml, query, k_cache, v_cache, block_tables, seq_lens,
-        query_start_loc, float(scale), num_splits,
+        query_start_loc, float(scale), window or 0, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -228,15 +247,18 @@ def launch_decode(
         BLOCK_N=block_n,
         SPLIT=split,
         DOT_PRECISION=dot_precision(query.dtype),
+        USE_WINDOW=window is not None,
+        SOFT_CAP=float(soft_cap or 0.0),
         num_warps=num_warps,
     )  # fmt: skip
     if split:
         _split_reduce_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_ml, seq_lens, query_start_loc, num_seqs, num_splits,
+            out, part_acc, part_ml, seq_lens, query_start_loc, num_seqs, num_splits, window or 0,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_Q=block_q,
             BLOCK_N=block_n,
+            USE_WINDOW=window is not None,
             num_warps=1 if block_d <= 128 else 2,
         )  # fmt: skip

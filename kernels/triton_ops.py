@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import checks
+from .triton_tiles import tanh
 
 
 def device_guard(t: torch.Tensor):
@@ -230,12 +231,13 @@ def rotary_embedding(
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _act_mul_kernel(
     out_ptr,  # [num_tokens, d], contiguous
     x_ptr,  # [num_tokens, 2 * d]: [gate | up]
     stride_x,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
+    GELU: tl.constexpr,  # GELU (tanh approximation) instead of SiLU
 ):
     # Grid: (token, column block). Column j of the output reads x[j] (gate) and x[D + j] (up).
     row = tl.program_id(0).to(tl.int64)
@@ -243,12 +245,24 @@ def _silu_mul_kernel(
     mask = offs < D
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+        y = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    else:
+        y = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * D + offs, (y * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` computed in fp32, returned in x's dtype."""
+    return _act_mul(x, gelu=False)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu(x[:, :d]) * x[:, d:]`` (tanh approximation), fp32 inside."""
+    return _act_mul(x, gelu=True)
+
+
+def _act_mul(x: torch.Tensor, *, gelu: bool) -> torch.Tensor:
     checks.check_silu_mul(x)
     checks.check_triton_device("x", x)
     num_tokens, two_d = x.shape
@@ -258,5 +272,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(d), 1024)
     with device_guard(x):
-        _silu_mul_kernel[(num_tokens, triton.cdiv(d, block))](out, x, x.stride(0), D=d, BLOCK=block)
+        _act_mul_kernel[(num_tokens, triton.cdiv(d, block))](
+            out, x, x.stride(0), D=d, BLOCK=block, GELU=gelu
+        )
     return out

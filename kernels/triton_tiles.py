@@ -51,6 +51,25 @@ def find_seq_of_token(query_start_loc_ptr, token, num_seqs):
     return lo - 1
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # jit functions read only constexpr globals
+
+
+@triton.jit
+def tanh(x):
+    # tanh from one exponential of a non-positive argument: no overflow, and the
+    # interpreter runs it too (libdevice's does not).
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def window_start(pos, window, BLOCK_N: tl.constexpr):
+    # The first KV position a query at ``pos`` reads under a sliding window,
+    # rounded down to a whole tile: tiles start on multiples of BLOCK_N.
+    return tl.maximum(pos - window + 1, 0) // BLOCK_N * BLOCK_N
+
+
 @triton.jit
 def attend_kv_range(
     acc,  # [BLOCK_M, BLOCK_D] fp32 running numerator @ V
@@ -58,6 +77,7 @@ def attend_kv_range(
     l_i,  # [BLOCK_M] fp32 running softmax denominator
     q,  # [BLOCK_M, BLOCK_D] query tile
     q_pos,  # [BLOCK_M] absolute position of each row; it sees positions 0..q_pos
+    # (q_pos - window + 1..q_pos with USE_WINDOW)
     kv_lo,  # first KV position, a multiple of BLOCK_N
     kv_hi,  # exclusive end of the KV positions read
     bt_row,  # this sequence's block table row
@@ -71,18 +91,26 @@ def attend_kv_range(
     stride_vs,
     stride_vh,
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (read only with USE_WINDOW)
     offs_d,
     d_ok,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,  # 0.0: scores uncapped; else cap * tanh(score / cap)
 ):
     # Streams K/V positions [kv_lo, kv_hi) through the block table with an
     # online softmax. Tiles need not line up with cache blocks: the lookup is
-    # per position, so a range may start or end mid-block.
+    # per position, so a range may start or end mid-block. With a window, no
+    # position before every row's window is loaded: its block may belong to
+    # another sequence by now, and 0 * what it holds need not be 0.
+    kv_seen = 0
+    if USE_WINDOW:
+        kv_seen = tl.min(q_pos, axis=0) - window + 1
     for start_n in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] kv positions
-        n_ok = offs_n < kv_hi
+        n_ok = (offs_n < kv_hi) & (offs_n >= kv_seen)
         # position p lives in cache block block_tables[seq, p // BLOCK_SIZE] at slot p % BLOCK_SIZE
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
@@ -94,7 +122,11 @@ def attend_kv_range(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP > 0.0:  # capped in natural units, then back to base 2
+            s = SOFT_CAP * tanh(s / (SOFT_CAP * LOG2E)) * LOG2E
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -11,14 +11,14 @@ Public surface:
   :class:`FakeModel` hands one to each rank of an engine (given in code).
 """
 
-from iterserve.scheduler.config import POLICIES, SchedulerConfig
-from iterserve.scheduler.core import Scheduler
-from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
-from iterserve.scheduler.fake_executor import FakeExecutor, FakeModel
-from iterserve.scheduler.messages import StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
-from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
-from iterserve.scheduler.step import ScheduledStep, StepBuilder
+from .config import POLICIES, SchedulerConfig
+from .core import Scheduler
+from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .fake_executor import FakeExecutor, FakeModel
+from .messages import StepPlan, StepResult
+from .request import FinishReason, Request, RequestOutput, RequestStatus
+from .sampling import SamplingParams, SamplingParamsError
+from .step import ScheduledStep, StepBuilder
 
 __all__ = [
     "POLICIES",

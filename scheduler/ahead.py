@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.request import Request
+    from .core import Scheduler
+    from .request import Request
 
 
 def finishing_if_ahead_fits(sched: Scheduler) -> list[Request] | None:

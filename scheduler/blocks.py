@@ -20,6 +20,16 @@ places::
 A fresh block comes from ``free`` first, then from the least recently released
 evictable block, whose hash is dropped then (an eviction). A referenced block
 is never handed out, so a block another table reads is never overwritten.
+
+Sliding windows. When every layer of the model reads only the last ``window``
+positions (``window`` set), a sequence's leading blocks fall out of reach as
+it grows: :meth:`free_out_of_window` hands them on while it runs, so a long
+generation holds O(window) blocks, not O(length). A table keeps its length
+(block ``i`` still stands for positions ``[i * block_size, ...)``), and its
+first ``num_freed`` entries are no longer held::
+
+    window 8, block_size 4, next query at 13 (reads 6..13)
+    table    [b7 b2 b9 b4]        num_freed 1: b7 handed on, b2 b9 b4 held
 """
 
 from __future__ import annotations
@@ -32,11 +42,28 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_before_window(pos: int, window: int | None, block_size: int) -> int:
+    """Leading blocks a query at position ``pos`` (or later) cannot read under a
+    sliding ``window``: it reads positions ``(pos - window, pos]``, so every block
+    wholly before ``pos - window + 1`` is out of its reach. ``None``: no window::
+
+        window 5, block_size 4, pos 13: reads 9..13
+        blocks:  [0 1 2 3][4 5 6 7][8 9 10 11][12 13 ..]
+                  out      out      read
+    """
+    if not window:
+        return 0
+    return max(0, pos - window + 1) // block_size
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, slab_tokens: int = 0):
+    def __init__(
+        self, num_blocks: int, block_size: int, *, slab_tokens: int = 0, window: int | None = None
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slab_tokens = slab_tokens
+        self.window = window
         self._free = list(range(num_blocks - 1, -1, -1))  # pop from the end: low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self.ref_counts = [0] * num_blocks
@@ -47,6 +74,10 @@ class BlockManager:
         # in the cache, registered, or left unshared because another block holds
         # the same content). Registration resumes from there.
         self._num_done: dict[str, int] = {}
+        # Per table: its leading entries handed on (out of every layer's window), and
+        # the earliest position a query of it may still have, which decides them.
+        self.num_freed: dict[str, int] = {}
+        self._first_query: dict[str, int] = {}
         self.num_evictions = 0
 
     @property
@@ -110,6 +141,7 @@ class BlockManager:
             new = cached + [self._take() for _ in range(needed)]
             self.tables[request_id] = list(new)
             self._num_done[request_id] = len(cached)
+            self.num_freed[request_id] = 0
             return new
         needed = self.num_needed(request_id, num_tokens)
         if needed == 0:
@@ -121,6 +153,7 @@ class BlockManager:
         if table is None:
             self.tables[request_id] = new[:]
             self._num_done[request_id] = 0
+            self.num_freed[request_id] = 0
         else:
             table.extend(new)
         return new
@@ -159,29 +192,55 @@ class BlockManager:
         self._num_done[request_id] = num_full
 
     def free(self, request_id: str, num_valid_blocks: int | None = None) -> list[int]:
-        """Drops the table's references; returns its blocks. A block nobody else
-        references becomes evictable when hashed, free otherwise. A hashed block at
-        index ``num_valid_blocks`` or beyond will never have its KV computed (its
-        step was taken back): its hash goes."""
+        """Drops the table's references; returns the blocks it still held. A block
+        nobody else references becomes evictable when hashed, free otherwise. A
+        hashed block at index ``num_valid_blocks`` or beyond will never have its KV
+        computed (its step was taken back): its hash goes."""
         blocks = self.tables.pop(request_id, [])
         self._num_done.pop(request_id, None)
-        refs, hashes = self.ref_counts, self.block_hashes
+        self._first_query.pop(request_id, None)
+        first = self.num_freed.pop(request_id, 0)
+        hashes = self.block_hashes
         # Last block first: a prefix's later blocks are the ones evicted first.
-        for i in range(len(blocks) - 1, -1, -1):
+        for i in range(len(blocks) - 1, first - 1, -1):
             block = blocks[i]
-            refs[block] -= 1
             h = hashes[block]
             if h is not None and num_valid_blocks is not None and i >= num_valid_blocks:
-                if refs[block]:
+                if self.ref_counts[block] > 1:
                     raise RuntimeError(f"block {block} is shared but was never computed")
                 del self.cached[h]
-                hashes[block] = h = None
-            if refs[block] == 0:
-                if h is None:
-                    self._free.append(block)
-                else:
-                    self._evictable[block] = None
-        return blocks
+                hashes[block] = None
+            self._release(block)
+        return blocks[first:]
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_hashes[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    def free_out_of_window(self, request_id: str, first_query: int) -> list[int]:
+        """Hands on the table's leading blocks that no layer can read from a query at
+        ``first_query`` or later (the first position the sequence computes next);
+        returns them. Nothing without a window. Register what caching should keep
+        first: a handed-on block keeps its hash (evictable) but leaves the table."""
+        if self.window is None or request_id not in self.tables:
+            return []
+        self._first_query[request_id] = first_query
+        table, start = self.tables[request_id], self.num_freed[request_id]
+        gone = min(blocks_before_window(first_query, self.window, self.block_size), len(table))
+        if gone <= start:
+            return []
+        self.num_freed[request_id] = gone
+        for block in table[start:gone]:
+            self._release(block)
+        return table[start:gone]
+
+    def held(self, request_id: str) -> list[int]:
+        """The blocks the table holds: all but those handed on."""
+        return self.tables.get(request_id, [])[self.num_freed.get(request_id, 0) :]
 
     def clear_cache(self) -> None:
         """Forgets every hash: the KV they name is gone (the workers restarted)."""
@@ -198,15 +257,27 @@ class BlockManager:
 
     def check_integrity(self) -> None:
         """free + evictable + referenced == total; each block's reference count is
-        the number of tables holding it; hashes and the cache index agree."""
+        the number of tables holding it; hashes and the cache index agree. A table
+        holds exactly the blocks a layer can still read: every block from the first
+        within the window of its sequence's next query on, none before."""
         refs = [0] * self.num_blocks
         for request_id, table in self.tables.items():
-            assert len(set(table)) == len(table), f"{request_id} holds a block twice"
+            first = self.num_freed[request_id]
+            reach = blocks_before_window(
+                self._first_query.get(request_id, 0), self.window, self.block_size
+            )
+            assert first == min(reach, len(table)), (
+                f"{request_id}: {first} blocks handed on, but {reach} are out of the window"
+            )
+            held = table[first:]
+            assert len(set(held)) == len(held), f"{request_id} holds a block twice"
             assert self._num_done[request_id] <= len(table), "registered beyond the table"
-            for block in table:
+            for block in held:
                 refs[block] += 1
         assert refs == self.ref_counts, "reference counts disagree with the tables"
         assert self._num_done.keys() == self.tables.keys(), "registration state leaked"
+        assert self.num_freed.keys() == self.tables.keys(), "window state leaked"
+        assert self._first_query.keys() <= self.tables.keys(), "window state leaked"
         free_set, evictable = set(self._free), set(self._evictable)
         assert len(free_set) == len(self._free), "a block is free twice"
         assert not free_set & evictable, "a block is both free and evictable"

@@ -10,11 +10,12 @@ never another exception — for malformed, truncated or oversized input.
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeAlias
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import msgpack
 
-from iterserve.scheduler.messages import (
+from .messages import (
     FINISH_REASONS,
     EngineOutput,
     EngineOutputs,
@@ -26,7 +27,7 @@ from iterserve.scheduler.messages import (
     StepPlan,
     StepResult,
 )
-from iterserve.scheduler.sampling import (
+from .sampling import (
     MAX_GRAMMAR_BYTES,
     SamplingParams,
     SamplingParamsError,
@@ -334,7 +335,11 @@ def _decode_outputs(value: list) -> EngineOutputs:
     return EngineOutputs(outputs)
 
 
-_ENCODERS = {StepPlan: _encode_plan, StepResult: _encode_result, EngineOutputs: _encode_outputs}
+_ENCODERS: dict[type, Callable[[Any], list]] = {
+    StepPlan: _encode_plan,
+    StepResult: _encode_result,
+    EngineOutputs: _encode_outputs,
+}
 
 Message: TypeAlias = "StepPlan | StepResult | EngineOutputs"
 

@@ -19,37 +19,46 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
-from iterserve.scheduler.blocks import BlockManager
-from iterserve.scheduler.config import SchedulerConfig
-from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
-from iterserve.scheduler.messages import NewSequence, StepResult
-from iterserve.scheduler.policies import make_policy
-from iterserve.scheduler.prefix_cache import PrefixCache
-from iterserve.scheduler.queue import WaitingQueue
-from iterserve.scheduler.request import (
+from .ahead import finishing_if_ahead_fits, retire
+from .blocks import BlockManager
+from .config import SchedulerConfig
+from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .messages import NewSequence, StepResult
+from .policies import make_policy
+from .prefix_cache import PrefixCache
+from .queue import WaitingQueue
+from .request import (
     FinishReason,
     Request,
     RequestOutput,
     RequestStatus,
 )
-from iterserve.scheduler.slots import SlotTable
-from iterserve.scheduler.step import ScheduledStep, StepBuilder
+from .slots import SlotTable
+from .step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
     """``max_in_flight``: steps handed out whose results have not come back, at
-    most (2: one built ahead of the one running; 1: one at a time)."""
+    most (2: one built ahead of the one running; 1: one at a time). ``kv_window``:
+    the model's, when every layer reads only that many last positions (blocks
+    before it are handed on while a sequence runs; paged only)."""
 
-    def __init__(self, config: SchedulerConfig, max_in_flight: int = 2):
+    def __init__(
+        self, config: SchedulerConfig, max_in_flight: int = 2, *, kv_window: int | None = None
+    ):
         config.check_complete()
         if max_in_flight not in (1, 2):
             raise ValueError(f"max_in_flight must be 1 or 2, got {max_in_flight}")
         self.config = config
         self.max_in_flight = max_in_flight
         self.slots = SlotTable(config.max_num_seqs)
-        slab = config.max_model_len if config.kv_layout == "slab" else 0
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab)
+        num_kv_blocks, max_model_len = config.num_kv_blocks, config.max_model_len
+        assert num_kv_blocks is not None and max_model_len is not None  # check_complete
+        self.max_model_len = max_model_len
+        slab = max_model_len if config.kv_layout == "slab" else 0
+        window = kv_window if config.kv_layout == "paged" else None
+        self.blocks = BlockManager(num_kv_blocks, config.block_size, slab_tokens=slab,
+                                   window=window)  # fmt: skip
         self.prefix_caching = config.prefix_caching
         self.prefix = PrefixCache(self.blocks, config.block_size, config.prefix_caching)
         self.waiting = WaitingQueue(config.max_queue_len)
@@ -86,14 +95,14 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty; at least one token is required")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise PromptTooLongError(request.num_prompt_tokens, self.config.max_model_len)
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(request.num_prompt_tokens, self.max_model_len)
         request.params.check_limits(max_n=self.config.max_n, max_logprobs=self.config.max_logprobs)
         if self.waiting.full:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_queue_len} requests)"
             )
-        room = self.config.max_model_len - request.num_prompt_tokens
+        room = self.max_model_len - request.num_prompt_tokens
         if request.params.max_tokens > room:
             request.params = dataclasses.replace(
                 request.params,
@@ -147,7 +156,7 @@ class Scheduler:
         if len(self.in_flight) >= self.max_in_flight:
             return None
         lookahead = bool(self.in_flight)
-        finishing: list[Request] = []
+        finishing: list[Request] | None = []
         if lookahead:
             finishing = finishing_if_ahead_fits(self)
             if finishing is None:
@@ -176,6 +185,7 @@ class Scheduler:
         if result.step != step.plan.step:
             raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
         self.in_flight.popleft()
+        request: Request | None
         expected: list[Request] = []
         for entry in step.plan.scheduled:
             if entry.sample:
@@ -196,9 +206,9 @@ class Scheduler:
             if len(request.output_token_ids) == 1:
                 out.num_cached_tokens = request.num_cached_tokens
             if request.params.logprobs is not None:
-                entry = (sampled.logprob, list(sampled.top_logprobs))
-                request.output_logprobs.append(entry)
-                out.new_logprobs.append(entry)
+                logprobs = (sampled.logprob, list(sampled.top_logprobs))
+                request.output_logprobs.append(logprobs)
+                out.new_logprobs.append(logprobs)
         for prompt in result.prompt_logprobs:  # once, with the step completing the prompt
             request = live.get(prompt.seq_id)
             if request is not None:
@@ -212,8 +222,8 @@ class Scheduler:
                 continue  # aborted while the step was in flight
             if finished.seq_id in self.retiring:
                 held = self.retiring[finished.seq_id][1]
-            else:  # a step built after this one may have granted more blocks since
-                held = self.blocks.table(request.request_id)[: step.num_blocks[request.seq_id]]
+            else:  # a step built after this one may have changed its table since
+                held = step.held(self, request)
             if list(finished.block_ids) != held:
                 raise ProtocolError(
                     f"{request.request_id}: worker released blocks "

@@ -17,7 +17,9 @@ digest of the sequence's tokens up to ``p``; after a step's writes (a rank
 writes every entry's K/V before any attends), every position an entry attends
 to must hold its own sequence's digest. A cached block that holds another
 prefix, a shared block overwritten, a block handed out while still read: each
-fails the step.
+fails the step. With a ``kv_window`` (the model's: every layer reads only the
+last ``kv_window`` positions) an entry attends to its window only, and the
+blocks before it, which the scheduler hands on, may hold anything.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.scheduler.seq_table import SequenceTable, stop_reason
+from .blocks import blocks_for
+from .messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from .request import FinishReason
+from .sampling import SamplingParams
+from .seq_table import SequenceTable, stop_reason
 
 OutputLen = Callable[[str], "int | None"]
 
@@ -48,6 +50,7 @@ class FakeExecutor:
         check_blocks: bool = True,
         block_size: int | None = None,
         check_kv: bool = False,
+        kv_window: int | None = None,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -58,7 +61,8 @@ class FakeExecutor:
         self.step_sleep_s = step_sleep_s
         self.check_blocks = check_blocks
         self.block_size = block_size
-        self.table = SequenceTable({eos_token_id})
+        self.kv_window = kv_window
+        self.table = SequenceTable({eos_token_id}, kv_window=kv_window, block_size=block_size or 1)
         self.num_steps = 0
         self.check_kv = check_kv and bool(block_size)
         self._kv: dict[int, list[tuple[int, int] | None]] = {}  # block -> (pos, digest) per slot
@@ -154,7 +158,8 @@ class FakeExecutor:
                 content[pos % size] = (pos, self._digest(seq, pos))
         for entry in plan.scheduled:
             seq = self.table.get(entry.slot_idx)
-            for pos in range(entry.start_pos + entry.num_tokens):
+            first = entry.start_pos - self.kv_window + 1 if self.kv_window else 0
+            for pos in range(max(0, first), entry.start_pos + entry.num_tokens):
                 block = seq.block_ids[pos // size]
                 held = self._kv.get(block, empty)[pos % size]
                 if held != (pos, self._digest(seq, pos)):
@@ -179,7 +184,7 @@ class FakeModel:
     step_sleep_s: float = 0.0
     check_blocks: bool = True
 
-    def model_info(self, config: Any) -> dict:
+    def model_info(self, config: Any, device: str) -> dict:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
 
     def kv_capacity(self, config: Any, rank: int, world_size: int, device: str) -> int:

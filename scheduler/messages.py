@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.sampling import SamplingParams
+from .sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ hash.
 
 from __future__ import annotations
 
-from iterserve.scheduler.block_hash import prompt_block_hashes
-from iterserve.scheduler.blocks import BlockManager
-from iterserve.scheduler.request import Request
+from .block_hash import prompt_block_hashes
+from .blocks import BlockManager
+from .request import Request
 
 
 class PrefixCache:
@@ -81,8 +81,9 @@ class PrefixCache:
         assert num_registered * self.block_size <= request.num_computed_tokens
         hashes = request.block_hashes
         table = blocks.table(request.request_id)
-        for i in range(num_registered):
+        # Entries handed on (out of the window) may name another table's block now.
+        for i in range(blocks.num_freed[request.request_id], num_registered):
             h = blocks.block_hashes[table[i]]
             assert h is None or h == hashes[i], f"{request.request_id}: block {i} hash"
-        for block in table[num_registered:]:
+        for block in table[max(num_registered, blocks.num_freed[request.request_id]) :]:
             assert blocks.block_hashes[block] is None, "a block is hashed ahead"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from iterserve.scheduler.request import Request
+from .request import Request
 
 
 class WaitingQueue:

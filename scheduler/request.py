@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.block_hash import chain_block_hashes
-from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.sampling import SamplingParams
+from .block_hash import chain_block_hashes
+from .messages import PromptLogprobs
+from .sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

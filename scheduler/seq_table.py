@@ -20,15 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.messages import (
+from .blocks import blocks_before_window
+from .messages import (
     FinishedSeq,
     NewSequence,
     PromptLogprobs,
     ScheduledSeq,
     StepPlan,
 )
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
+from .request import FinishReason
+from .sampling import SamplingParams
 
 
 class PlanMismatchError(RuntimeError):
@@ -45,6 +46,9 @@ class SeqState:
     params: SamplingParams
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Leading entries of block_ids out of every layer's window: the scheduler has
+    # handed them on, and they are never read again (see BlockManager).
+    num_freed_blocks: int = 0
     # Its row in the rank's token-count tables (penalties; -1: none), and the
     # (length, last token) of the tokens that row counts.
     counts_row: int = -1
@@ -82,15 +86,22 @@ def stop_reason(
 
 class SequenceTable:
     """Per-slot sequence state on a worker. ``on_forget(seq)`` is called for each
-    sequence that leaves, whatever the reason."""
+    sequence that leaves, whatever the reason. With the model's ``kv_window`` (every
+    layer reads only that many last positions) it tells, by the scheduler's own
+    formula, which leading blocks of each sequence the scheduler has handed on:
+    a finished sequence releases only the blocks it still held."""
 
     def __init__(
         self,
         eos_token_ids: frozenset[int] | set[int] = frozenset(),
         on_forget: Callable[[SeqState], None] | None = None,
+        *,
+        kv_window: int | None = None,
+        block_size: int = 1,
     ):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_forget = on_forget
+        self.kv_window, self.block_size = kv_window, block_size
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
 
@@ -121,6 +132,8 @@ class SequenceTable:
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
                 )
             seq.block_ids.extend(entry.new_block_ids)
+            seq.num_freed_blocks = max(seq.num_freed_blocks, blocks_before_window(
+                entry.start_pos, self.kv_window, self.block_size))  # fmt: skip
         return plan
 
     def _pad_ended(self, plan: StepPlan, ended: set[int]) -> StepPlan:
@@ -194,4 +207,5 @@ class SequenceTable:
         if seq is None:
             raise PlanMismatchError(f"slot {slot_idx} holds no sequence")
         self.ended.add(slot_idx)
-        return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=seq.block_ids)
+        held = seq.block_ids[seq.num_freed_blocks :]
+        return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=held)

@@ -23,14 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.request import Request
+from .blocks import blocks_before_window
+from .messages import NewSequence, ScheduledSeq, StepPlan
+from .request import Request
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.queue import WaitingQueue
+    from .core import Scheduler
+    from .queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -43,7 +44,14 @@ class ScheduledStep:
     plan: StepPlan
     requests: dict[int, Request]  # slot_idx -> the request its entry computes
     num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
+    num_freed: dict[int, int]  # seq_id -> of those, the leading ones handed on (windows)
     scheduled_at: float = 0.0  # the ``now`` it was scheduled at
+
+    def held(self, sched: Scheduler, request: Request) -> list[int]:
+        """The blocks ``request`` held once the workers applied this step: what they
+        release if it ends in it (a step built after it may have changed its table)."""
+        table = sched.blocks.table(request.request_id)
+        return table[self.num_freed[request.seq_id] : self.num_blocks[request.seq_id]]
 
 
 class StepBuilder:
@@ -100,17 +108,22 @@ class StepBuilder:
         """Schedules ``num_tokens`` more of ``request``'s tokens in this step,
         admitting it to a slot if it has none: then it starts after the prefix it
         finds cached (see :meth:`num_to_compute`). ``reserve_tokens`` allocates
-        blocks for that many tokens up front. Returns False, changing nothing, when
-        the KV blocks cannot be allocated."""
+        blocks for that many tokens up front. Returns False when the KV blocks
+        cannot be allocated, changing nothing but handing on the blocks out of the
+        request's window, as it would have anyway."""
         sched = self.sched
         admitting = request.slot_idx < 0
         hit = sched.prefix.hit(request) if admitting else []
         start = len(hit) * sched.config.block_size if admitting else request.num_computed_tokens
         target = start + num_tokens
+        if not admitting:  # first, so that the allocation may take them
+            self._free_out_of_window(request, start)
         new_blocks = sched.blocks.allocate(request.request_id, max(target, reserve_tokens), hit)
         if new_blocks is None:
             return False
         if admitting:
+            # A long cached prefix may reach back past the window already.
+            self._free_out_of_window(request, start)
             self.new_seqs.append(sched.admit(request, start))
         sample = target == request.num_tokens + request.num_pending
         self._add(request, ScheduledSeq(
@@ -124,16 +137,31 @@ class StepBuilder:
         """One decode token for each running request; the caller has checked that
         their new blocks fit. The hot path of every step."""
         allocate = self.sched.blocks.allocate
+        windowed = self.sched.blocks.window is not None
         # The blocks decodes fill are registered when the sequence ends or is
         # preempted (PrefixCache.release): what reuses generated tokens (a
         # chat's next turn, the sequence's own recompute) only comes after that.
         for request in requests:
             pos = request.num_computed_tokens
+            if windowed:
+                self._free_out_of_window(request, pos)
             new_blocks = allocate(request.request_id, pos + 1)
             if new_blocks is None:
                 raise RuntimeError("schedule_decodes called without room for new blocks")
             self._add(request, ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
         self.budget_left -= len(requests)
+
+    def _free_out_of_window(self, request: Request, first_query: int) -> None:
+        """Hands on the request's blocks that no layer reads from ``first_query`` on.
+        Their KV is computed (they lie before it): registered first, caching keeps
+        them, evictable, for a request with the same prefix."""
+        blocks = self.sched.blocks
+        if blocks.window is None:
+            return
+        gone = blocks_before_window(first_query, blocks.window, blocks.block_size)
+        if gone > blocks.num_freed.get(request.request_id, 0):
+            self.sched.prefix.register(request, gone * blocks.block_size)
+        blocks.free_out_of_window(request.request_id, first_query)
 
     def _add(self, request: Request, entry: ScheduledSeq) -> None:
         self.scheduled.append(entry)
@@ -177,6 +205,7 @@ class StepBuilder:
             padding_slots=self.padding_slots,
             lookahead=self.lookahead,
         )
-        tables = self.sched.blocks.tables
-        num_blocks = {r.seq_id: len(tables[r.request_id]) for r in self.requests.values()}
-        return ScheduledStep(plan, self.requests, num_blocks, now)
+        blocks = self.sched.blocks
+        num_blocks = {r.seq_id: len(blocks.tables[r.request_id]) for r in self.requests.values()}
+        num_freed = {r.seq_id: blocks.num_freed[r.request_id] for r in self.requests.values()}
+        return ScheduledStep(plan, self.requests, num_blocks, num_freed, now)

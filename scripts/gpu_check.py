@@ -1,44 +1,82 @@
 #!/usr/bin/env python3
 """One device check of the GPU decode path: correctness first, then speed.
 
-    python scripts/gpu_check.py --json out.json     # on a GPU, from the repository root
+    python scripts/gpu_check.py --json out.json      # on a GPU, from the repository root
+    python scripts/gpu_check.py --compile-only       # every kernel variant compiled, nothing run
     python scripts/gpu_check.py --smoke              # on the CPU, Triton interpreted, tiny shapes
 
 Needs only torch and triton: the ``iterserve`` package is mapped onto this
 checkout (pyproject maps ``iterserve.kernels`` to ``kernels/`` and so on),
-so nothing has to be installed. Prints one line per figure and writes them
-all as JSON:
+so nothing has to be installed. Prints one line per figure; with ``--json``
+the file is rewritten (temporary file, then rename) after every figure, so a
+run cut short keeps everything it measured (``status`` says ``running`` until
+the end). Sections, in order:
 
-1. ``device``: what ran, and ``copy_ceiling_gbps``, the device-to-device copy
-   bandwidth (bytes read + written per second), the practical HBM ceiling;
+1. ``device``: what ran (torch, triton, GPU, L2), and ``copy_ceiling_gbps``,
+   the device-to-device copy bandwidth (bytes read + written per second);
 2. ``kernels``: every kernel against its torch reference (bf16 and fp16,
    head_dim 128, 32/8 heads, block 16): decode at batch 1 and 64 up to 8k
    context, split counts forced, the decode graphs' wide tables, a mixed
    batch, a cache of more than 2^31 elements;
-3. ``attention``: paged attention bandwidth (K/V bytes / kernel time) as a
-   fraction of the copy ceiling over a grid of (batch, context);
-4. ``model``: an 8B-shaped Llama with random weights built on the device:
-   Triton logits against the torch references', graph replay against eager,
-   then decode tok/s and MBU eager and graph-replayed at batch 1/8/32/64;
-5. ``host``: host-side costs of building a batch and of sampling.
+3. ``model``: an 8B-shaped Llama with random weights built on the device.
+   Prefill and decode logits of the Triton kernels, eager and graph-replayed,
+   against an fp32 run of the same weights, with the torch references in bf16
+   as the yardstick (the tolerance rule is in ``gpu_check_support``); the
+   residual stream layer by layer; a replayed decode step against the same
+   bucket run eagerly (same padding, same split plan: near bitwise). Then
+   decode tok/s and MBU (bytes a step must read / step time) eager and
+   graph-replayed at batch 1/8/32/64 with 1k tokens cached;
+4. ``latency``: the shape of ``vllm bench latency``: batch 1 and 64, 1024
+   prompt tokens, 128 greedy output tokens, prompts chunked at 16384 tokens a
+   step; TTFT, TPOT and end-to-end latency (mean / median / p99);
+5. ``attention``: paged attention bandwidth (K/V bytes / kernel time) as a
+   fraction of the copy ceiling over a grid of (batch, context), each timed
+   loop cycling over KV caches that together exceed L2 four times;
+6. ``host``: host-side costs of building a batch and of sampling;
+7. ``compile``: every kernel variant the runtime launches compiled for sm_90
+   under this Triton (``tests/kernels/compile_variants.py``), with registers
+   and spills: the device image's Triton is older than the suite's.
 
-Exit status 1 on any correctness failure (or a section that raised). The
-speed goals are reported (``goals``), not enforced.
+``--budget-s`` (default 330 s from the script's start, so that a run on an
+H200 ends inside 6 minutes) is checked before each section and between the
+units of work inside one; what does not fit is recorded under ``skipped``,
+which is not a failure. Exit status 1 on any correctness failure (or a
+section that raised). The speed goals are reported (``goals``), not enforced.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
 import time
-import traceback
-import types
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+START = time.perf_counter()  # the budget counts from here
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parent
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+from gpu_check_support import (  # noqa: E402
+    ROOT,
+    UNIT_S,
+    Budget,
+    Report,
+    caches_to_rotate,
+    free_memory,
+    use_checkout,
+)
+
+__all__ = ["ROOT", "main", "use_checkout"]
+
 SPEC_BANDWIDTH = [  # (name substring, bytes/s): the vendor's HBM figure
     ("H200", 4.8e12),
     ("H100 PCIe", 2.0e12),
@@ -46,34 +84,14 @@ SPEC_BANDWIDTH = [  # (name substring, bytes/s): the vendor's HBM figure
     ("A100-SXM4-80GB", 2.039e12),
     ("A100", 1.555e12),
 ]
-
-
-def use_checkout() -> None:
-    """``import iterserve.kernels`` etc. from this checkout, as pyproject's
-    package-dir maps them, without installing anything."""
-    pkg = types.ModuleType("iterserve")
-    pkg.__path__ = [str(ROOT)]
-    pkg.__version__ = "checkout"
-    sys.modules["iterserve"] = pkg
-
-
-class Report:
-    def __init__(self, smoke: bool):
-        self.data: dict = {"smoke": smoke, "failures": []}
-        self.t0 = time.perf_counter()
-
-    def put(self, section: str, key: str, value) -> None:
-        self.data.setdefault(section, {})[key] = value
-        shown = json.dumps(value) if not isinstance(value, float) else f"{value:.4g}"
-        print(f"  {section}.{key} = {shown}", flush=True)
-
-    def check(self, section: str, key: str, ok: bool, detail) -> None:
-        self.put(section, key, {"ok": bool(ok), **detail})
-        if not ok:
-            self.data["failures"].append(f"{section}.{key}")
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
+# The whole run on an H200 ends inside 6 minutes: 330 s of budget from the
+# start, plus at most one unit of work in flight when it runs out (the longest,
+# building and capturing the 8B model, ~30 s) and the exit.
+DEFAULT_BUDGET_S = 330.0
+# Seconds each section is expected to take on an H200 (Triton's cache cold);
+# a section starts only when that much budget is left. Estimates, not figures.
+NEEDS_S = {"kernels": 45, "model": 70, "latency": 40, "attention": 25, "host": 5, "compile": 40}
+COMPILE_SCRIPT = ROOT / "tests" / "kernels" / "compile_variants.py"
 
 
 # ----------------------------------------------------------------------- timing
@@ -119,16 +137,6 @@ def gpu_seconds(fn, iters: int, device, warmup: int = 3) -> float:
         return begin.elapsed_time(end) / 1000 / iters
 
 
-def free_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------- device
 
 
@@ -142,12 +150,13 @@ def check_device(r: Report, dev, smoke: bool) -> float:
         props = torch.cuda.get_device_properties(dev)
         info.update(name=props.name, sms=props.multi_processor_count,
                     memory_gib=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}")  # fmt: skip
+                    capability=f"{props.major}.{props.minor}",
+                    l2_mib=getattr(props, "L2_cache_size", 0) / 2**20)  # fmt: skip
         peak = next((bw for name, bw in SPEC_BANDWIDTH if name in props.name), None)
     for k, v in info.items():
         r.put("device", k, v)
     r.put("device", "spec_bandwidth_gbps", peak / 1e9 if peak else None)
-    n = (64 << 20) if smoke else (2 << 30)
+    n = (64 << 20) if smoke or dev.type != "cuda" else (2 << 30)
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     seconds = gpu_seconds(lambda: dst.copy_(src), 5 if smoke else 20, dev)
@@ -191,7 +200,7 @@ def attention_case(torch, dev, dtype, shape, *, heads=32, kv_heads=8, head_dim=1
     return (query, k_cache, v_cache, tables, lens, starts, head_dim**-0.5)
 
 
-def check_kernels(r: Report, dev, smoke: bool) -> None:
+def check_kernels(r: Report, dev, smoke: bool, budget: Budget) -> None:
     import torch
 
     from iterserve.kernels import (
@@ -243,6 +252,9 @@ def check_kernels(r: Report, dev, smoke: bool) -> None:
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         for case, shape, opt in cases:
+            if not budget.allows(UNIT_S):
+                r.skip("kernels", f"budget: stopped before attention_{case}_{name}")
+                return
             args = attention_case(torch, dev, dtype, shape, width=opt.get("width"), **geometry)
             if "splits" in opt:
                 tiles = attention_plan.tiles_for(
@@ -262,6 +274,9 @@ def check_kernels(r: Report, dev, smoke: bool) -> None:
         free_memory()
 
         # A cache of more than 2^31 elements, its sequences at the far end.
+        if not smoke and not budget.allows(UNIT_S):
+            r.skip("kernels", f"budget: stopped before the 2^31 cache ({name})")
+            return
         if not smoke:
             per_block = geometry["block_size"] * geometry["kv_heads"] * geometry["head_dim"]
             high = (1 << 31) // per_block + 8
@@ -319,7 +334,11 @@ def check_kernels(r: Report, dev, smoke: bool) -> None:
 # -------------------------------------------------------------------- attention
 
 
-def check_attention_bandwidth(r: Report, dev, smoke: bool, ceiling: float) -> None:
+def check_attention_bandwidth(r: Report, dev, smoke: bool, ceiling: float,
+                              budget: Budget) -> None:  # fmt: skip
+    """Each cell's timed loop cycles over enough KV caches (each its own
+    batch of sequences) that a cache is read again only after 4x L2's worth of
+    others: a small batch's 4 MB cache would otherwise be replayed from L2."""
     import torch
 
     from iterserve.kernels import attention_plan, triton_attention
@@ -329,224 +348,43 @@ def check_attention_bandwidth(r: Report, dev, smoke: bool, ceiling: float) -> No
     grid = [(1, 128), (4, 256)] if smoke else [
         (b, c) for b in (1, 8, 32, 64, 128) for c in (1024, 4096, 8192)
     ]  # fmt: skip
-    rows = []
-    for batch, context in grid:
-        args = attention_case(torch, dev, dtype, [(context - 1, 1)] * batch, **geometry)
-        _, _, kv_heads, head_dim = args[1].shape
-        kv_bytes = 2 * batch * context * kv_heads * head_dim * args[1].element_size()
-        seconds = gpu_seconds(lambda a=args: triton_attention.paged_attention(*a, max_query_len=1),
-                              3 if smoke else 20, dev)  # fmt: skip
+    l2 = 0
+    if dev.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 50 << 20
+    iters = 3 if smoke else 20
+    for i, (batch, context) in enumerate(grid):
+        if not budget.allows(UNIT_S):
+            r.skip("attention", f"budget: {i} of {len(grid)} grid cells measured")
+            return
+        first = attention_case(torch, dev, dtype, [(context - 1, 1)] * batch, **geometry)
+        _, _, kv_heads, head_dim = first[1].shape
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * first[1].element_size()
+        count = caches_to_rotate(kv_bytes, l2) if l2 else 2  # the CPU: two, to run the path
+        cases = [first] + [attention_case(torch, dev, dtype, [(context - 1, 1)] * batch,
+                                          seed=s, **geometry) for s in range(1, count)]  # fmt: skip
+        calls = count * math.ceil(iters / count)  # every cache read equally often
+        ring = itertools.cycle(cases)
+        seconds = gpu_seconds(lambda ring=ring: triton_attention.paged_attention(*next(ring),
+                                                                                 max_query_len=1),
+                              calls, dev, warmup=count)  # fmt: skip
         gbps = kv_bytes / seconds / 1e9
         row = {"batch": batch, "context": context, "us": seconds * 1e6, "gbps": gbps,
-               "fraction_of_ceiling": gbps / ceiling}  # fmt: skip
+               "fraction_of_ceiling": gbps / ceiling, "kv_caches": count,
+               "rotation_mib": count * kv_bytes / 2**20}  # fmt: skip
         if batch == 1:  # what the split buys: the same call with one split
-            tiles = attention_plan.tiles_for(args[0].element_size(), args[0].shape[2],
-                                             args[0].shape[1] // args[1].shape[2])  # fmt: skip
+            tiles = attention_plan.tiles_for(first[0].element_size(), first[0].shape[2],
+                                             first[0].shape[1] // first[1].shape[2])  # fmt: skip
             plan = attention_plan.AttentionPlan(tiles, 1, True, False)
-            one = gpu_seconds(lambda a=args, p=plan: triton_attention.run_plan(p, *a),
-                              3 if smoke else 20, dev)  # fmt: skip
+            ring = itertools.cycle(cases)
+            one = gpu_seconds(lambda p=plan, ring=ring: triton_attention.run_plan(p, *next(ring)),
+                              calls, dev, warmup=count)  # fmt: skip
             row["no_split_fraction_of_ceiling"] = kv_bytes / one / 1e9 / ceiling
-        rows.append(row)
+        r.add_row("attention", "grid", row)
         print(f"  attention b={batch:<4d} ctx={context:<5d} {seconds * 1e6:8.1f} us "
-              f"{gbps:7.0f} GB/s  {gbps / ceiling:5.1%} of ceiling", flush=True)  # fmt: skip
-        del args
-        free_memory()
-    r.data["attention"] = {"grid": rows}
-
-
-# ------------------------------------------------------------------------ model
-
-
-def model_config(smoke: bool):
-    from iterserve.workers.config import ModelConfig
-
-    if smoke:
-        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
-                           intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                           max_position_embeddings=512, eos_token_ids=(2,))  # fmt: skip
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                       head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                       max_position_embeddings=8192, eos_token_ids=(128001,))  # fmt: skip
-
-
-class Sequences:
-    """Plans for a runner: sequences whose KV is taken as already cached (the
-    contents do not change the time), each decoding one token per step."""
-
-    def __init__(self, runner, count: int, context: int):
-        from iterserve.scheduler.blocks import blocks_for
-        from iterserve.scheduler.messages import NewSequence, StepPlan
-        from iterserve.scheduler.sampling import SamplingParams
-
-        self.runner, self.step = runner, 0
-        bs = runner.block_size
-        params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-        new = [NewSequence(i, f"s{i}", i, [1] * (context + 1), context + 1, params)
-               for i in range(count)]  # fmt: skip
-        runner.execute(StepPlan(self.next_step(), new_seqs=new))
-        self.next_block = 0
-        for i in range(count):
-            seq = runner.table.get(i)
-            need = blocks_for(context + 1, bs)
-            seq.block_ids = list(range(self.next_block, self.next_block + need))
-            self.next_block += need
-            seq.num_computed_tokens = context
-
-    def next_step(self) -> int:
-        self.step += 1
-        return self.step
-
-    def decode(self, count: int):
-        from iterserve.scheduler.messages import ScheduledSeq, StepPlan
-
-        bs = self.runner.block_size
-        entries = []
-        for i in range(count):
-            seq = self.runner.table.get(i)
-            pos = seq.num_computed_tokens
-            new = []
-            if (pos + 1) > len(seq.block_ids) * bs:
-                new = [self.next_block]
-                self.next_block += 1
-            entries.append(ScheduledSeq(i, pos, 1, new, sample=True))
-        return self.runner.execute(StepPlan(self.next_step(), scheduled=entries))
-
-
-def check_model(r: Report, dev, smoke: bool, ceiling: float, peak: float | None) -> None:
-    import torch
-
-    from iterserve.kernels import get_ops
-    from iterserve.scheduler.blocks import blocks_for
-    from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-    from iterserve.scheduler.sampling import SamplingParams
-    from iterserve.workers.batch import layout_batch
-    from iterserve.workers.model import weight_bytes
-    from iterserve.workers.runner import ModelRunner
-
-    config = model_config(smoke)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    batches = (1, 4) if smoke else (1, 8, 32, 64)
-    context = 64 if smoke else 1024
-    steps = 4 if smoke else 24
-    bs = 16
-    gen = torch.Generator().manual_seed(0)
-    lens = (40, 17) if smoke else (700, 129)
-    # Decoding sequences take blocks from 0 up, each growing by every step it runs
-    # (3 warm-up + `steps`, eager and replayed, at each batch size); the logits
-    # check's two prompts take theirs from the top.
-    growth = len(batches) * 2 * (3 + steps)
-    decode_blocks = max(batches) * blocks_for(context + 1 + growth, bs)
-    prompt_blocks = sum(blocks_for(n + 2, bs) for n in lens)
-    blocks = decode_blocks + prompt_blocks
-    start = time.perf_counter()
-    runner = ModelRunner.from_config(config, dtype=dtype, device=dev, num_kv_blocks=blocks,
-                                     block_size=bs, kernel_backend="triton", cuda_graphs=True,
-                                     graph_batch_sizes=batches)  # fmt: skip
-    r.put("model", "build_and_capture_s", time.perf_counter() - start)
-    weights = weight_bytes(config, dtype)
-    r.put("model", "weight_gib", weights / 2**30)
-
-    # 1. Triton logits against the torch references', same weights, same batch:
-    #    two prompts in one step, then a decode step of both.
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in lens]
-    slot0 = 1000
-    new = [
-        NewSequence(slot0 + i, f"p{i}", slot0 + i, p, len(p), params) for i, p in enumerate(prompts)
-    ]
-    tables, nb = [], decode_blocks
-    for p in prompts:
-        n = blocks_for(len(p) + 2, bs)
-        tables.append(list(range(nb, nb + n)))
-        nb += n
-    entries = [ScheduledSeq(slot0 + i, 0, len(p), tables[i], sample=True)
-               for i, p in enumerate(prompts)]  # fmt: skip
-    plan = runner.table.apply(StepPlan(10_000, new_seqs=new, scheduled=entries))
-    triton_ops, torch_ops = runner.ops, get_ops("torch")
-
-    def logits_of(host, ops):
-        runner.model.set_ops(ops)
-        try:
-            return runner.forward(host).float()
-        finally:
-            runner.model.set_ops(triton_ops)
-
-    def layout(plan):
-        return layout_batch(plan, runner.table, block_size=bs,
-                            scratch_block=runner.kv_cache.scratch_block, pad_token_id=0,
-                            max_position=config.max_position_embeddings)  # fmt: skip
-
-    def agree(key, got, want, rel_limit):
-        rel = float((got - want).norm() / want.norm())
-        cos = float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0))
-        top1 = float((got.argmax(-1) == want.argmax(-1)).float().mean())
-        r.check("model", key, rel <= rel_limit and cos >= 0.995,
-                {"rel_err": rel, "cosine": cos, "top1_agreement": top1})  # fmt: skip
-
-    saved_graphs, runner.graphs = runner.graphs, None  # eager for the prefill step
-    host = layout(plan)
-    want = logits_of(host, torch_ops)
-    got = logits_of(host, triton_ops)
-    agree("prefill_logits_triton_vs_torch", got, want, 0.05)
-    for e in plan.scheduled:
-        runner.table.advance(e)
-    for i, tok in enumerate(want.argmax(-1).tolist()):
-        runner.table.append_token(slot0 + i, tok)
-    decode = runner.table.apply(StepPlan(10_001, scheduled=[
-        ScheduledSeq(slot0 + i, len(p), 1, [], sample=True) for i, p in enumerate(prompts)
-    ]))  # fmt: skip
-    host = layout(decode)
-    want = logits_of(host, torch_ops)
-    eager = logits_of(host, triton_ops)
-    agree("decode_logits_triton_vs_torch", eager, want, 0.05)
-    runner.graphs = saved_graphs
-    replayed = runner.forward(host).float()
-    r.put("model", "decode_step_replayed", saved_graphs.replayable(host))
-    agree("decode_logits_graph_vs_eager", replayed, eager, 0.02)
-    runner.execute(StepPlan(10_002, released_slots=[slot0 + i for i in range(len(prompts))]))
-    del want, got, eager, replayed
-    free_memory()
-
-    # 2. Decode tok/s and MBU, eager and graph-replayed, at `context` tokens cached.
-    seqs = Sequences(runner, max(batches), context)
-    layer_kv = (
-        2 * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
-    )
-    rows = []
-    for batch in batches:
-        row = {"batch": batch, "context": context}
-        for mode in ("eager", "graphs"):
-            runner.graphs = None if mode == "eager" else saved_graphs
-            for _ in range(3):
-                seqs.decode(batch)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            walls, forwards = [], []
-            for _ in range(steps):
-                t = time.perf_counter()
-                result = seqs.decode(batch)
-                walls.append(time.perf_counter() - t)
-                forwards.append(result.forward_s)
-            wall, fwd = statistics.median(walls), statistics.median(forwards)
-            ctx_now = runner.table.get(0).num_computed_tokens
-            step_bytes = weights + batch * ctx_now * config.num_layers * layer_kv
-            row[f"{mode}_tok_s"] = batch / wall
-            row[f"{mode}_step_ms"] = wall * 1e3
-            row[f"{mode}_forward_ms"] = fwd * 1e3
-            row[f"{mode}_mbu_vs_copy_ceiling"] = step_bytes / wall / (ceiling * 1e9)
-            if peak:
-                row[f"{mode}_mbu"] = step_bytes / wall / peak
-        row["graphs_over_eager"] = row["graphs_tok_s"] / row["eager_tok_s"]
-        rows.append(row)
-        print(f"  model decode b={batch:<3d} eager {row['eager_tok_s']:9.1f} tok/s "
-              f"graphs {row['graphs_tok_s']:9.1f} tok/s  x{row['graphs_over_eager']:.2f}  "
-              f"MBU {row.get('graphs_mbu', row['graphs_mbu_vs_copy_ceiling']):.1%}",
+              f"{gbps:7.0f} GB/s  {gbps / ceiling:5.1%} of ceiling ({count} caches)",
               flush=True)  # fmt: skip
-    runner.graphs = saved_graphs
-    r.data.setdefault("model", {})["decode"] = rows
-    r.put("model", "graph_replays", saved_graphs.num_replays)
+        del first, cases, ring
+        free_memory()
 
 
 # ------------------------------------------------------------------------- host
@@ -619,6 +457,57 @@ def check_host(r: Report, dev, smoke: bool) -> None:
         r.put("host", f"sample_ms_{name}_b{num_seqs}", statistics.median(times[2:]) * 1e3)
 
 
+# ---------------------------------------------------------------------- compile
+
+
+def check_compile(r: Report, budget: Budget, script: Path = COMPILE_SCRIPT) -> None:
+    """Every Triton kernel variant the runtime launches, compiled for sm_90 with
+    this process's Triton (the suite's ``compile_variants.py``, in a
+    subprocess with the interpreter off): the device image's Triton is not the
+    one the suite runs, and a kernel using a newer API fails here first. Spills
+    are reported; the suite enforces none under its own Triton."""
+    import triton
+
+    r.put("compile", "triton", triton.__version__)
+    if not script.exists():
+        r.skip("compile", f"{script.relative_to(ROOT)} is not in this checkout")
+        return
+    boot = (
+        f"import runpy, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import gpu_check_support as s; "
+        f"s.use_checkout(); sys.argv = [{str(script)!r}]; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", boot], env=env, cwd=ROOT, text=True,
+                              capture_output=True, timeout=max(30.0, budget.left()))  # fmt: skip
+    except subprocess.TimeoutExpired:
+        r.skip("compile", "budget: the compile run outlasted what was left")
+        return
+    records = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))
+    summary = records.pop() if records and "variants" in records[-1] else None
+    ok = proc.returncode in (0, 1) and summary is not None and summary["variants"] == len(records)
+    detail: dict = {"variants": len(records), "seconds": time.perf_counter() - start,
+                    "kernels": sorted({v["kernel"] for v in records})}  # fmt: skip
+    if not ok:
+        detail["returncode"] = proc.returncode
+        detail["stderr_tail"] = proc.stderr[-2000:]
+    r.check("compile", "every_variant_compiles", ok, detail)
+    most: dict[str, int] = {}
+    for v in records:
+        most[v["kernel"]] = max(most.get(v["kernel"], 0), v["registers"])
+    r.put("compile", "max_registers", most)
+    r.put("compile", "spilling_variants", [
+        {"kernel": v["kernel"], "constexprs": v["constexprs"], "num_warps": v["num_warps"],
+         "registers": v["registers"], "spill_stores": v["spill_stores"]}
+        for v in records if v["spills"]
+    ])  # fmt: skip
+
+
 # ------------------------------------------------------------------------ goals
 
 
@@ -627,7 +516,8 @@ def goals(r: Report) -> None:
     decode = {row["batch"]: row for row in r.data.get("model", {}).get("decode", [])}
     if 1 in decode and "graphs_mbu" in decode[1]:
         out["decode_mbu_b1_ctx1k_graphs>=0.70"] = decode[1]["graphs_mbu"]
-    host_bound = [row["graphs_over_eager"] for b, row in decode.items() if b <= 8]
+    host_bound = [row["graphs_over_eager"] for b, row in decode.items()
+                  if b <= 8 and "graphs_over_eager" in row]  # fmt: skip
     if host_bound:
         out["graphs_over_eager_small_batch>=1.15"] = max(host_bound)
     grid = r.data.get("attention", {}).get("grid", [])
@@ -643,52 +533,80 @@ def goals(r: Report) -> None:
         r.put("goals", key, {"value": value, "met": value >= limit})
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--json", help="write the figures to this file (after every figure)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, Triton interpreted, tiny shapes (what CI runs)")  # fmt: skip
     parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help="seconds from the start after which no section or unit of "
+                             "work starts (default %(default)s)")  # fmt: skip
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only the device and compile sections")  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     use_checkout()
     import torch
+    from gpu_check_model import ModelBench, check_latency, check_model
 
     if args.smoke:
         dev = torch.device("cpu")
     elif torch.cuda.is_available():
         dev = torch.device("cuda")
-    else:
+    elif not args.compile_only:
         print("no CUDA device: run with --smoke on a CPU", file=sys.stderr)
         return 2
-    r = Report(args.smoke)
+    else:
+        dev = torch.device("cpu")
+    started = START if started is None else started
+    r = Report(args.smoke, args.json, started=started)
+    budget = Budget(args.budget_s, started)
+    r.data["budget_s"] = args.budget_s
     skip = set(filter(None, args.skip.split(",")))
+    r.begin("device")
     ceiling = check_device(r, dev, args.smoke)
     peak = (r.data["device"].get("spec_bandwidth_gbps") or 0) * 1e9 or None
+    bench = ModelBench(dev, args.smoke, r)
     sections = [
-        ("kernels", lambda: check_kernels(r, dev, args.smoke)),
-        ("attention", lambda: check_attention_bandwidth(r, dev, args.smoke, ceiling)),
-        ("model", lambda: check_model(r, dev, args.smoke, ceiling, peak)),
+        ("kernels", lambda: check_kernels(r, dev, args.smoke, budget)),
+        ("model", lambda: check_model(r, bench, ceiling, peak, budget)),
+        ("latency", lambda: check_latency(r, bench, budget)),
+        ("attention", lambda: check_attention_bandwidth(r, dev, args.smoke, ceiling, budget)),
         ("host", lambda: check_host(r, dev, args.smoke)),
+        ("compile", lambda: check_compile(r, budget)),
     ]
+    if args.compile_only:
+        sections = [s for s in sections if s[0] == "compile"]
+    elif args.smoke and "compile" not in skip:
+        skip.add("compile")  # the suite's test_kernel_compile.py compiles the same variants
     for name, run in sections:
         if name in skip:
+            r.skip(name, "--skip" if not (args.smoke and name == "compile") else
+                   "smoke: tests/kernels/test_kernel_compile.py compiles every variant")  # fmt: skip
             continue
-        print(f"{name} ({r.elapsed():.0f} s)", flush=True)
+        needs = 0.0 if args.smoke else NEEDS_S[name]
+        if not budget.allows(needs):
+            wants = f", needs ~{needs:.0f} s" if needs else ""
+            r.skip(name, f"budget: {max(0.0, budget.left()):.0f} s left{wants}")
+            continue
+        r.begin(name)
         try:
             run()
         except Exception:  # a section that cannot finish is a failure, with its trace
             traceback.print_exc()
-            r.data["failures"].append(f"{name}: {traceback.format_exc(limit=3)}")
+            r.fail(f"{name}: {traceback.format_exc(limit=3)}")
+        if name == "latency":
+            bench.close()  # the last section that needs the model
         free_memory()
+    bench.close()
     goals(r)
-    r.data["elapsed_s"] = r.elapsed()
-    if args.json:
-        Path(args.json).write_text(json.dumps(r.data, indent=1))
+    r.finish()
     status = "FAILED: " + ", ".join(f.split(":")[0] for f in r.data["failures"]) if r.data[
         "failures"] else "all checks passed"  # fmt: skip
-    print(f"{status} in {r.elapsed():.0f} s")
+    left_out = f" ({len(r.data['skipped'])} skipped)" if r.data["skipped"] else ""
+    print(f"{status}{left_out} in {r.elapsed():.0f} s")
     return 1 if r.data["failures"] else 0
 
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import ScheduledSeq, StepPlan
-from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
-from iterserve.workers.model import AttentionInputs
+from ..scheduler.blocks import blocks_for
+from ..scheduler.messages import ScheduledSeq, StepPlan
+from ..scheduler.seq_table import PlanMismatchError, SequenceTable
+from .model import AttentionInputs
 
 # Token ids, positions, slots and block ids all fit int32 (the cache checks its
 # slot count), which every kernel and torch index op accepts.
@@ -100,6 +100,7 @@ def layout_batch(
     seq_lens: list[int] = []
     tables: list[list[int]] = []  # per sequence: its block ids (the first `needed` are used)
     needed_blocks: list[int] = []
+    freed_blocks: list[int] = []  # per sequence: its leading blocks out of every window
     sample_rows: list[int] = []
     sample_entries: list[ScheduledSeq] = []
 
@@ -114,6 +115,7 @@ def layout_batch(
         seq_lens.append(end)
         tables.append(seq.block_ids)
         needed_blocks.append(needed)
+        freed_blocks.append(seq.num_freed_blocks)
         if entry.sample:
             sample_rows.append(len(ids) - 1)
             sample_entries.append(entry)
@@ -131,8 +133,9 @@ def layout_batch(
     seq_lens.extend([padded_len] * num_padding)
     tables.extend([[]] * num_padding)
     needed_blocks.extend([0] * num_padding)  # the table row stays all scratch
+    freed_blocks.extend([0] * num_padding)
 
-    block_tables = _block_tables(tables, needed_blocks, scratch_block)
+    block_tables = _block_tables(tables, needed_blocks, freed_blocks, scratch_block)
     positions, slot_mapping, starts = _positions_and_slots(
         q_lens, first_pos, tables, needed_blocks, block_tables, block_size, scratch_block
     )
@@ -184,14 +187,18 @@ def _name(entry: ScheduledSeq, seq) -> str:
     return f"slot {entry.slot_idx} ({seq.label})"
 
 
-def _block_tables(tables: list[list[int]], needed_blocks: list[int], scratch_block: int):
-    """One row per sequence: its first ``needed`` block ids, then the scratch block."""
+def _block_tables(tables: list[list[int]], needed_blocks: list[int], freed_blocks: list[int],
+                  scratch_block: int):  # fmt: skip
+    """One row per sequence: its first ``needed`` block ids, then the scratch block;
+    the blocks handed on (out of every window, never read) are scratch too, so no
+    row names a block another sequence may own now."""
     width = max(max(needed_blocks, default=1), 1)
     # One tensor from one flat list: after a forward, each torch op the host runs
     # costs several times its warm price, and this was eight of them.
     flat: list[int] = []
-    for blocks, n in zip(tables, needed_blocks):
-        flat += blocks[:n]
+    for blocks, n, freed in zip(tables, needed_blocks, freed_blocks):
+        flat += [scratch_block] * freed
+        flat += blocks[freed:n]
         flat += [scratch_block] * (width - n)
     return torch.tensor(flat, dtype=INDEX_DTYPE).reshape(len(tables), width)
 

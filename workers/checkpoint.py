@@ -14,12 +14,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from iterserve.workers.config import (
-    SUPPORTED_ARCHITECTURES,
-    CheckpointError,
-    ModelConfig,
-    token_id_list,
-)
+from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
+from iterserve.workers.config import CheckpointError, ModelConfig, token_id_list
+from iterserve.workers.dtype import choose_dtype
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -29,16 +26,6 @@ __all__ = [
     "load_checkpoint",
     "resolve_dtype",
 ]
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -58,27 +45,13 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def resolve_dtype(
-    dtype: str | torch.dtype, config: ModelConfig, device: str | torch.device
+    dtype: str | torch.dtype,
+    config: ModelConfig,
+    device: str | torch.device,
+    kernel_backend: str = "auto",
 ) -> torch.dtype:
-    """``"auto"`` is the checkpoint's dtype on an accelerator and fp32 on CPU.
-
-    CPU half-precision matmuls are slow and lose accuracy, so "auto" avoids
-    them; an explicit request is honoured everywhere.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise CheckpointError(f"unsupported dtype {dtype}")
-        return dtype
-    if dtype != "auto":
-        try:
-            return _DTYPES[dtype]
-        except KeyError:
-            raise CheckpointError(
-                f"unsupported dtype {dtype!r}; use auto, float32, float16 or bfloat16"
-            ) from None
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    return _DTYPES.get(str(config.torch_dtype).removeprefix("torch."), torch.float32)
+    """The dtype a rank runs ``config`` in (:func:`iterserve.workers.dtype.choose_dtype`)."""
+    return choose_dtype(dtype, config.torch_dtype, device, kernel_backend).dtype
 
 
 class Checkpoint:

@@ -1,6 +1,10 @@
-"""``config.json`` of a Llama-family checkpoint, parsed and validated once.
+"""``config.json`` of a checkpoint, parsed and validated once.
 
-Both spellings in the wild are read: transformers >= 5 writes
+The fields every architecture shares are read here; what each architecture
+adds or changes (q/k norms, Gemma's norms and scales, sliding-window layers,
+experts) is read by :mod:`~iterserve.workers.architectures`, which also
+refuses, naming the key, whatever a config asks for that the runtime does not
+compute. Both rope spellings in the wild are read: transformers >= 5 writes
 ``rope_parameters`` (theta inside), older files ``rope_theta`` plus an optional
 ``rope_scaling``.
 """
@@ -10,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 class CheckpointError(ValueError):
@@ -38,94 +42,117 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    # The window of the layers that slide (all of them unless layer_types says).
     sliding_window: int | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Per layer, FULL or SLIDING; None: every layer slides when sliding_window is set.
+    layer_types: tuple[str, ...] | None = None
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # Gemma stores every norm's scale as weight - 1
+    sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale ** -2 (Gemma); else head_dim
+    attn_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits
+    activation: str = "silu"  # or "gelu_tanh"
+    rotary_dim: int | None = None  # rotated width of a head; None: all of it
+    # Rope of the sliding layers when it differs (Gemma 3's local base).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    num_experts: int = 0  # mixture of experts: 0 for a dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence computed exactly.
-
-        Attention here is always full; a sliding-window model matches it only
-        while the whole sequence fits in the window.
-        """
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence computed exactly. A ``longrope`` model switches to its
+        long factors past its original context, for every position at once
+        (transformers recomputes nothing already cached): it is served up to there."""
+        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
+            original = self.rope_scaling["original_max_position_embeddings"]
+            return min(self.max_position_embeddings, original)
         return self.max_position_embeddings
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for full attention."""
+        if self.layer_types is None or self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window within which every layer reads, None when any layer reads the
+        whole sequence: KV blocks before it are no layer's any more (what the
+        scheduler frees while a sequence runs)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else max(windows)  # type: ignore[type-var]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures")
-        if not isinstance(archs, list) or not archs:
-            raise CheckpointError("config.json: 'architectures' is missing or not a non-empty list")
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"config.json: unsupported architecture {arch!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"config.json: hidden_act must be 'silu', got {act!r}")
+        from iterserve.workers.architectures import parse_architecture
 
-        hidden = _int(raw, "hidden_size")
-        heads = _int(raw, "num_attention_heads")
-        kv_heads = _int(raw, "num_key_value_heads", default=heads)
-        head_dim = _int(raw, "head_dim", default=None)
-        if head_dim is None:
-            if hidden % heads:
-                raise CheckpointError(
-                    f"config.json: hidden_size {hidden} is not divisible by "
-                    f"num_attention_heads {heads} and no head_dim is given"
-                )
-            head_dim = hidden // heads
-        if heads % kv_heads:
-            raise CheckpointError(
-                f"config.json: num_attention_heads {heads} is not a multiple of "
-                f"num_key_value_heads {kv_heads}"
-            )
-        if head_dim % 2:
-            raise CheckpointError(f"config.json: head_dim must be even for rotary, got {head_dim}")
+        return parse_architecture(raw)
 
-        rope_theta, rope_scaling = _rope(raw)
-        attention_bias = bool(raw.get("attention_bias", False))
-        qwen = arch == "Qwen2ForCausalLM"
-        sliding = raw.get("sliding_window")
-        if qwen and not raw.get("use_sliding_window", False):
-            sliding = None
-        if sliding is not None and (not isinstance(sliding, int) or sliding <= 0):
+
+def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields every architecture reads the same way."""
+    hidden = get_int(raw, "hidden_size")
+    heads = get_int(raw, "num_attention_heads")
+    kv_heads = get_int(raw, "num_key_value_heads", default=heads)
+    head_dim = get_int(raw, "head_dim", default=None)
+    if head_dim is None:
+        if hidden % heads:
             raise CheckpointError(
-                f"config.json: sliding_window must be a positive int, got {sliding!r}"
+                f"config.json: hidden_size {hidden} is not divisible by "
+                f"num_attention_heads {heads} and no head_dim is given"
             )
-        return cls(
-            architecture=arch,
-            vocab_size=_int(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_int(raw, "intermediate_size"),
-            num_layers=_int(raw, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=_float(raw, "rms_norm_eps", default=1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=_int(raw, "max_position_embeddings", default=4096),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and none on o_proj; Llama's flag covers all four.
-            qkv_bias=qwen or attention_bias,
-            o_bias=(not qwen) and attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=sliding,
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            bos_token_id=_opt_int(raw, "bos_token_id"),
-            eos_token_ids=token_id_list(raw.get("eos_token_id"), "config.json: eos_token_id"),
-            pad_token_id=_opt_int(raw, "pad_token_id"),
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"config.json: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {kv_heads}"
         )
+    if head_dim % 2:
+        raise CheckpointError(f"config.json: head_dim must be even for rotary, got {head_dim}")
+    if raw.get("quantization_config") is not None:
+        raise CheckpointError("config.json: 'quantization_config' is set; quantized weights are "
+                              "not supported")  # fmt: skip
+    return dict(
+        architecture=raw["architectures"][0],
+        vocab_size=get_int(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=get_int(raw, "intermediate_size"),
+        num_layers=get_int(raw, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=get_float(raw, "rms_norm_eps", default=1e-6),
+        max_position_embeddings=get_int(raw, "max_position_embeddings", default=4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        bos_token_id=_opt_int(raw, "bos_token_id"),
+        eos_token_ids=token_id_list(raw.get("eos_token_id"), "config.json: eos_token_id"),
+        pad_token_id=_opt_int(raw, "pad_token_id"),
+    )
 
 
-def _int(raw: dict[str, Any], key: str, default: Any = ...) -> Any:
+def get_int(raw: dict[str, Any], key: str, default: Any = ...) -> Any:
     if key not in raw or raw[key] is None:
         if default is ...:
             raise CheckpointError(f"config.json: required field {key!r} is missing")
@@ -145,8 +172,10 @@ def _opt_int(raw: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _float(raw: dict[str, Any], key: str, default: float) -> float:
+def get_float(raw: dict[str, Any], key: str, default: float | None) -> Any:
     value = raw.get(key, default)
+    if value is None and default is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise CheckpointError(f"config.json: {key!r} must be a positive number, got {value!r}")
     return float(value)
@@ -163,21 +192,28 @@ def token_id_list(value: Any, where: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    # transformers >= 5 writes "rope_parameters" (theta inside); older files
-    # write "rope_theta" plus an optional "rope_scaling". Both are in the wild.
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    if params is not None and not isinstance(params, dict):
-        raise CheckpointError("config.json: 'rope_parameters' must be an object")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise CheckpointError("config.json: 'rope_scaling' must be an object or null")
-    merged: dict[str, Any] = dict(scaling or {})
-    merged.update(params or {})
-    theta = merged.pop("rope_theta", raw.get("rope_theta", 10000.0))
+def rope_fields(raw: dict[str, Any], params: dict[str, Any] | None = None,
+                theta_key: str = "rope_theta", default_theta: float = 10000.0,
+                ) -> tuple[float, dict[str, Any] | None]:  # fmt: skip
+    """``(rope_theta, rope_scaling)`` from the config, or from ``params`` (one layer
+    type's entry of a nested ``rope_parameters``). ``rope_scaling`` is None for the
+    default type; otherwise it holds the type and what that type reads, checked."""
+    if params is None:
+        params = raw.get("rope_parameters")
+        scaling = raw.get("rope_scaling")
+        if params is not None and not isinstance(params, dict):
+            raise CheckpointError("config.json: 'rope_parameters' must be an object")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise CheckpointError("config.json: 'rope_scaling' must be an object or null")
+        merged: dict[str, Any] = dict(scaling or {})
+        merged.update(params or {})
+    else:
+        merged = dict(params)
+    theta = merged.pop("rope_theta", raw.get(theta_key, default_theta))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise CheckpointError(f"config.json: rope_theta must be a positive number, got {theta!r}")
     rope_type = merged.pop("rope_type", merged.pop("type", "default"))
+    merged.pop("partial_rotary_factor", None)  # read with the head's shape
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"config.json: unsupported rope type {rope_type!r}; "
@@ -185,10 +221,23 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         )
     if rope_type == "default":
         return float(theta), None
-    needed = ["factor"]
-    if rope_type == "llama3":
-        needed += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    original = merged.get("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings"))  # fmt: skip
+    if original is not None:
+        merged["original_max_position_embeddings"] = original
+    if rope_type == "longrope" and merged.get("factor") is None and original:
+        # transformers' default: how far max_position_embeddings stretches the original
+        merged["factor"] = get_int(raw, "max_position_embeddings", default=4096) / original
+    needed = {
+        "linear": ["factor"],
+        "llama3": ["factor", "low_freq_factor", "high_freq_factor",
+                   "original_max_position_embeddings"],
+        "yarn": ["factor", "original_max_position_embeddings"],
+        "longrope": ["factor", "original_max_position_embeddings"],
+    }[rope_type]  # fmt: skip
     for key in needed:
         if not isinstance(merged.get(key), (int, float)) or isinstance(merged.get(key), bool):
             raise CheckpointError(f"config.json: {rope_type} rope scaling needs a numeric {key!r}")
+    if rope_type == "longrope" and not isinstance(merged.get("short_factor"), list):
+        raise CheckpointError("config.json: longrope rope scaling needs a 'short_factor' list")
     return float(theta), {"rope_type": rope_type, **merged}

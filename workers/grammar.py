@@ -39,8 +39,8 @@ from typing import Protocol
 import torch
 import xgrammar as xgr
 
-from iterserve.scheduler.sampling import SamplingParams, StructuredOutput
-from iterserve.workers.tokenizer import Tokenizer
+from ..scheduler.sampling import SamplingParams, StructuredOutput
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

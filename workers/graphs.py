@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.workers.batch import INDEX_DTYPE, HostBatch, segment_offsets
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.model import AttentionInputs, LlamaModel
+from ..scheduler.blocks import blocks_for
+from .batch import INDEX_DTYPE, HostBatch, segment_offsets
+from .kv_cache import KVCache
+from .model import AttentionInputs, LlamaModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -215,13 +215,18 @@ class DecodeGraphs:
             self._copied.record()
         return self._views(bucket)
 
-    def run(self, host: HostBatch) -> torch.Tensor:
+    def run(self, host: HostBatch, eager: bool = False) -> torch.Tensor:
         """Replays the bucket for ``host`` (``replayable`` must hold); returns
-        ``[len(host.logits_indices), vocab]`` logits, the rows ``host`` asked for."""
+        ``[len(host.logits_indices), vocab]`` logits, the rows ``host`` asked for.
+        ``eager``: runs the bucket's step outside its graph instead, with the same
+        padding, table width and attention plan (what a replay must reproduce)."""
         bucket = bucket_for(host.num_rows, self.batch_sizes)
         views = self._load(host, bucket)
-        logits = self.graphs[bucket].replay()  # [bucket, vocab], one row per input row
-        self.num_replays += 1
+        if eager:
+            logits = self._step_fn(bucket)()
+        else:
+            logits = self.graphs[bucket].replay()  # [bucket, vocab], one row per input row
+            self.num_replays += 1
         num_logits = host.logits_indices.numel()
         if torch.equal(host.logits_indices, torch.arange(num_logits, dtype=INDEX_DTYPE)):
             return logits[:num_logits]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.messages import PromptLogprobs, StepPlan
-from iterserve.scheduler.seq_table import SeqState, SequenceTable
+from ..scheduler.messages import PromptLogprobs, StepPlan
+from ..scheduler.seq_table import SeqState, SequenceTable
 
 
 @dataclass

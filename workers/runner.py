@@ -15,20 +15,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.kernels import build_cos_sin_cache, get_ops
-from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
-from iterserve.workers.batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.model import AllReduce, LlamaModel
-from iterserve.workers.prompt_logprobs import PromptLogprobsCollector
-from iterserve.workers.sampler import Sampler
+from ..kernels import build_cos_sin_cache, get_ops
+from ..kernels.cpu_linear import packs_every_batch
+from ..scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
+from ..scheduler.request import FinishReason
+from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
+from .batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
+from .config import ModelConfig
+from .dtype import choose_dtype
+from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
+from .kv_cache import KVCache
+from .model import AllReduce, LlamaModel
+from .prompt_logprobs import PromptLogprobsCollector
+from .sampler import Sampler
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import Grammars
+    from .grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +38,10 @@ logger = logging.getLogger(__name__)
 # replayed step copies bucket x width ids, so a 128k-position model's full width
 # would cost 32 KB per row per step for sequences that rarely need it.
 GRAPH_MAX_LEN = 8192
-# The cpu backend keeps a oneDNN copy of the matrix products' weights
+# The cpu backend keeps a oneDNN copy of the matrix products' fp32 weights
 # (LlamaModel.pack_weights) for models up to this size: the copy doubles their
 # memory, and a model past it is bound by reading its weights, which the layout
-# does not change.
+# does not change. bf16 weights are always packed: their plain copies are let go.
 PACK_WEIGHTS_MAX_BYTES = 2 << 30
 
 
@@ -76,16 +78,17 @@ class ModelRunner:
         max_model_len: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
-        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
+        from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(model_path)
         device = torch.device(device)
         self.tokenizer_path = Path(model_path)  # grammars read the checkpoint's tokenizer
         self.generation_config = ckpt.generation_config
+        choice = choose_dtype(dtype, ckpt.config.torch_dtype, device, kernel_backend)
+        logger.info("rank %d computes in %s (%s)", tp_rank, choice.name, choice.reason)
         self._build(
-            ckpt.config, resolve_dtype(dtype, ckpt.config, device), device, tp_rank, tp_size,
-            all_reduce, kernel_backend, num_kv_blocks, block_size, ckpt.eos_token_ids,
-            weights=ckpt,
+            ckpt.config, choice.dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
+            num_kv_blocks, block_size, ckpt.eos_token_ids, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
@@ -132,7 +135,7 @@ class ModelRunner:
         self.block_size = block_size
         # fp32 table regardless of model dtype: the kernels rotate in fp32.
         cos_sin = build_cos_sin_cache(
-            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
+            c.rope_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
         )
         self.model = LlamaModel(
             c,
@@ -150,7 +153,7 @@ class ModelRunner:
             self.model.init_random_(weight_seed)
         if self.ops.name == "cpu":
             size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            if size <= PACK_WEIGHTS_MAX_BYTES:
+            if size <= PACK_WEIGHTS_MAX_BYTES or packs_every_batch(self.dtype):
                 self.model.pack_weights()
         self.kv_cache = KVCache.allocate(
             c.num_layers,
@@ -170,7 +173,12 @@ class ModelRunner:
         # Each sequence's state on this rank is its SeqState (tokens, blocks, its
         # token-count row, grammar matcher, pending prompt logprobs); what it holds
         # outside itself, its token-count row, goes back as it leaves.
-        self.table = SequenceTable(self.eos_token_ids, on_forget=self.sampler.release)
+        self.table = SequenceTable(
+            self.eos_token_ids,
+            on_forget=self.sampler.release,
+            kv_window=self.config.kv_window,
+            block_size=self.block_size,
+        )
         # Structured outputs' state: made with the first grammar, which is also when
         # xgrammar and the tokenizer are first imported (a runner without grammars
         # needs neither: the device image has torch and triton only).
@@ -251,7 +259,7 @@ class ModelRunner:
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:
             if self.grammars is None:
-                from iterserve.workers.grammar import Grammars
+                from .grammar import Grammars
 
                 self.grammars = Grammars(
                     self.tokenizer_path, self.config.vocab_size, self.eos_token_ids

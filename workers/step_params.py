@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from iterserve.scheduler.sampling import SamplingParams
+from ..scheduler.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from iterserve.workers.batch import Staging
-    from iterserve.workers.grammar import GrammarMask
-    from iterserve.workers.token_counts import TokenCounts
+    from .batch import Staging
+    from .grammar import GrammarMask
+    from .token_counts import TokenCounts
 
 
 class SampleRow(Protocol):

@@ -25,11 +25,11 @@ _ERRORS = {
 def __getattr__(name: str):
     # Loaded on first use: the HTTP layer needs the errors without Ray's start-up code.
     if name in _API:
-        from iterserve.cluster.engine import api
+        from . import api
 
         return getattr(api, name)
     if name in _ERRORS:
-        from iterserve.cluster.engine import errors
+        from . import errors
 
         return getattr(errors, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,10 +16,13 @@ from dataclasses import asdict, dataclass
 
 import ray
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.connection import EngineConnection, RequestStream
-from iterserve.cluster.engine.core import EngineCore
-from iterserve.cluster.engine.errors import (
+from ...scheduler import SamplingParams
+from ...scheduler.messages import EngineOutput
+from ..config import EngineConfig
+from ..ranks.executors import ExecutorFactory
+from .connection import EngineConnection, RequestStream
+from .core import EngineCore
+from .errors import (
     ContextLengthError,
     EngineBusyError,
     EngineDeadError,
@@ -28,9 +31,6 @@ from iterserve.cluster.engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.scheduler import SamplingParams
-from iterserve.scheduler.messages import EngineOutput
 
 __all__ = [
     "LLM",
@@ -172,7 +172,7 @@ class LLM:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from iterserve.workers.tokenizer import Tokenizer
+            from ...workers.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer(self.config.model_path)
         return self._tokenizer

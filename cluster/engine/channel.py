@@ -37,7 +37,9 @@ from typing import Any
 
 import msgpack
 
-from iterserve.cluster.framing import (
+from ...scheduler import codec
+from ...scheduler.messages import EngineOutput, EngineOutputs
+from ..framing import (
     HEADER,
     ChannelClosed,
     PrivateDir,
@@ -47,8 +49,6 @@ from iterserve.cluster.framing import (
     read_hello,
     set_nodelay,
 )
-from iterserve.scheduler import codec
-from iterserve.scheduler.messages import EngineOutput, EngineOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 import msgpack
 
-from iterserve.cluster.engine.channel import (
+from ...scheduler.messages import EngineOutput
+from ..framing import ChannelClosed, connect
+from .channel import (
     ABORT,
     ACCEPTED,
     ADD,
@@ -24,13 +26,11 @@ from iterserve.cluster.engine.channel import (
     encode,
     read_message,
 )
-from iterserve.cluster.engine.errors import (
+from .errors import (
     EngineUnavailableError,
     InvalidRequestError,
     refusal,
 )
-from iterserve.cluster.framing import ChannelClosed, connect
-from iterserve.scheduler.messages import EngineOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,23 +28,7 @@ from typing import Any
 
 import ray
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.channel import DEAD, DRAINING, SERVING, EngineEndpoint
-from iterserve.cluster.engine.errors import (
-    ContextLengthError,
-    EngineBusyError,
-    EngineDeadError,
-    EngineDrainingError,
-    InvalidRequestError,
-)
-from iterserve.cluster.engine.intake import checked_request
-from iterserve.cluster.engine.outputs import OutputBuffers
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.metrics.engine import EngineMetrics
-from iterserve.cluster.metrics.recorder import MetricsRecorder
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.cluster.ranks.group import WorkerFailure, WorkerGroup
-from iterserve.scheduler import (
+from ...scheduler import (
     FinishReason,
     PromptTooLongError,
     QueueFullError,
@@ -52,7 +36,23 @@ from iterserve.scheduler import (
     SamplingParamsError,
     Scheduler,
 )
-from iterserve.scheduler.messages import EngineOutput
+from ...scheduler.messages import EngineOutput
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from ..metrics.engine import EngineMetrics
+from ..metrics.recorder import MetricsRecorder
+from ..ranks.executors import ExecutorFactory
+from ..ranks.group import WorkerFailure, WorkerGroup
+from .channel import DEAD, DRAINING, SERVING, EngineEndpoint
+from .errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineDeadError,
+    EngineDrainingError,
+    InvalidRequestError,
+)
+from .intake import checked_request
+from .outputs import OutputBuffers
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -147,6 +147,7 @@ class EngineCore:
                 device=info["device"],
             ),
             max_in_flight=2 if self.config.async_scheduling else 1,
+            kv_window=info.get("kv_window"),
         )
         self.recorder.state(self.scheduler)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
@@ -156,7 +157,7 @@ class EngineCore:
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
         if self.metrics_hub:
-            from iterserve.cluster.metrics.hub import push_periodically
+            from ..metrics.hub import push_periodically
 
             self.push_task = loop.create_task(
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
@@ -168,6 +169,8 @@ class EngineCore:
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
             "endpoint": {**address, "node_id": node_id},
+            # What the ranks compute in and why ("auto" is decided on their device).
+            **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
         }
 
     @property

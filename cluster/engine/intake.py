@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from iterserve.scheduler import Request, SamplingParams, SchedulerConfig
+from ...scheduler import Request, SamplingParams, SchedulerConfig
 
 MAX_LABEL_LEN = 256  # characters of a client's own name for a request (logs only)
 MAX_REQUEST_ID_LEN = 256

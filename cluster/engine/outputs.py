@@ -13,7 +13,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable
 
-from iterserve.scheduler.messages import EngineOutput
+from ...scheduler.messages import EngineOutput
 
 Sink = Callable[[list[EngineOutput]], None]
 

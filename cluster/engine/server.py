@@ -26,10 +26,10 @@ import uuid
 import ray
 from ray import serve
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.core import EngineCore
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.cluster.serve import resources
+from ..config import EngineConfig
+from ..ranks.executors import ExecutorFactory
+from ..serve import resources
+from .core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from iterserve.cluster.metrics.engine import EngineMetrics
-from iterserve.scheduler import (
+from ...scheduler import (
     FinishReason,
     Request,
     RequestOutput,
@@ -22,6 +21,7 @@ from iterserve.scheduler import (
     Scheduler,
     StepResult,
 )
+from .engine import EngineMetrics
 
 RECENT_TTFT = 256  # first tokens the autoscaler's TTFT signal remembers
 

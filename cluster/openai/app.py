@@ -21,13 +21,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from iterserve.cluster.openai.errors import APIError, error_response
-from iterserve.cluster.openai.fields import IGNORED_FIELDS_HEADER
-from iterserve.cluster.openai.gate import APISettings, Gate, request_id, route_path
-from iterserve.cluster.openai.openapi import openapi_schema
-from iterserve.cluster.openai.operations import add_operations_routes
-from iterserve.cluster.openai.serving import OpenAIServing
-from iterserve.cluster.openai.tokenize import detokenize, tokenize
+from .errors import APIError, error_response
+from .fields import IGNORED_FIELDS_HEADER
+from .gate import APISettings, Gate, request_id, route_path
+from .openapi import openapi_schema
+from .operations import add_operations_routes
+from .serving import OpenAIServing
+from .tokenize import detokenize, tokenize
 
 MODEL_INFO_WAIT_S = 2.0  # how long /v1/models waits for the engines' context length
 try:
@@ -168,7 +168,7 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": VERSION, **serving.settings}
+        return {"version": VERSION, **serving.settings, **await serving.compute_dtype()}
 
     async def unsupported(request: Request) -> Response:
         path = route_path(request.scope)

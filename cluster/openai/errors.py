@@ -10,7 +10,7 @@ import json
 
 from starlette.responses import Response
 
-from iterserve.cluster.engine.errors import EngineBusyError, EngineRefusal, InvalidRequestError
+from ..engine.errors import EngineBusyError, EngineRefusal, InvalidRequestError
 
 # Seconds a client should wait before retrying when the engine is busy / down.
 RETRY_AFTER_BUSY_S = 1

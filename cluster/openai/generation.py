@@ -15,17 +15,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from iterserve.cluster.engine.errors import EngineRefusal
-from iterserve.cluster.openai.errors import (
+from ...scheduler.messages import EngineOutput, PromptLogprobs
+from ...scheduler.request import FinishReason
+from ..engine.errors import EngineRefusal
+from .errors import (
     APIError,
     EngineFailure,
     from_refusal,
     timed_out,
     unavailable,
 )
-from iterserve.cluster.openai.stream import StopMatcher
-from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
-from iterserve.scheduler.request import FinishReason
+from .stream import StopMatcher
 
 # Reasons whose last token is the one that stopped the sequence (EOS or a stop token id).
 STOP_TOKEN_REASONS = frozenset({"eos", "stop_token"})

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.cluster.openai.generation import Choice, Delta
-from iterserve.cluster.openai.tool_parsers import Parsed, ToolCall, ToolCallParser
+from .generation import Choice, Delta
+from .tool_parsers import Parsed, ToolCall, ToolCallParser
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:

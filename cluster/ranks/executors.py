@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from iterserve.cluster.config import EngineConfig
-    from iterserve.scheduler.messages import StepPlan, StepResult
+    from ...scheduler.messages import StepPlan, StepResult
+    from ..config import EngineConfig
 
 CPU_KV_CACHE_MAX_BYTES = 1 << 30
 
@@ -26,8 +26,10 @@ class Executor(Protocol):
 
 
 class ExecutorFactory(Protocol):
-    def model_info(self, config: EngineConfig) -> dict:
-        """``{"max_model_len", "vocab_size"}`` of what the executors run."""
+    def model_info(self, config: EngineConfig, device: str) -> dict:
+        """``{"max_model_len", "vocab_size"}`` of what the executors run on ``device``;
+        optionally ``kv_window`` (the window every layer reads within; None when a layer
+        reads everything) and ``dtype``, ``dtype_reason`` (what the ranks compute in, why)."""
 
     def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
         """KV blocks one rank can hold, when the config does not say."""
@@ -54,11 +56,19 @@ def _available_memory_bytes(device: str) -> int:
 class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
-    def model_info(self, config: EngineConfig) -> dict:
-        from iterserve.workers.checkpoint import load_checkpoint
+    def model_info(self, config: EngineConfig, device: str) -> dict:
+        from ...workers.checkpoint import load_checkpoint
+        from ...workers.dtype import choose_dtype
 
         ckpt = load_checkpoint(config.model_path)
-        info = {"max_model_len": ckpt.config.max_model_len, "vocab_size": ckpt.config.vocab_size}
+        choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
+        info = {
+            "max_model_len": ckpt.config.max_model_len,
+            "vocab_size": ckpt.config.vocab_size,
+            "dtype": choice.name,
+            "dtype_reason": choice.reason,
+            "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
+        }
         ckpt.close()
         return info
 
@@ -68,13 +78,13 @@ class ModelExecutors:
         Free memory is read before the weights load, so on a GPU the budget is
         also capped by what the weights and the largest step's activations leave.
         """
-        from iterserve.workers.checkpoint import load_checkpoint, resolve_dtype
-        from iterserve.workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
-        from iterserve.workers.model import weight_bytes
+        from ...workers.checkpoint import load_checkpoint, resolve_dtype
+        from ...workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
+        from ...workers.model import weight_bytes
 
         ckpt = load_checkpoint(config.model_path)
         c = ckpt.config
-        dtype = resolve_dtype(config.dtype, c, device)
+        dtype = resolve_dtype(config.dtype, c, device, config.kernel_backend)
         ckpt.close()
         free = _available_memory_bytes(device)
         kv_heads = max(1, c.num_kv_heads // world_size)
@@ -105,8 +115,8 @@ class ModelExecutors:
     def build(
         self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
     ) -> Executor:
-        from iterserve.workers.graphs import graph_buckets
-        from iterserve.workers.runner import ModelRunner
+        from ...workers.graphs import graph_buckets
+        from ...workers.runner import ModelRunner
 
         runner = ModelRunner(
             config.model_path,

@@ -18,14 +18,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.framing import new_token
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.cluster.ranks.step_channel import SchedulerChannel
-from iterserve.cluster.ranks.worker import PING_STEP, EngineWorker
-from iterserve.cluster.serve.resources import rank_bundle
-from iterserve.scheduler import codec
-from iterserve.scheduler.messages import StepPlan, StepResult
+from ...scheduler import codec
+from ...scheduler.messages import StepPlan, StepResult
+from ..config import EngineConfig
+from ..framing import new_token
+from ..serve.resources import rank_bundle
+from .executors import ExecutorFactory
+from .step_channel import SchedulerChannel
+from .worker import PING_STEP, EngineWorker
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0

@@ -26,7 +26,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-from iterserve.cluster.framing import (
+from ..framing import (
     TOKEN_BYTES,
     ChannelClosed,
     PrivateDir,

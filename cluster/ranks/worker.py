@@ -13,12 +13,12 @@ import os
 import socket
 from typing import Any
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.ranks.executors import ExecutorFactory, ModelExecutors
-from iterserve.scheduler import codec
-from iterserve.scheduler.messages import StepPlan, StepResult
-from iterserve.workers.host_memory import keep_freed_memory
+from ...scheduler import codec
+from ...scheduler.messages import StepPlan, StepResult
+from ...workers.host_memory import keep_freed_memory
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from .executors import ExecutorFactory, ModelExecutors
 
 logger = logging.getLogger(__name__)
 PING_STEP = -1  # a plan with this step number only checks that the workers answer
@@ -103,8 +103,9 @@ class EngineWorker:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def model_info(self) -> dict:
-        """Facts the scheduler needs: context length, vocabulary, the rank's device."""
-        return {**self.executors.model_info(self.config), "device": self.device}
+        """Facts the scheduler needs (context length, vocabulary, the rank's device,
+        the window every layer reads within), and the dtype the rank computes in, with why."""
+        return {**self.executors.model_info(self.config, self.device), "device": self.device}
 
     def kv_capacity(self) -> int:
         """KV blocks this rank can hold (the configured number, when set)."""
@@ -125,7 +126,7 @@ class EngineWorker:
         the address to connect to: a Unix socket path when ``local``, else TCP."""
         import ray
 
-        from iterserve.cluster.ranks.step_channel import RankEndpoint
+        from .step_channel import RankEndpoint
 
         self.endpoint = RankEndpoint(self.execute, token, local, ray.util.get_node_ip_address())
         return self.endpoint.address

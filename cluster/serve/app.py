@@ -27,13 +27,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine.server import EngineServer
-from iterserve.cluster.metrics.hub import HUB_NAME
-from iterserve.cluster.ranks.executors import ExecutorFactory
-from iterserve.cluster.serve import resources
-from iterserve.cluster.serve.autoscaling import AutoscalingArgs
-from iterserve.cluster.serve.ingress import OpenAIIngress
+from ..config import EngineConfig
+from ..engine.server import EngineServer
+from ..metrics.hub import HUB_NAME
+from ..ranks.executors import ExecutorFactory
+from . import resources
+from .autoscaling import AutoscalingArgs
+from .ingress import OpenAIIngress
 
 ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
 # How often a stopping replica checks whether its last request has ended (Serve's
@@ -114,7 +114,7 @@ class ServeArgs(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, value):
-        from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+        from ..openai.tool_parsers import TOOL_CALL_PARSERS
 
         if value is not None and value not in TOOL_CALL_PARSERS:
             raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")

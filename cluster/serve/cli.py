@@ -26,11 +26,11 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
-from iterserve.cluster.serve.routing import ROUTINGS
+from ..openai.tool_parsers import TOOL_CALL_PARSERS
+from .routing import ROUTINGS
 
 if TYPE_CHECKING:
-    from iterserve.cluster.ranks.executors import ExecutorFactory
+    from ..ranks.executors import ExecutorFactory
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -98,7 +98,7 @@ def run_server(
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
     executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
     """
-    from iterserve.cluster.serve.app import ServeArgs, build_application
+    from .app import ServeArgs, build_application
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
@@ -141,8 +141,8 @@ def run_server(
         serve.start(proxy_location="Disabled")
         serve.run(build_application(args, executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
-        engines.broadcast("info").results(timeout_s=ready_timeout_s)
-        print(f"iterserve: serving {name} at {url}/v1", flush=True)
+        infos = engines.broadcast("info").results(timeout_s=ready_timeout_s)
+        print(f"iterserve: serving {name} at {url}/v1{_dtype_note(infos)}", flush=True)
         if block:
             threading.Event().wait()
     except KeyboardInterrupt:
@@ -158,12 +158,18 @@ def run_server(
 def _check_before_starting(args) -> str:
     """Refuses a bad config, or one this machine cannot place, before anything
     starts; returns the served model's name."""
-    from iterserve.cluster.serve import resources
+    from . import resources
 
     replicas = args.initial_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
     resources.check_fits(checked, num_engine_replicas=replicas, ingress_cpus=args.ingress_cpus)
     return args.served_model_name(checked)
+
+
+def _dtype_note(infos: list[dict]) -> str:
+    """ ", in bfloat16 (auto: why)" from the engines' start-up answers."""
+    chosen = {(i["dtype"], i["dtype_reason"]) for i in infos if "dtype" in i}
+    return "".join(f", in {dtype} ({reason})" for dtype, reason in sorted(chosen))
 
 
 def _start_ray() -> None:

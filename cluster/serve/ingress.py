@@ -23,14 +23,14 @@ import socket
 
 from ray import serve
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.metrics.hub import get_or_create_hub, render
-from iterserve.cluster.openai.app import APISettings, build_api
-from iterserve.cluster.openai.serving import OpenAIServing
-from iterserve.cluster.serve import resources
-from iterserve.cluster.serve.replicas import ChannelEngineClient
-from iterserve.cluster.serve.routing import PrefixRouter
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from ..metrics.hub import get_or_create_hub, render
+from ..openai.app import APISettings, build_api
+from ..openai.serving import OpenAIServing
+from . import resources
+from .replicas import ChannelEngineClient
+from .routing import PrefixRouter
 
 logger = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
@@ -55,8 +55,8 @@ class OpenAIIngress:
     """The HTTP front: every route of the OpenAI-compatible API."""
 
     def __init__(self, engine, config: EngineConfig, args):
-        from iterserve.cluster.serve.app import metrics_hub_name
-        from iterserve.workers.tokenizer import Tokenizer
+        from ...workers.tokenizer import Tokenizer
+        from .app import metrics_hub_name
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
         self.server_task: asyncio.Task | None = None

@@ -25,9 +25,9 @@ import uuid
 
 import ray
 
-from iterserve.cluster.engine.connection import EngineConnection, RequestStream
-from iterserve.cluster.engine.errors import EngineRefusal, EngineUnavailableError, refusal
-from iterserve.cluster.serve.routing import PrefixRouter, choose_replica
+from ..engine.connection import EngineConnection, RequestStream
+from ..engine.errors import EngineRefusal, EngineUnavailableError, refusal
+from .routing import PrefixRouter, choose_replica
 
 logger = logging.getLogger(__name__)
 REFRESH_S = 5.0  # how often the ingress looks for replicas Serve started or replaced

@@ -35,7 +35,7 @@ class InProcessRanks:
 
     async def start(self) -> None:
         self.generation += 1
-        self.model_info = {**self.model.model_info(self.config), "device": "cpu"}
+        self.model_info = {**self.model.model_info(self.config, "cpu"), "device": "cpu"}
         self.num_kv_blocks = self.config.scheduler.num_kv_blocks or 4096
         config = self.config.replace(num_kv_blocks=self.num_kv_blocks)
         self.executor = self.model.build(config, 0, 1, "cpu", None)

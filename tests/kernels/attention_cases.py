@@ -83,8 +83,10 @@ def make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, dtype, seed
     )
 
 
-def dense_attention(b: Batch) -> torch.Tensor:
-    """Row by row, fp64, on contiguous K/V: softmax(q k[:p+1]^T * scale) v[:p+1]."""
+def dense_attention(b: Batch, window: int | None = None, soft_cap: float | None = None):
+    """Row by row, fp64, on contiguous K/V: softmax(q k[:p+1]^T * scale) v[:p+1];
+    with a window only positions p - window + 1..p, with a soft cap the scores
+    through cap * tanh(score / cap)."""
     num_heads = b.query.shape[1]
     out = torch.zeros(b.query.shape, dtype=torch.float64)
     row = 0
@@ -96,7 +98,10 @@ def dense_attention(b: Batch) -> torch.Tensor:
         for i in range(q_len):
             p = context + i
             q = b.query[row].cpu().double()  # [num_heads, D]
-            scores = torch.einsum("hd,nhd->hn", q, k[: p + 1]) * b.scale
-            out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[: p + 1])
+            lo = 0 if window is None else max(0, p - window + 1)
+            scores = torch.einsum("hd,nhd->hn", q, k[lo : p + 1]) * b.scale
+            if soft_cap is not None:
+                scores = torch.tanh(scores / soft_cap) * soft_cap
+            out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[lo : p + 1])
             row += 1
     return out

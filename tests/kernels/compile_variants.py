@@ -67,7 +67,7 @@ def exercise() -> None:
     from iterserve.scheduler.sampling import SamplingParams
     from iterserve.scheduler.seq_table import SequenceTable
     from iterserve.workers.batch import Staging, layout_batch, to_device
-    from iterserve.workers.config import ModelConfig
+    from iterserve.workers.config import FULL, SLIDING, ModelConfig
     from iterserve.workers.graphs import DecodeGraphs, EagerReplay
     from iterserve.workers.kv_cache import KVCache
     from iterserve.workers.model import LlamaModel
@@ -76,20 +76,50 @@ def exercise() -> None:
     ops = get_ops("triton")
     meta = torch.device("meta")
 
-    def model_of(hidden, inter, heads, kv_heads, head_dim, tp=1):
+    def model_of(hidden, inter, heads, kv_heads, head_dim, tp=1, **options):
         return ModelConfig(
             architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=hidden,
-            intermediate_size=inter, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+            intermediate_size=inter, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
-            max_position_embeddings=8192,
+            max_position_embeddings=8192, **{"num_layers": 1, **options},
         ), tp  # fmt: skip
 
+    # A sliding layer and a full one, scores and logits soft-capped, GELU (Gemma 2);
+    # experts in place of the MLP (Mixtral, Qwen3-MoE).
+    gemma = dict(num_layers=2, sliding_window=4096, layer_types=(SLIDING, FULL),
+                 attn_softcap=50.0, final_softcap=30.0, activation="gelu_tanh",
+                 sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=256.0)  # fmt: skip
     shapes = {
         "llama3-8b": model_of(4096, 14336, 32, 8, 128),
         "llama2-7b": model_of(4096, 11008, 32, 32, 128),
         "70b-tp8-rank": model_of(8192, 28672, 64, 8, 128, tp=8),
         "qwen2-0.5b": model_of(896, 4864, 14, 2, 64),
         "demo": model_of(256, 704, 4, 2, 64),
+        "gemma2-9b": model_of(3584, 14336, 16, 8, 256, **gemma),
+        "mixtral-8x7b": model_of(
+            4096,
+            14336,
+            32,
+            8,
+            128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=14336,
+        ),  # fmt: skip
+        "qwen3-30b-a3b": model_of(
+            2048,
+            6144,
+            32,
+            4,
+            128,
+            num_experts=128,
+            qk_norm=True,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+        ),  # fmt: skip
+        "moe-demo": model_of(
+            256, 704, 4, 2, 64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+        ),  # fmt: skip
     }
     cases = [
         ("llama3-8b", torch.bfloat16, 16),
@@ -99,6 +129,12 @@ def exercise() -> None:
         ("70b-tp8-rank", torch.bfloat16, 16),
         ("qwen2-0.5b", torch.bfloat16, 16),
         ("demo", torch.float32, 16),
+        ("gemma2-9b", torch.bfloat16, 16),
+        ("gemma2-9b", torch.float16, 16),
+        ("gemma2-9b", torch.float32, 16),
+        ("mixtral-8x7b", torch.bfloat16, 16),
+        ("qwen3-30b-a3b", torch.float16, 16),
+        ("moe-demo", torch.float32, 16),
     ]
     params = SamplingParams(temperature=0.0)
     for name, dtype, block_size in cases:
@@ -107,7 +143,7 @@ def exercise() -> None:
         model = LlamaModel(config, ops, cos_sin, dtype=dtype, device=meta, tp_size=tp,
                            all_reduce=lambda t: t)  # fmt: skip
         num_blocks = 64 * (8192 // block_size) + 16
-        kv = KVCache.allocate(1, num_blocks, block_size, model.tp.num_kv_heads,
+        kv = KVCache.allocate(config.num_layers, num_blocks, block_size, model.tp.num_kv_heads,
                               config.head_dim, dtype, meta)  # fmt: skip
 
         def step(pieces, kv=kv, block_size=block_size):

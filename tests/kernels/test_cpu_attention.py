@@ -1,5 +1,5 @@
-"""The cpu backend's compiled decode attention equals dense attention, and the
-reference's output wherever it does not apply."""
+"""The cpu backend's compiled decode attention equals dense attention, in fp32 and
+on bf16 caches, and the reference's output wherever it does not apply."""
 
 import pytest
 import torch
@@ -68,18 +68,42 @@ def test_threads_split_the_sequences_with_the_same_results():
     torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
 
 
+# A bf16 result is the fp32 one rounded once; sums in another order can move the
+# fp32 value across a rounding boundary: one bf16 step, 2**-8 to 2**-7 of the value.
+BF16_STEP = dict(atol=1e-6, rtol=2**-7)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("shape", [MIXED, DECODE, LONG_DECODES], ids=["mixed", "decode", "long"])
+def test_bf16_cache_is_attended_as_the_dense_attention_of_its_values(num_heads, num_kv_heads,
+                                                                     shape):  # fmt: skip
+    """The kernel reads bf16 K/V and query as the exact fp32 values they hold, keeps
+    its sums in fp32 and rounds the output once, as the reference does."""
+    b = on_cpu(make_batch(shape, num_heads, num_kv_heads, 64, 16, torch.bfloat16, seed=9))
+    got = cpu_attention.paged_attention(*b.args())
+    assert got.dtype == torch.bfloat16
+    want = dense_attention(b)  # the same bf16 values, in fp64
+    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), **BF16_STEP)
+    torch.testing.assert_close(got, ref.paged_attention(*b.args()), **BF16_STEP)
+
+
+def test_bf16_rows_split_across_threads_alike():
+    b = on_cpu(make_batch(LONG_DECODES * 3, 8, 2, 64, 16, torch.bfloat16, seed=10))
+    serial, parallel = serial_and_parallel(b)
+    torch.testing.assert_close(parallel, serial, **BF16_STEP)
+
+
 def test_fp16_takes_the_reference_path():
     b = on_cpu(make_batch(DECODE, 4, 2, 64, 16, torch.float16, seed=5))
     assert torch.equal(cpu_attention.paged_attention(*b.args()), ref.paged_attention(*b.args()))
 
 
-def test_cpu_backend_compiles_all_but_silu_mul():
-    cpu, torch_ops = get_ops("cpu"), get_ops("torch")
+def test_cpu_backend_compiles_every_op():
+    cpu = get_ops("cpu")
     assert cpu.name == "cpu" and cpu.paged_attention is cpu_attention.paged_attention
-    assert (cpu.store_kv, cpu.rms_norm, cpu.rotary_embedding) == (
-        cpu_ops.store_kv, cpu_ops.rms_norm, cpu_ops.rotary_embedding,
+    assert (cpu.store_kv, cpu.rms_norm, cpu.rotary_embedding, cpu.silu_mul) == (
+        cpu_ops.store_kv, cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_mul,
     )  # fmt: skip
-    assert cpu.silu_mul is torch_ops.silu_mul
     assert get_ops("auto", device="cpu").name == "cpu"
 
 
@@ -87,14 +111,31 @@ def test_cpu_backend_compiles_all_but_silu_mul():
 PIECES = [(0, 5), (0, 40), (24, 9), (3, 1), (0, 70)]
 
 
-@pytest.mark.parametrize("short_work", [0, 1 << 16], ids=["reference", "kernel"])
+@pytest.mark.parametrize("short_work", [0, 1 << 16], ids=["flash", "kernel"])
 def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
-    """Pieces at most SHORT_PIECE_WORK rows x positions run on the kernel, longer
-    ones on the reference: both are exact causal attention."""
+    """Pieces at most SHORT_PIECE_WORK rows x positions x heads run on the kernel, longer
+    ones on torch's flash attention, with or without cached context: both are
+    exact causal attention."""
     monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", short_work)
     b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.float32, seed=6))
     got = cpu_attention.paged_attention(*b.args())
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
+# torch's flash attention rounds the softmax weights to bf16 before they multiply V
+# (as transformers' bf16 attention does): an output's error is then a bf16 step of
+# the largest values it sums (|V| ~ 1 here), not of itself.
+FLASH_BF16 = dict(atol=2**-7, rtol=2**-7)
+
+
+@pytest.mark.parametrize("short_work", [0, 1 << 16], ids=["flash", "kernel"])
+def test_bf16_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", short_work)
+    b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.bfloat16, seed=11))
+    got = cpu_attention.paged_attention(*b.args())
+    assert got.dtype == torch.bfloat16
+    want = dense_attention(b).to(torch.bfloat16).double()
+    torch.testing.assert_close(got.double(), want, **(FLASH_BF16 if short_work == 0 else BF16_STEP))
 
 
 def test_prefill_pieces_split_across_threads_alike():

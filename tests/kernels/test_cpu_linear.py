@@ -28,9 +28,25 @@ def test_few_rows_take_the_plain_product():
     assert torch.equal(cpu_linear.linear(x, w, None, cpu_linear.pack(w)), F.linear(x, w))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_only_fp32_weights_are_packed(dtype):
-    assert cpu_linear.pack(torch.zeros(4, 4, dtype=dtype)) is None
+@packs
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_every_bf16_batch_takes_the_packed_weight(rows):
+    """Even one row: the plain bf16 weight may be gone (it is let go once packed)."""
+    g = torch.Generator().manual_seed(rows)
+    x, w = (
+        torch.randn(rows, 96, generator=g).bfloat16(),
+        torch.randn(160, 96, generator=g).bfloat16(),
+    )
+    packed = cpu_linear.pack(w)
+    assert packed is not None and cpu_linear.packs_every_batch(torch.bfloat16)
+    got = cpu_linear.linear(x, w.new_empty(0), None, packed)
+    # Both sum bf16 products in fp32 and round once: at most one bf16 step apart.
+    torch.testing.assert_close(got, F.linear(x, w), atol=1e-3, rtol=2**-7)
+
+
+def test_fp16_weights_are_not_packed():
+    assert cpu_linear.pack(torch.zeros(4, 4, dtype=torch.float16)) is None
+    assert not cpu_linear.packs_every_batch(torch.float32)
 
 
 def test_a_cpu_runner_packs_and_a_torch_runner_does_not():
@@ -41,3 +57,15 @@ def test_a_cpu_runner_packs_and_a_torch_runner_does_not():
         runner = ModelRunner(DEMO_MODEL_PATH, num_kv_blocks=8, kernel_backend=backend)
         packed = runner.model.lm_head_packed is not None
         assert packed == (backend == "cpu" and cpu_linear.pack(torch.zeros(2, 2)) is not None)
+
+
+@packs
+def test_a_bf16_runner_keeps_only_the_packed_products_and_the_embedding():
+    from iterserve.models import DEMO_MODEL_PATH
+    from iterserve.workers.runner import ModelRunner
+
+    runner = ModelRunner(DEMO_MODEL_PATH, dtype="bfloat16", num_kv_blocks=8, kernel_backend="cpu")
+    layer = runner.model.layers[0]
+    assert layer.attn.qkv_packed is not None and layer.attn.qkv_weight.numel() == 0
+    assert layer.mlp.down_weight.numel() == 0
+    assert runner.model.embed.numel() == runner.config.vocab_size * runner.config.hidden_size

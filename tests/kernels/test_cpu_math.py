@@ -1,9 +1,11 @@
-"""The numba kernels' scalar helpers: the vectorizable exponential is as close to
-e**x as libm's over fp32's normal range and clamps outside it; a prefetch never
-changes what is read."""
+"""The numba kernels' helpers: the vectorizable exponential is as close to e**x as
+libm's over fp32's normal range and clamps outside it; a prefetch never changes
+what is read; a bf16 tensor's bits are read as torch reads them and fp32 values
+rounded as torch rounds them; outputs are placed apart from their inputs."""
 
 import numpy as np
 import pytest
+import torch
 
 from iterserve.kernels import cpu_attention
 
@@ -12,7 +14,30 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is 
 if cpu_attention.available():
     import numba
 
-    from iterserve.kernels.cpu_math import exp_f32, prefetch_l2
+    from iterserve.kernels.cpu_math import (
+        as_array,
+        empty_apart,
+        exp_f32,
+        load_f32,
+        prefetch_l2,
+        round_to,
+        store_f32,
+    )
+
+    @numba.njit(fastmath=True)
+    def _widen(src, out):
+        for i in range(src.shape[0]):
+            out[i] = load_f32(src, i)
+
+    @numba.njit(fastmath=True)
+    def _store_all(x, out):
+        for i in range(x.shape[0]):
+            store_f32(out, i, x[i])
+
+    @numba.njit(fastmath=True)
+    def _round_all(like, x, out):
+        for i in range(x.shape[0]):
+            out[i] = round_to(like, x[i])
 
     @numba.njit(fastmath=True)
     def _exp_all(x, out):
@@ -59,3 +84,72 @@ def test_a_prefetch_leaves_what_is_read_unchanged():
     out = np.empty(x.size, dtype=np.float32)
     _copy_with_prefetch(x.reshape(-1), out)
     assert np.array_equal(out, x.reshape(-1))
+
+
+def _fp32_cases() -> torch.Tensor:
+    """Random values over many magnitudes, every tie between two bf16 neighbours
+    of a few exponents, subnormals, the largest finite values, infinities, zeros."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(200_000, generator=g) * torch.exp2(
+        torch.randint(-130, 128, (200_000,), generator=g).float()
+    )
+    ties = (torch.arange(1 << 16, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3.4028235e38, -3.4028235e38,
+                             float("inf"), -float("inf"), 3.3961776e38])  # fmt: skip
+    return torch.cat([spread, ties, specials])
+
+
+def test_bf16_bits_read_as_the_values_torch_reads():
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(torch.bfloat16)
+    got = np.empty(1 << 16, dtype=np.float32)
+    _widen(as_array(every), got)
+    want = every.float().numpy()
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+def test_fp32_is_rounded_to_bf16_as_torch_rounds_it_to_nearest_even():
+    x = _fp32_cases()
+    x = x[~torch.isnan(x)]
+    got = torch.empty(x.shape, dtype=torch.bfloat16)
+    _store_all(x.numpy(), as_array(got))
+    assert torch.equal(got.view(torch.uint16), x.bfloat16().view(torch.uint16))
+    rounded = np.empty(x.shape[0], dtype=np.float32)
+    _round_all(as_array(got), x.numpy(), rounded)  # round_to: the same value, as fp32
+    assert np.array_equal(rounded.view(np.uint32), x.bfloat16().float().numpy().view(np.uint32))
+
+
+def test_nan_stays_nan_whatever_its_payload():
+    payloads = torch.tensor([0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFFF8000],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)  # fmt: skip
+    got = torch.empty(5, dtype=torch.bfloat16)
+    _store_all(payloads.numpy(), as_array(got))
+    assert torch.isnan(got).all()
+
+
+def test_fp32_arrays_are_read_and_written_as_they_are():
+    x = _fp32_cases().numpy()
+    out, widened, rounded = (np.empty_like(x) for _ in range(3))
+    _store_all(x, out)
+    _widen(x, widened)
+    _round_all(x, x, rounded)
+    for y in (out, widened, rounded):
+        assert np.array_equal(y.view(np.uint32), x.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "out_width,in_width", [(1024, 1024), (2816, 5632), (1024, 1536), (704, 1408)]
+)
+def test_an_output_is_placed_apart_from_its_input_on_every_row(dtype, out_width, in_width):
+    """The distance between row i of the output and row i of the input, modulo a
+    page, stays at least 64 bytes from 0 (widths of whole 64-element vectors, as
+    models have: narrower strides can leave no room off the lattice)."""
+    x = torch.empty(32, in_width, dtype=dtype)
+    out = empty_apart((32, out_width), dtype, x)
+    assert out.shape == (32, out_width) and out.dtype == dtype and out.is_contiguous()
+    assert out.data_ptr() % 64 == 0
+    for row in range(32):
+        d = (out[row].data_ptr() - x[row].data_ptr()) % 4096
+        assert min(d, 4096 - d) >= 64

@@ -1,6 +1,6 @@
-"""The cpu backend's compiled norms, rotary embedding and KV store equal the
-torch references (to rounding), refuse what they refuse, and leave other dtypes
-to them."""
+"""The cpu backend's compiled norms, rotary embedding, KV store and SiLU·mul equal
+the torch references (to rounding) in fp32 and bf16, refuse what they refuse, and
+leave other dtypes to them."""
 
 import pytest
 import torch
@@ -11,6 +11,11 @@ from iterserve.kernels import reference as ref
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
 
 CLOSE = dict(atol=1e-6, rtol=1e-5)
+# bf16: both round the same fp32 value once, but the fp32 values may differ in their
+# last bits (sums in another order, another exponential): at most one bf16 step,
+# 2**-8 to 2**-7 of the value.
+BF16_STEP = dict(atol=1e-6, rtol=2**-7)
+TOLERANCE = {torch.float32: CLOSE, torch.bfloat16: BF16_STEP}
 
 
 def _strided(rows, width, seed=0):
@@ -89,6 +94,63 @@ def test_store_kv_refuses_a_slot_past_the_cache_before_writing():
     with pytest.raises(ValueError, match="slot 16"):
         cpu_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 16]))
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_rms_norm_rounds_where_the_reference_rounds(rows, with_residual):
+    g = torch.Generator().manual_seed(11)
+    x = (_strided(rows, 96, seed=12) * 3).bfloat16()
+    residual = torch.randn(rows, 96, generator=g).bfloat16() if with_residual else None
+    weight = (torch.rand(96, generator=g) + 0.5).bfloat16()
+    got, want = cpu_ops.rms_norm(x, weight, 1e-6, residual), ref.rms_norm(x, weight, 1e-6, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # one addition, rounded once: exact
+        got, want = got[0], want[0]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, **BF16_STEP)
+
+
+def test_bf16_rotary_matches_reference():
+    cos_sin = build_cos_sin_cache(64, 128, 10000.0, None)
+    g = torch.Generator().manual_seed(13)
+    qkv = torch.randn(9, (4 + 2 * 2) * 64, generator=g).bfloat16()
+    q, k, _ = qkv.split([256, 128, 128], dim=-1)
+    q, k = q.reshape(9, 4, 64), k.reshape(9, 2, 64)
+    positions = torch.tensor([0, 1, 127, 64, 5, 5, 17, 90, 33])
+    for got, want in zip(cpu_ops.rotary_embedding(positions, q, k, cos_sin),
+                         ref.rotary_embedding(positions, q, k, cos_sin)):  # fmt: skip
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, **BF16_STEP)
+
+
+def test_bf16_store_kv_copies_the_bits():
+    g = torch.Generator().manual_seed(14)
+    key, value = torch.randn(2, 5, 2, 8, generator=g).bfloat16()
+    slots = torch.tensor([3, -1, 0, 15, 9])
+    got = [c.bfloat16() for c in _caches()]
+    want = [c.bfloat16() for c in _caches()]
+    cpu_ops.store_kv(key, value, *got, slots)
+    ref.store_kv(key, value, *want, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_mul_matches_reference(dtype, rows):
+    g = torch.Generator().manual_seed(15)
+    x = (torch.randn(rows, 2 * 88, generator=g) * 4).to(dtype)
+    got = cpu_ops.silu_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, 88)
+    torch.testing.assert_close(got, ref.silu_mul(x), **TOLERANCE[dtype])
+
+
+def test_bf16_outputs_lie_apart_from_their_inputs_modulo_a_page():
+    """Placement only (cpu_math.empty_apart); the values are checked above."""
+    x = torch.randn(64, 2 * 2816).bfloat16()
+    out = cpu_ops.silu_mul(x)
+    for row in range(16):
+        assert (out[row].data_ptr() - x[row].data_ptr()) % 4096 != 0
 
 
 def test_fp16_takes_the_reference_path():

@@ -161,6 +161,31 @@ def test_small_ops_match_reference(ops, dtype):
     assert torch.equal(k_caches[0], k_caches[1]) and torch.equal(v_caches[0], v_caches[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("window,soft_cap", [(4096, None), (1000, 50.0), (100, None)])
+def test_windowed_and_capped_attention_matches_reference(ops, dtype, window, soft_cap):
+    args = _mixed_batch(32, 16, 256, 16, dtype)  # Gemma 2's 256-wide heads
+    kw = dict(window=window, soft_cap=soft_cap)
+    torch.testing.assert_close(ops.paged_attention(*args, **kw),
+                               ref.paged_attention(*args, **kw), **TOL[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_grouped_experts_match_reference(ops, dtype, num_tokens):
+    """Qwen3-30B-A3B's layer: 128 experts of 768, eight a token."""
+    from iterserve.kernels import experts
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x = torch.randn(num_tokens, 2048, generator=g, device=DEV).to(dtype)
+    w13 = (torch.randn(128, 1536, 2048, generator=g, device=DEV) / 45).to(dtype)
+    w2 = (torch.randn(128, 2048, 768, generator=g, device=DEV) / 28).to(dtype)
+    logits = torch.randn(num_tokens, 128, generator=g, device=DEV)
+    weights, ids = experts.route(logits, 8, True)
+    got = ops.fused_experts(x, w13, w2, ids, weights)
+    torch.testing.assert_close(got, experts.fused_experts(x, w13, w2, ids, weights), **TOL[dtype])
+
+
 @pytest.mark.parametrize(
     "num_seqs,context_len,num_heads,num_kv_heads",
     [(8, 4096, 32, 8), (64, 2048, 32, 8), (256, 1024, 32, 8), (64, 2048, 32, 32)],

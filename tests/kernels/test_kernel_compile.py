@@ -27,7 +27,9 @@ KERNELS = {
     "_store_kv_kernel",
     "_rms_norm_kernel",
     "_rotary_kernel",
-    "_silu_mul_kernel",
+    "_act_mul_kernel",
+    "_gate_up_kernel",
+    "_down_kernel",
 }
 
 

@@ -1,4 +1,4 @@
-"""rms_norm, rotary_embedding and silu_mul: references vs Hugging Face / naive math,
+"""rms_norm, rotary_embedding, silu_mul and gelu_tanh_mul: references vs Hugging Face / naive math,
 Triton vs references (interpreted on CPU).
 
 Tolerances: fp32 atol/rtol 1e-5; fp16 atol 2e-3, rtol 1e-2. The references are
@@ -159,6 +159,23 @@ def test_triton_silu_mul(dtype, d):
     got = triton_ops.silu_mul(x)
     assert got.shape == (6, d) and got.dtype == dtype
     torch.testing.assert_close(got, ref.silu_mul(x), **TOL[dtype])
+
+
+def test_reference_gelu_tanh_mul_matches_transformers_activation():
+    from transformers.activations import ACT2FN
+
+    x = randn(5, 2 * 48, scale=4.0).cpu()
+    want = ACT2FN["gelu_pytorch_tanh"](x[:, :48]) * x[:, 48:]
+    torch.testing.assert_close(ref.gelu_tanh_mul(x), want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [48, 1500])
+def test_triton_gelu_tanh_mul(dtype, d):
+    x = randn(6, 2 * d, dtype=dtype, scale=4.0)
+    got = triton_ops.gelu_tanh_mul(x)
+    assert got.shape == (6, d) and got.dtype == dtype
+    torch.testing.assert_close(got, ref.gelu_tanh_mul(x), **TOL[dtype])
 
 
 def test_triton_ops_accept_empty_batches():

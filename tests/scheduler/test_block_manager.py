@@ -1,4 +1,5 @@
-"""Hypothesis state machine over the block manager: reference counts, hashes, eviction."""
+"""Hypothesis state machine over the block manager: reference counts, hashes, eviction,
+and blocks handed on once out of a sliding window."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from iterserve.scheduler.block_hash import prompt_block_hashes
-from iterserve.scheduler.blocks import BlockManager, blocks_for
+from iterserve.scheduler.blocks import BlockManager, blocks_before_window, blocks_for
 
 BS = 2
 # Few token values and short prompts: sequences share prefixes often.
@@ -78,7 +79,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Finish, abort or preempt; ``taken_back``: its last step never ran."""
         request_id = data.draw(st.sampled_from(sorted(self.content)))
         valid = self.bm.num_registered(request_id)
-        if taken_back and valid > 0:
+        if taken_back and valid > self.bm.num_freed[request_id]:
             shared = [b for b in self.bm.table(request_id)[valid - 1 :]
                       if self.bm.ref_counts[b] > 1]  # fmt: skip
             if not shared:
@@ -97,13 +98,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm.check_integrity()
         for request_id, table in bm.tables.items():
             hashes = self._hashes(request_id)
-            for i in range(bm.num_registered(request_id)):
+            freed = bm.num_freed[request_id]  # entries handed on may name others' blocks
+            for i in range(freed, bm.num_registered(request_id)):
                 h = bm.block_hashes[table[i]]
                 # A registered block holds this sequence's content, or no hash at all
                 # (another block held that content first, or the cache was cleared).
                 assert h is None or h == hashes[i]
-            for block in table[bm.num_registered(request_id) :]:
+            for block in table[max(freed, bm.num_registered(request_id)) :]:
                 assert bm.block_hashes[block] is None, "a block hashed before it is computed"
+
+
+class WindowedBlockManagerMachine(BlockManagerMachine):
+    """The same, on a model whose every layer reads only the last WINDOW positions."""
+
+    WINDOW = 3
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(12, BS, window=self.WINDOW)
+
+    @precondition(lambda self: self.content)
+    @rule(data=st.data())
+    def slide(self, data):
+        """The sequence's next query is at its computed length: the blocks before that
+        query's window are handed on, registered first (their KV is computed)."""
+        bm = self.bm
+        request_id = data.draw(st.sampled_from(sorted(self.content)))
+        pos = self.computed[request_id]
+        table, before = list(bm.table(request_id)), bm.num_freed[request_id]
+        refs_before = list(bm.ref_counts)
+        gone = min(blocks_before_window(pos, self.WINDOW, BS), len(table))
+        bm.register(request_id, self._hashes(request_id), gone)
+        released = bm.free_out_of_window(request_id, pos)
+        assert released == table[before:gone]
+        assert bm.held(request_id) == table[max(before, gone) :]
+        for block in released:
+            assert bm.ref_counts[block] == refs_before[block] - 1
+            if bm.ref_counts[block] == 0:  # kept for caching when it has a hash
+                assert (block in bm._evictable) == (bm.block_hashes[block] is not None)
 
 
 TestBlockManager = BlockManagerMachine.TestCase
@@ -111,3 +143,21 @@ TestBlockManager.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
+
+TestWindowedBlockManager = WindowedBlockManagerMachine.TestCase
+TestWindowedBlockManager.settings = TestBlockManager.settings
+
+
+def test_integrity_check_names_a_block_held_out_of_the_window():
+    bm = BlockManager(8, 2, window=3)
+    bm.allocate("a", 8)
+    bm.free_out_of_window("a", 6)  # reads 4..6: blocks 0 and 1 are out of reach
+    assert bm.num_freed["a"] == 2 and bm.held("a") == bm.table("a")[2:]
+    bm.check_integrity()
+    bm.num_freed["a"] = 1  # as if block 1 were still held: it is not referenced
+    try:
+        bm.check_integrity()
+    except AssertionError as e:
+        assert "1 blocks handed on, but 2 are out of the window" in str(e)
+    else:
+        raise AssertionError("check_integrity missed a block held out of the window")

@@ -16,7 +16,7 @@ from tests.scheduler.test_properties import workloads
 
 @st.composite
 def mixed_workloads(draw, policy: str):
-    config, arrivals = draw(workloads(policy))
+    config, arrivals, kv_window = draw(workloads(policy))
     prompt_only = draw(st.sets(st.integers(0, len(arrivals) - 1), min_size=1))
     keys = {arrivals[i].key for i in prompt_only}
     # A reused request id shares its fake output; keep every user of it alike.
@@ -25,15 +25,17 @@ def mixed_workloads(draw, policy: str):
         dataclasses.replace(a, max_tokens=0) if a.request_id in ids or a.key in keys else a
         for a in arrivals
     ]
-    return config, arrivals
+    return config, arrivals, kv_window
 
 
-def check(config, arrivals, *, ahead: bool) -> None:
+def check(config, arrivals, kv_window, *, ahead: bool) -> None:
     targets = {a.request_id: a.output_len for a in arrivals}
+    window = kv_window if config.kv_layout == "paged" else None
     executor = FakeExecutor(
-        vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size
-    )
-    sched = Scheduler(config)
+        vocab_size=128, output_len=targets.__getitem__, block_size=config.block_size,
+        kv_window=window,
+    )  # fmt: skip
+    sched = Scheduler(config, kv_window=kv_window)
     log = run(sched, executor, arrivals, through_codec=True, ahead=ahead)
     for a in arrivals:
         reason = log.reasons.get(a.key)

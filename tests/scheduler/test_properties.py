@@ -40,6 +40,9 @@ def workloads(draw, policy: str):
         batch_wait_s=float(draw(st.integers(0, 2))),
         enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
     )
+    # A model whose every layer slides over a window (blocks before it are handed
+    # on while a sequence runs), or one with a full-attention layer.
+    kv_window = draw(st.one_of(st.none(), st.none(), st.integers(1, max_model_len)))
     n = draw(st.integers(1, 14))
     # A few system prompts that some requests start with (whole prompts repeat too).
     prefixes = draw(st.lists(st.integers(1, max_model_len - 1), min_size=1, max_size=3))
@@ -81,20 +84,26 @@ def workloads(draw, policy: str):
             arrival.prompt_len = len(arrival.prompt)
             arrival.step = earlier.step + draw(st.integers(0, 30))
         arrivals.append(arrival)
-    return config, arrivals
+    return config, arrivals, kv_window
 
 
 def check_workload(
-    config: SchedulerConfig, arrivals: list[Arrival], through_codec=False, ahead=False
+    config: SchedulerConfig,
+    arrivals: list[Arrival],
+    kv_window: int | None = None,
+    through_codec=False,
+    ahead=False,
 ) -> None:
     targets = {a.request_id: a.output_len for a in arrivals}  # equal for a reused id
+    window = kv_window if config.kv_layout == "paged" else None  # a slab hands nothing on
     executor = FakeExecutor(
         vocab_size=VOCAB,
         output_len=targets.__getitem__,
         block_size=config.block_size,
         check_kv=True,
+        kv_window=window,
     )
-    sched = Scheduler(config)
+    sched = Scheduler(config, kv_window=kv_window)
     log = run(sched, executor, arrivals, through_codec=through_codec, ahead=ahead)
     for a in arrivals:
         max_tokens = max_tokens_of(a, config)

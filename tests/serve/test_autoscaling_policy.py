@@ -14,7 +14,9 @@ from iterserve.cluster.serve.autoscaling import AutoscalingArgs, EngineAutoscali
 
 
 def ctx(replicas: int, per_replica: dict[str, list[float]], low: int = 1, high: int = 4):
-    metrics = {name: {f"r{i}": v for i, v in enumerate(values)} for name, values in per_replica.items()}
+    metrics = {
+        name: {f"r{i}": v for i, v in enumerate(values)} for name, values in per_replica.items()
+    }
     return SimpleNamespace(
         current_num_replicas=replicas,
         target_num_replicas=replicas,
@@ -64,7 +66,11 @@ def test_the_autoscaling_args_give_serve_its_config_and_bound_the_ingress():
     args = ServeArgs(autoscaling={"min_replicas": 1, "max_replicas": 3})
     config = args.engine_config()
     scaling = args.autoscaling.serve_config(config.scheduler.max_num_seqs)
-    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (1, 3, 1)
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["initial_replicas"]) == (
+        1,
+        3,
+        1,
+    )
     assert scaling["policy"]["policy_kwargs"]["target_ongoing_requests"] == 128
     # The ingress takes what three replicas can hold; ranks are sized for the one at start.
     fixed = ServeArgs(num_engine_replicas=3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_checkpoints import SPECS, build_hf_model, save
+from tiny_checkpoints import SPECS, HFReference, build_hf_model, save
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -15,32 +15,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-class HFReference:
-    """A transformers model plus memoised greedy generations."""
-
-    def __init__(self, model):
-        self.model = model
-        self._greedy: dict[tuple[int, ...], list[int]] = {}
-
-    @torch.no_grad()
-    def logits(self, ids: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([ids])).logits[0]  # [len(ids), vocab]
-
-    @torch.no_grad()
-    def greedy(self, prompt: list[int], max_new_tokens: int = 32) -> list[int]:
-        key = (*prompt, -max_new_tokens)
-        if key not in self._greedy:
-            out = self.model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-            self._greedy[key] = out[0, len(prompt) :].tolist()
-        return self._greedy[key]
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from iterserve.scheduler.blocks import blocks_before_window
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
 from iterserve.scheduler.sampling import SamplingParams
 
@@ -24,6 +25,7 @@ class Seq:
     params: SamplingParams
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    last_start: int = 0  # where its last scheduled piece began
     finish_reason: str | None = None
 
     @property
@@ -35,6 +37,10 @@ class PlanDriver:
     def __init__(self, runner, block_size: int | None = None):
         self.runner = runner
         self.block_size = block_size or runner.block_size
+        # The model's window, whose out-of-reach blocks a finished sequence no longer
+        # holds (a stand-in runner without a config has none).
+        config = getattr(runner, "config", None)
+        self.kv_window = config.kv_window if config is not None else None
         self.next_block = 0
         self.step_no = 0
         self.next_slot = 0
@@ -72,6 +78,7 @@ class PlanDriver:
             new_blocks = list(range(self.next_block, self.next_block + max(need, 0)))
             self.next_block += len(new_blocks)
             seq.blocks += new_blocks
+            seq.last_start = seq.computed
             scheduled.append(
                 ScheduledSeq(
                     slot_idx=seq.slot,
@@ -103,7 +110,9 @@ class PlanDriver:
             by_seq[tok.seq_id].tokens.append(tok.token_id)
         for fin in result.finished:
             seq = by_seq[fin.seq_id]
-            assert fin.block_ids == seq.blocks
+            # Blocks out of every layer's window were handed on before the end.
+            gone = blocks_before_window(seq.last_start, self.kv_window, self.block_size)
+            assert fin.block_ids == seq.blocks[gone:]
             seq.finish_reason = fin.reason
             del self.active[seq.slot]
             self._released.append(seq.slot)

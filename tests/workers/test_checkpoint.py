@@ -61,10 +61,11 @@ def test_qwen2_biases_and_tied_embeddings(checkpoint_dir):
     assert "lm_head.weight" not in ckpt
 
 
-def test_mistral_sliding_window_bounds_exact_length(checkpoint_dir):
+def test_mistral_sliding_window_is_honoured_not_a_length_cap(checkpoint_dir):
     config = load_checkpoint(checkpoint_dir("mistral")).config
-    assert config.sliding_window == 4096
-    assert config.max_model_len == min(4096, config.max_position_embeddings)
+    assert config.sliding_window == config.kv_window == 24
+    assert [config.layer_window(i) for i in range(config.num_layers)] == [24, 24]
+    assert config.max_model_len == config.max_position_embeddings
 
 
 def test_sharded_checkpoint_gives_same_tokens(tmp_path, hf_reference, checkpoint_dir):
@@ -78,10 +79,15 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, hf_reference, checkpoint
     assert driver.run()["r"] == hf_reference("llama").greedy(prompt)
 
 
-def test_dtype_resolution(checkpoint_dir):
+def test_dtype_resolution(checkpoint_dir, monkeypatch):
+    from iterserve.workers import dtype
+
     config = load_checkpoint(checkpoint_dir("llama")).config
     half = ModelConfig(**{**config.__dict__, "torch_dtype": "bfloat16"})
+    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: None)
     assert resolve_dtype("auto", half, "cpu") == torch.float32
+    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: "AMX")
+    assert resolve_dtype("auto", half, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", half, "cuda") == torch.bfloat16
     assert resolve_dtype("float16", half, "cpu") == torch.float16
     with pytest.raises(CheckpointError, match="unsupported dtype 'int8'"):
@@ -130,8 +136,22 @@ def test_unsupported_architecture(llama_copy):
         ({"hidden_size": None}, "'hidden_size' is missing"),
         ({"num_hidden_layers": "two"}, "'num_hidden_layers' must be a positive integer"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
-        ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+        ({"hidden_act": "gelu"}, "'hidden_act' is 'gelu'; supported: silu"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "unsupported rope type 'dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            "yarn rope scaling needs a numeric 'original_max_position_embeddings'",
+        ),
+        ({"quantization_config": {"quant_method": "awq"}}, "'quantization_config' is set"),
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            "unsupported architecture 'Gemma3ForConditionalGeneration'; supported: LlamaForCausalLM, "
+            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, "
+            "MixtralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM",
+        ),
     ],
 )
 def test_bad_config_field(llama_copy, change, message):

@@ -57,8 +57,9 @@ def test_a_plain_greedy_batch_takes_the_argmax_without_per_row_parameters(monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_the_argmax_shortcut_picks_what_torch_picks_on_ties_and_nan(dtype):
-    """CPU fp32/fp64 rows go through numpy's argmax: the first of equal maxima and a
-    NaN as the largest, as torch's, and every dtype the same tokens as torch."""
+    """CPU rows go through numpy's argmax (bf16 and fp16 widened to fp32 first): the
+    first of equal maxima and a NaN as the largest, as torch's, and every dtype the
+    same tokens as torch."""
     logits = random_logits(6).to(dtype)
     logits[1, [5, 9]] = 50.0  # a tie: the first wins
     logits[2, 7] = float("nan")

@@ -16,21 +16,25 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_triton_backend_matches_transformers(checkpoint_dir, hf_reference):
+# Llama; sliding and full layers with capped scores (Gemma 2); experts beside a dense
+# layer (Qwen3-MoE); a window shorter than the sequences and a partial rotary (Phi-3).
+@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_moe", "phi3"])
+def test_triton_backend_matches_transformers(name, checkpoint_dir, hf_reference):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(
-        checkpoint_dir("llama"),
+        checkpoint_dir(name),
         num_kv_blocks=32,
         block_size=8,
         device=device,
         kernel_backend="triton",
     )
     assert runner.ops.name == "triton"
-    prompts = {"a": list(range(1, 12)), "b": list(range(5, 9))}
+    # Long enough to pass every window (20..40) while decoding.
+    prompts = {"a": [(7 * i) % 250 for i in range(41)], "b": list(range(5, 9))}
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     driver = PlanDriver(runner)
     for rid, p in prompts.items():
         driver.add(rid, p, params)
-    out = driver.run(chunk=5, padding_slots=[9], pad_tokens=lambda seq: 1)
-    hf = hf_reference("llama")
+    out = driver.run(chunk=17, padding_slots=[9], pad_tokens=lambda seq: 1)
+    hf = hf_reference(name)
     assert out == {rid: hf.greedy(p, max_new_tokens=4) for rid, p in prompts.items()}

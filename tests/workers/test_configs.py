@@ -1,0 +1,99 @@
+"""Each architecture's config: its keys read with transformers' defaults, and what
+the runtime does not compute refused with the key named."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.workers import CheckpointError, ModelConfig
+from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
+from iterserve.workers.config import FULL, SLIDING
+
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+def config(arch: str, **keys) -> ModelConfig:
+    return ModelConfig.from_dict({"architectures": [arch], **SHAPE, **keys})
+
+
+def test_an_unlisted_architecture_is_refused_with_the_supported_list():
+    with pytest.raises(CheckpointError) as e:
+        config("GPT2LMHeadModel")
+    assert "unsupported architecture 'GPT2LMHeadModel'; supported: " in str(e.value)
+    assert all(a in str(e.value) for a in SUPPORTED_ARCHITECTURES)
+    assert len(SUPPORTED_ARCHITECTURES) == 9
+
+
+def test_gemma2_takes_transformers_defaults_for_absent_keys():
+    c = config("Gemma2ForCausalLM", head_dim=16)
+    assert (c.attn_softcap, c.final_softcap, c.sliding_window) == (50.0, 30.0, 4096)
+    assert c.layer_types == (SLIDING, FULL, SLIDING, FULL)
+    assert c.tie_word_embeddings and c.norm_offset == 1.0 and c.activation == "gelu_tanh"
+    assert c.attn_scale == 256**-0.5  # query_pre_attn_scalar's default
+    assert config("Gemma2ForCausalLM", final_logit_softcapping=None).final_softcap is None
+
+
+def test_gemma3_old_spelling_gives_local_layers_their_own_rope():
+    c = config("Gemma3ForCausalLM", rope_theta=1e6, rope_local_base_freq=1e4,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=2)  # fmt: skip
+    assert c.layer_types == (SLIDING, FULL, SLIDING, FULL) and c.qk_norm
+    assert (c.rope_theta, c.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (c.local_rope_theta, c.local_rope_scaling) == (1e4, None)
+    assert c.kv_window is None  # a global layer reads everything: nothing is handed on
+
+
+def test_qwen_windows_start_at_max_window_layers():
+    c = config("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=2)
+    assert [c.layer_window(i) for i in range(4)] == [None, None, 32, 32]
+    assert config("Qwen3ForCausalLM", sliding_window=32).layer_window(3) is None  # not used
+
+
+def test_qwen3_moe_dense_layers_and_routing_flags():
+    c = config("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    assert [c.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert not c.norm_topk_prob  # Qwen3-MoE's default
+    mixtral = config("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 128
+
+
+def test_phi3_longrope_partial_rotary_and_the_context_it_is_served_at():
+    c = config("Phi3ForCausalLM", max_position_embeddings=4096,
+               original_max_position_embeddings=512, partial_rotary_factor=0.75,
+               rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})  # fmt: skip
+    assert c.rotary_dim == 12 and c.rope_dim == 12
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["factor"] == 8.0
+    assert c.max_model_len == 512
+    assert (
+        config("MistralForCausalLM", sliding_window=16, max_position_embeddings=4096).max_model_len
+        == 4096
+    )
+
+
+@pytest.mark.parametrize(
+    ("arch", "keys", "message"),
+    [
+        ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' is 50.0"),
+        ("Gemma2ForCausalLM", {"use_bidirectional_attention": True},
+         "'use_bidirectional_attention' is True"),
+        ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "'hidden_activation' is 'gelu'"),
+        ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": 8, "shared_expert_intermediate_size": 64},
+         "'shared_expert_intermediate_size' is 64"),
+        ("MixtralForCausalLM", {"num_local_experts": 2, "num_experts_per_tok": 4},
+         "'num_experts_per_tok' is 4; more than the 2 experts"),
+        ("Qwen3ForCausalLM", {"use_sliding_window": True, "layer_types": ["chunked_attention"] * 4},
+         "'layer_types' is 'chunked_attention'"),
+        ("Qwen3ForCausalLM", {"use_sliding_window": True, "layer_types": [FULL]},
+         "'layer_types' is .* one entry per layer"),
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.2}, "'partial_rotary_factor' is 0.2"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+         "unsupported rope type 'dynamic'"),
+        ("MistralForCausalLM", {"quantization_config": {"quant_method": "gptq"}},
+         "'quantization_config' is set"),
+    ],
+)  # fmt: skip
+def test_what_is_not_computed_is_refused_with_its_key(arch, keys, message):
+    with pytest.raises(CheckpointError, match=message):
+        config(arch, **keys)

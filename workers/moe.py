@@ -1,0 +1,52 @@
+"""A mixture-of-experts layer in place of the MLP (Mixtral, Qwen3-MoE).
+
+The router is replicated; each expert is split across tensor-parallel ranks
+like the dense MLP (gate/up rows by rank, down columns by rank), so every rank
+computes every chosen expert on its slice and one all-reduce sums the slices.
+Expert parallelism (whole experts per rank) is not implemented.
+
+Weights are stacked per layer, ``w13 [num_experts, 2 * inter, hidden]`` (gate
+rows, then up rows) and ``w2 [num_experts, hidden, inter]``, the layout the
+Triton grouped kernel reads; the CPU computes each expert on the rows routed
+to it (:func:`iterserve.kernels.experts.fused_experts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels.cpu_linear import linear
+from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.experts import route
+from .config import ModelConfig
+from .layers import AllReduce, TPLayout, weight
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPLayout, ops: Any, all_reduce: AllReduce, **kw):
+        super().__init__()
+        self.ops, self.all_reduce = ops, all_reduce
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.activation = config.activation
+        e, h, inter = config.num_experts, config.hidden_size, tp.expert_intermediate
+        self.router = weight(e, h, **kw)
+        self.w13 = weight(e, 2 * inter, h, **kw)
+        self.w2 = weight(e, h, inter, **kw)
+        self.router_packed: torch.Tensor | None = None
+        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = linear(x, self.router, None, self.router_packed)  # [num_tokens, num_experts]
+        weights, ids = route(logits, self.top_k, self.renormalize)  # [num_tokens, top_k] each
+        out = self.ops.fused_experts(x, self.w13, self.w2, ids, weights, self.activation,
+                                     self.packed)  # fmt: skip
+        return self.all_reduce(out)  # [num_tokens, hidden]
+
+    def pack(self) -> None:
+        self.router_packed = pack_weight(self.router)
+        packed = [(pack_weight(self.w13[e]), pack_weight(self.w2[e])) for e in range(len(self.w2))]
+        self.packed = packed if packed and packed[0][0] is not None else None
