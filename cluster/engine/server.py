@@ -84,10 +84,11 @@ class EngineServer:
 
     def endpoint(self) -> dict | None:
         """Where ingresses connect (and the token they present), once the engine is
-        up; None while it loads."""
-        if not self.started.done() or self.started.exception() is not None:
-            return None
-        if self.core.draining:  # stopping: no new client
+        up; ``{"replica", "loading": True}`` while it loads (an ingress with no
+        other replica waits for it); None when it failed to start or is stopping."""
+        if not self.started.done():
+            return {"replica": self.replica, "loading": True}
+        if self.started.exception() is not None or self.core.draining:
             return None
         return {**self.started.result()["endpoint"], "replica": self.replica}
 

@@ -14,6 +14,8 @@ skipped from that moment, and the prefix router forgets the prompts it had
 recorded as that replica's. A request refused because its replica is gone,
 dead or draining has reached nobody yet: it is tried on each other replica in
 turn (after one refresh, when none is left) before the refusal reaches the client.
+So is one that its replica accepted and then failed before its first token,
+because the replica died or its channel closed (:class:`ReroutingStream`).
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 
 import ray
 
+from ...scheduler.messages import EngineOutput
 from ..engine.connection import EngineConnection, RequestStream
 from ..engine.errors import EngineRefusal, EngineUnavailableError, refusal
 from .routing import PrefixRouter, choose_replica
 
 logger = logging.getLogger(__name__)
 REFRESH_S = 5.0  # how often the ingress looks for replicas Serve started or replaced
+# With no replica taking requests but some still loading (a redeploy, a scale-up
+# from a stopping one), a request waits for them this long before it is refused.
+LOADING_WAIT_S = 120.0
+LOADING_POLL_S = 0.25
 ENDPOINT_TIMEOUT_S = 10.0
 
 
@@ -44,6 +52,7 @@ class ChannelEngineClient:
         self.num_connections = itertools.count()  # each connection's own name: its keys' prefix
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.connections: dict[str, EngineConnection] = {}
+        self.loading: set[str] = set()  # replicas Serve runs whose engine still loads
         self._refreshing: asyncio.Task | None = None
         self._refresher: asyncio.Task | None = None
 
@@ -56,13 +65,19 @@ class ChannelEngineClient:
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         tried: set[str] = set()
+        stream = await self._open(request_id, prompt_token_ids, params, priority, tried)
+        return ReroutingStream(
+            self, stream, (request_id, prompt_token_ids, params, priority), tried
+        )
+
+    async def _open(self, request_id, prompt_token_ids, params, priority, tried) -> RequestStream:
         refused: EngineRefusal | None = None
         while True:
             connection = await self._pick(prompt_token_ids, tried, refused)
+            tried.add(connection.replica)
             try:
                 return await connection.open(request_id, prompt_token_ids, params, priority)
             except EngineUnavailableError as exc:  # closed, dead, draining: never started
-                tried.add(connection.replica)
                 refused = exc
                 self._unusable(connection)
 
@@ -75,6 +90,11 @@ class ChannelEngineClient:
         if not live:
             await self._refresh()
             live = self._usable(tried)
+            deadline = time.monotonic() + LOADING_WAIT_S
+            while not live and self.loading and time.monotonic() < deadline:
+                await asyncio.sleep(LOADING_POLL_S)  # a replica on its way: wait for it
+                await self._refresh()
+                live = self._usable(tried)
             if not live:
                 raise refused or self._none_left()
         loads = {replica: c.load for replica, c in live.items()}
@@ -113,9 +133,12 @@ class ChannelEngineClient:
         except Exception as exc:  # no replica at all yet
             logger.warning("looking for engine replicas failed: %s", exc)
             return
+        self.loading = {e["replica"] for e in endpoints if isinstance(e, dict) and e.get("loading")}
         for endpoint in endpoints:
-            if not isinstance(endpoint, dict) or endpoint["replica"] in self.connections:
-                continue  # a replica still loading, failed, or connected already
+            if not isinstance(endpoint, dict) or endpoint.get("loading"):
+                continue  # a replica still loading, failed or stopping
+            if endpoint["replica"] in self.connections:
+                continue
             local = endpoint["node_id"] == self.node_id
             try:
                 self.connections[endpoint["replica"]] = await EngineConnection.connect(
@@ -167,3 +190,44 @@ class ChannelEngineClient:
             self._refresher.cancel()
         for connection in list(self.connections.values()):
             connection.close()
+
+
+class ReroutingStream:
+    """A request's outputs, which move to another replica when the first one
+    fails the request before its first token because that replica died or its
+    channel closed: nothing has reached the client yet, so the client never
+    hears of it. Any other failure, or one after a token, is the client's."""
+
+    def __init__(self, client: ChannelEngineClient, stream: RequestStream, request, tried):
+        self.client = client
+        self.stream = stream
+        self.request = request  # (label, prompt_token_ids, params, priority)
+        self.tried = tried
+        self.started = False  # an output with tokens (or a finish) came through
+
+    def __aiter__(self) -> ReroutingStream:
+        return self
+
+    async def __anext__(self) -> list[EngineOutput]:
+        while True:
+            batch = await self.stream.__anext__()
+            if self.started or not self._lost_before_starting(batch):
+                self.started = True
+                return batch
+            try:
+                self.stream = await self.client._open(*self.request, self.tried)
+            except EngineRefusal:  # no other replica takes it: the failure stands
+                self.started = True
+                return batch
+
+    def _lost_before_starting(self, batch: list[EngineOutput]) -> bool:
+        last = batch[-1]
+        if last.finish_reason != "error" or any(out.token_ids for out in batch):
+            return False
+        return not self.stream.connection.usable  # dead, or its channel closed
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    def cancel(self) -> None:
+        self.stream.cancel()

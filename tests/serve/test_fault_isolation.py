@@ -74,7 +74,7 @@ async def test_a_refusing_replica_costs_no_request_and_is_never_chosen_again(rou
     client = _client(routing, [bad, *live])
     prompt = list(range(40))  # the same prefix every time: the router's favourite
     for i in range(30):
-        assert await client.open(f"r{i}", prompt, {}, 0) == f"r{i}"
+        assert (await client.open(f"r{i}", prompt, {}, 0)).stream == f"r{i}"
     assert sum(len(c.streams) for c in live) == 30
     if fault is EngineDeadError:  # it said so: skipped from then on
         assert bad.opened == ["r0"]
@@ -112,3 +112,60 @@ def test_the_prefix_router_forgets_a_replica():
     assert router.pick(list(range(16)), loads) == "a"
     assert router.forget("a") == 4 and "a" not in router.owners.values()
     assert router.forget("a") == 0
+
+
+class FakeStream:
+    def __init__(self, connection, batches):
+        self.connection, self.batches = connection, list(batches)
+        self.cancelled = False
+
+    async def __anext__(self):
+        if not self.batches:
+            raise StopAsyncIteration
+        return self.batches.pop(0)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class StreamingConnection(FakeConnection):
+    """Accepts, then streams ``batches``; ``dies`` makes it dead after its first batch."""
+
+    def __init__(self, replica, batches, dies=False):
+        super().__init__(replica)
+        self.batches, self.dies = batches, dies
+
+    async def open(self, label, prompt, params, priority):
+        self.opened.append(label)
+        stream = FakeStream(self, self.batches)
+        if self.dies:
+            self.state = DEAD
+        return stream
+
+
+async def _outputs(stream) -> list:
+    return [out async for batch in stream for out in batch]
+
+
+async def test_a_request_its_replica_loses_before_the_first_token_moves_to_another():
+    from iterserve.scheduler.messages import EngineOutput
+
+    failed = [[EngineOutput.failed("k", "the engine's workers failed")]]
+    tokens = [[EngineOutput("k", [5, 6], [], None, None, None, None)],
+              [EngineOutput("k", [7], [], None, "length", None, None)]]  # fmt: skip
+    dying = StreamingConnection("a", failed, dies=True)
+    fine = StreamingConnection("b", tokens)
+    client = _client("load", [dying, fine])
+    fine.streams = ["busy"]  # load routing picks the dying one first
+    outputs = await _outputs(await client.open("r", [1, 2], {}, 0))
+    assert [t for out in outputs for t in out.token_ids] == [5, 6, 7]
+    assert dying.opened == ["r"] and fine.opened == ["r"]
+
+    # A failure after a token, or from a replica that still serves, stands.
+    late = [tokens[0], failed[0]]
+    client = _client("load", [StreamingConnection("a", late, dies=True), fine])
+    outputs = await _outputs(await client.open("r2", [1, 2], {}, 0))
+    assert outputs[-1].finish_reason == "error"
+    client = _client("load", [StreamingConnection("a", failed)])
+    outputs = await _outputs(await client.open("r3", [1, 2], {}, 0))
+    assert outputs[-1].finish_reason == "error"
