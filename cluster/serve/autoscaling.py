@@ -61,9 +61,20 @@ class AutoscalingArgs(BaseModel):
     look_back_period_s: float = Field(
         10.0, gt=0, description="The window Serve averages each replica's signals over."
     )
+    metrics_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often each replica sends its signals to Serve's controller (Serve's "
+        "default, 10 s, would let a load wait that long before anything scales).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingArgs:
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"look_back_period_s ({self.look_back_period_s}) must be longer than "
+                f"metrics_interval_s ({self.metrics_interval_s})"
+            )
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be at least "
@@ -80,6 +91,9 @@ class AutoscalingArgs(BaseModel):
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
             "look_back_period_s": self.look_back_period_s,
+            # Serve's replicas push their metrics at this interval (the field is marked
+            # deprecated for an environment variable that the replicas do not read yet).
+            "metrics_interval_s": self.metrics_interval_s,
             "policy": {
                 "policy_function": POLICY_PATH,
                 "policy_kwargs": {

@@ -158,7 +158,8 @@ class ChannelEngineClient:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(REFRESH_S)
+            # A replica on its way (a scale-out) takes requests the moment it is up.
+            await asyncio.sleep(LOADING_POLL_S if self.loading else REFRESH_S)
             try:
                 await self._refresh()
             except Exception:  # a refresh failing now must not end the next ones

@@ -80,3 +80,13 @@ def test_the_autoscaling_args_give_serve_its_config_and_bound_the_ingress():
         AutoscalingArgs(min_replicas=3, max_replicas=2)
     with pytest.raises(ValidationError, match="target_kv_usage"):
         ServeArgs(autoscaling={"target_kv_usage": 1.5})
+
+
+def test_stats_while_a_new_replica_loads_count_it_without_failing():
+    from iterserve.cluster.openai.operations import aggregate_stats
+
+    serving = {"policy": "chunked", "num_running": 3, "slots_total": 8, "healthy": True}
+    loading = {"replica": "new", "ready": False, "healthy": True, "counters": {}}
+    stats = aggregate_stats([serving, loading], "m")
+    assert stats["num_engine_replicas"] == 2 and stats["policy"] == "chunked"
+    assert stats["num_running"] == 3 and stats["healthy"]
