@@ -13,8 +13,11 @@ tokens travel on the engine channels (:mod:`~iterserve.cluster.engine.channel`),
 request path, and with ``http_port`` set the ingress answers HTTP itself
 (:mod:`~iterserve.cluster.serve.ingress`), without Serve's proxy. The ingress routes each request to the
 replica with the fewest of its requests in flight. It takes at most what its
-engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``)
-and answers 503 beyond; each engine's own bounded queue answers 429.
+engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``,
+``max_replicas`` with ``autoscaling``) and answers 503 beyond; each engine's own
+bounded queue answers 429. With ``autoscaling`` Serve sizes the engine
+deployment on the engines' own load (:mod:`~iterserve.cluster.serve.autoscaling`);
+a replica that stops drains first (:mod:`~iterserve.cluster.engine.server`).
 ``build_app`` is the entry point of ``serve run`` configs (see
 ``deploy/serve-config.example.yaml``).
 """
