@@ -63,7 +63,21 @@ class EngineConfig:
     step_timeout_s: float = knob(
         60.0, "a step slower than this is a hung worker: restart and recompute", exclusive_minimum=0
     )
-    max_restarts: int = knob(3, "worker-group restarts before in-flight requests fail", minimum=0)
+    max_restarts: int = knob(
+        3,
+        "worker-group restarts within `restart_window_s` before in-flight requests fail and "
+        "the engine replica reports itself dead (Serve then replaces it)",
+        minimum=0,
+    )
+    restart_window_s: float = knob(
+        600.0, "the window `max_restarts` counts restarts in", exclusive_minimum=0
+    )
+    drain_timeout_s: float = knob(
+        30.0,
+        "how long a stopping engine replica (scale-down, redeploy, SIGTERM) lets its requests "
+        "run on; those still running then end with an error that says so",
+        minimum=0,
+    )
     placement_strategy: str = knob(
         "PACK",
         "Ray placement of one engine copy's ranks (`PACK`, `SPREAD` across nodes, `STRICT_*`)",

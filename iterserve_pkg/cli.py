@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import agreement, compare, loadgen, policies, prefix, shapes
+    from iterserve.bench import agreement, compare, loadgen, policies, prefix, ramp, shapes
 
     loadgen.register(benches)
     policies.register(benches)
@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.register(benches)
     shapes.register(benches)
     agreement.register(benches)
+    ramp.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"

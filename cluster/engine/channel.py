@@ -13,13 +13,17 @@ payload is one kind byte and its body::
                        ABORT  [key]
     engine -> client   ACCEPTED [key] | REFUSED [key, kind, message]
                        OUTPUTS  EngineOutputs (scheduler/codec.py)
+                       NOTICE   [state, message]
 
 Control bodies are msgpack arrays of plain types; ``OUTPUTS`` is everything
 one step produced for that client's requests, typed records encoded by the
 strict codec: the per-token cost is a few list entries, not a message. The
 ``key`` is the engine's id of the request (the client makes it unique); the
 ``label`` is the client's own name for it, for logs. A step's outputs larger
-than a frame go in several. A connection that closes aborts every request it
+than a frame go in several. ``NOTICE`` tells every client at once that the
+engine stopped taking requests (``state``: ``draining`` while it finishes what
+it has, ``dead`` once its workers are gone for good), so that no client chooses
+it again; it is sent to each connection once the state changes, and on connect. A connection that closes aborts every request it
 added, and one whose client stops reading is dropped. This module is the
 protocol and the engine's end; the client's end is :mod:`~iterserve.cluster.engine.connection`.
 """
@@ -27,6 +31,7 @@ protocol and the engine's end; the client's end is :mod:`~iterserve.cluster.engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -47,7 +52,8 @@ from ..framing import (
 
 logger = logging.getLogger(__name__)
 
-ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS = range(1, 6)
+ADD, ABORT, ACCEPTED, REFUSED, OUTPUTS, NOTICE = range(1, 7)
+SERVING, DRAINING, DEAD = "serving", "draining", "dead"  # an engine's states, as NOTICE says
 _OUTPUTS_KIND = bytes((OUTPUTS,))
 MAX_FRAME_BYTES = 64 << 20
 # A client that stops reading its outputs must not grow the engine without bound.
@@ -121,6 +127,23 @@ class EngineEndpoint:
         self.address = {"unix": path, "tcp": [self.host, port], "token": self.token.hex()}
         return self.address
 
+    def notify(self, state: str, message: str) -> None:
+        """Tells every client the engine's new state (``draining``, ``dead``)."""
+        notice = encode(NOTICE, [state, message])
+        for writer in list(self.writers):
+            if not writer.is_closing():
+                writer.write(notice)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Waits (up to ``timeout_s``) until every client took what was written to it."""
+        writers = [w for w in self.writers if not w.is_closing()]
+        if writers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.gather(*(w.drain() for w in writers), return_exceptions=True),
+                    timeout_s,
+                )
+
     def close(self) -> None:
         """Stops listening and closes every connection: their clients end the
         requests on them with an error."""
@@ -141,6 +164,9 @@ class EngineEndpoint:
         self.next_client += 1
         client = f"{name}#{self.next_client}"
         self.writers.add(writer)
+        state = self.core.state
+        if state[0] != SERVING:  # a client connecting late learns it at once
+            writer.write(encode(NOTICE, list(state)))
         outputs = self.core.outputs
         outputs.attach(client, lambda batch: self._send(writer, batch))
         try:

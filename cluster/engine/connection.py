@@ -19,8 +19,10 @@ from .channel import (
     ABORT,
     ACCEPTED,
     ADD,
+    NOTICE,
     OUTPUTS,
     REFUSED,
+    SERVING,
     encode,
     read_message,
 )
@@ -82,12 +84,23 @@ class RequestStream:
 class EngineConnection:
     """A client's connection to one engine: it opens requests (named
     ``<name>.<n>``, unique as the client's name is), and a reader task hands
-    each step's outputs to their requests' streams."""
+    each step's outputs to their requests' streams. ``state`` is the engine's
+    as its last ``NOTICE`` said (``serving`` until one arrives); ``on_notice``
+    hears each."""
 
     def __init__(
-        self, name: str, replica: str, reader, writer, on_close: Callable[[EngineConnection], None]
+        self,
+        name: str,
+        replica: str,
+        reader,
+        writer,
+        on_close: Callable[[EngineConnection], None],
+        on_notice: Callable[[EngineConnection], None] = lambda connection: None,
     ):
         self.name = name
+        self.state = SERVING
+        self.state_message = ""
+        self.on_notice = on_notice
         self.replica = replica
         self.reader, self.writer = reader, writer
         self.keys = itertools.count()
@@ -99,17 +112,27 @@ class EngineConnection:
 
     @classmethod
     async def connect(
-        cls, endpoint: dict, name: str, local: bool, on_close=lambda connection: None
+        cls,
+        endpoint: dict,
+        name: str,
+        local: bool,
+        on_close=lambda connection: None,
+        on_notice=lambda connection: None,
     ) -> EngineConnection:
         """Connects to the engine that published ``endpoint`` (its ``address`` with
         ``replica``): by its Unix socket when ``local``, else by TCP."""
         address = ("unix", endpoint["unix"]) if local else ("tcp", *endpoint["tcp"])
         reader, writer = await connect(address, bytes.fromhex(endpoint["token"]), name)
-        return cls(name, endpoint.get("replica", ""), reader, writer, on_close)
+        return cls(name, endpoint.get("replica", ""), reader, writer, on_close, on_notice)
 
     @property
     def load(self) -> int:
         return len(self.streams) + len(self.pending)
+
+    @property
+    def usable(self) -> bool:
+        """Open, and its engine takes new requests (not draining, not dead)."""
+        return not self.closed and self.state == SERVING
 
     def send(self, kind: int, body: list) -> None:
         if not self.closed:
@@ -152,6 +175,9 @@ class EngineConnection:
                             stream.feed(output)
                             if output.finish_reason is not None:  # nothing follows its end
                                 del streams[output.request_id]
+                elif kind == NOTICE and len(body) == 2:
+                    self.state, self.state_message = str(body[0]), str(body[1])
+                    self.on_notice(self)
                 elif kind in (ACCEPTED, REFUSED) and body:
                     answer = self.pending.pop(body[0], None)
                     if answer is not None and not answer.done():

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,12 @@ from ..metrics.engine import EngineMetrics
 from ..metrics.recorder import MetricsRecorder
 from ..ranks.executors import ExecutorFactory
 from ..ranks.group import WorkerFailure, WorkerGroup
-from .channel import EngineEndpoint
+from .channel import DEAD, DRAINING, SERVING, EngineEndpoint
 from .errors import (
     ContextLengthError,
     EngineBusyError,
     EngineDeadError,
+    EngineDrainingError,
     InvalidRequestError,
 )
 from .intake import checked_request
@@ -56,6 +58,30 @@ logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
 # family through Ray, which at once a second cost the engine a few percent of its CPU.
 METRICS_PUSH_INTERVAL_S = 5.0
+DRAIN_POLL_S = 0.05  # how often a draining engine looks whether its last request ended
+FLUSH_TIMEOUT_S = 5.0  # what a drained engine waits for its clients to take their last outputs
+
+
+class RestartBudget:
+    """At most ``max_restarts`` worker-group restarts within any ``window_s``
+    seconds: failures spread over a long life never add up to the end of the
+    engine, a crash loop does."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock=time.monotonic):
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.clock = clock
+        self.times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Records a restart and returns True, or False when the window's are spent."""
+        now = self.clock()
+        while self.times and now - self.times[0] >= self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.max_restarts:
+            return False
+        self.times.append(now)
+        return True
 
 
 class EngineCore:
@@ -97,7 +123,9 @@ class EngineCore:
         self.step_lock = asyncio.Lock()
         self.last_result_at = 0.0
         self.dead_reason: str | None = None
+        self.draining = False  # stopping: finishing what it has, taking nothing new
         self.num_restarts = 0
+        self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -144,6 +172,49 @@ class EngineCore:
             # What the ranks compute in and why ("auto" is decided on their device).
             **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
         }
+
+    @property
+    def state(self) -> tuple[str, str]:
+        """``(state, message)``: ``serving``, ``draining`` or ``dead``, as the
+        engine channel's ``NOTICE`` tells clients."""
+        if self.dead_reason is not None:
+            return DEAD, self.dead_reason
+        if self.draining:
+            return DRAINING, "the engine replica is stopping"
+        return SERVING, ""
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stops taking requests and tells every client so at once, lets the ones
+        it has run to their end for up to ``timeout_s``, then ends those still
+        running with an error that says the drain ran out (each client gets its
+        requests' last outputs before this returns). Returns how many requests
+        ``finished`` and how many were ``cut`` at the deadline."""
+        if not self.draining:
+            self.draining = True
+            if self.endpoint is not None and self.dead_reason is None:
+                self.endpoint.notify(*self.state)
+        if self.scheduler is None:  # never started
+            return {"finished": 0, "cut": 0}
+        at_start = len(self.scheduler.requests)
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.requests and self.dead_reason is None:
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        cut = 0
+        if self.scheduler.requests and self.dead_reason is None:
+            async with self.step_lock:
+                with contextlib.suppress(WorkerFailure):
+                    await self._drain()  # the steps in flight: their tokens still go out
+                cut = len(self.scheduler.requests)
+                self._end_all(
+                    f"the engine replica is stopping and its drain_timeout_s ({timeout_s:g} s) "
+                    "ran out before this request finished; retry it"
+                )
+        self.outputs.flush()
+        if self.endpoint is not None:
+            await self.endpoint.flush(FLUSH_TIMEOUT_S)
+        return {"finished": max(0, at_start - cut), "cut": cut}
 
     async def shutdown(self) -> None:
         for task in (self.loop_task, self.push_task):
@@ -237,8 +308,12 @@ class EngineCore:
             if exc.generation != self.workers.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
             self.scheduler.requeue_running()  # the steps in flight were lost with the workers
-            if self.num_restarts >= self.config.max_restarts:
-                self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
+            if not self.restarts.take():
+                window = self.config.restart_window_s
+                self._fail_all(
+                    f"the engine's workers failed and could not be restarted "
+                    f"({self.config.max_restarts} restarts within {window:g} s): {exc}"
+                )
                 await self.workers.stop()
                 return
             self.num_restarts += 1
@@ -260,11 +335,19 @@ class EngineCore:
             logger.exception("stopping the workers failed")
 
     def _fail_all(self, message: str) -> None:
-        """Ends every request with an error, each ended in the scheduler and its
-        failure sent on its own: a scheduler whose state is broken cannot keep the
-        others from ending. The first reason is the one the engine keeps reporting."""
+        """Ends every request with an error and the engine with them: from now on
+        it refuses every request, and every client is told at once (``dead``).
+        The first reason is the one the engine keeps reporting."""
         if self.dead_reason is None:
             self.dead_reason = message
+            if self.endpoint is not None:
+                self.endpoint.notify(*self.state)
+        self._end_all(message)
+
+    def _end_all(self, message: str) -> None:
+        """Ends every request with an error, each ended in the scheduler and its
+        failure sent on its own: a scheduler whose state is broken cannot keep the
+        others from ending."""
         for request in list(self.scheduler.requests.values()):
             try:
                 self.scheduler.finish_with_error(request.request_id)
@@ -311,6 +394,8 @@ class EngineCore:
         own name for the request, for logs; it may repeat."""
         if self.dead_reason is not None:
             return (EngineDeadError.kind, self.dead_reason)
+        if self.draining:
+            return (EngineDrainingError.kind, self.state[1])
         try:
             request = checked_request(
                 request_id,
@@ -357,9 +442,31 @@ class EngineCore:
             **self.scheduler.stats(),
             **self.metrics.totals(),
             "healthy": self.dead_reason is None,
+            "state": self.state[0],
             "worker_restarts": self.num_restarts,
             "rank_links": self.workers.links,
             "max_model_len": self.max_model_len,
+        }
+
+    def autoscaling_stats(self, window_s: float = 10.0) -> dict[str, float]:
+        """The load signals Serve's autoscaler reads (``record_autoscaling_stats``):
+        requests waiting and running, the share of KV blocks in use, and the time
+        to first token: the mean of the last ``window_s`` seconds' first tokens, or
+        the age of the longest-waiting request when that is longer."""
+        if self.scheduler is None:
+            return {"num_waiting": 0.0, "num_running": 0.0, "kv_usage": 0.0, "ttft_s": 0.0}
+        now = time.monotonic()
+        recent = [ttft for at, ttft in self.recorder.recent_ttft if now - at <= window_s]
+        ttft = sum(recent) / len(recent) if recent else 0.0
+        oldest = self.scheduler.waiting.oldest_arrival()
+        if oldest is not None:
+            ttft = max(ttft, now - oldest)
+        stats = self.scheduler.stats()
+        return {
+            "num_waiting": float(stats["num_waiting"]),
+            "num_running": float(stats["num_running"]),
+            "kv_usage": float(stats["kv_usage"]),
+            "ttft_s": float(ttft),
         }
 
     async def metrics_text(self) -> bytes:

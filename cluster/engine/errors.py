@@ -55,6 +55,12 @@ class EngineDeadError(EngineUnavailableError):
     kind = "engine_dead"
 
 
+class EngineDrainingError(EngineUnavailableError):
+    """The engine is stopping: it finishes what it has and takes nothing new."""
+
+    kind = "draining"
+
+
 _BY_KIND = {
     cls.kind: cls
     for cls in (
@@ -63,6 +69,7 @@ _BY_KIND = {
         EngineBusyError,
         EngineUnavailableError,
         EngineDeadError,
+        EngineDrainingError,
     )
 }
 

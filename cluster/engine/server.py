@@ -5,6 +5,16 @@ owns that core's worker actors. Serve starts, places, health-checks and
 replaces the replicas; requests and their tokens reach a replica over the
 engine channels its ingresses open (:mod:`~iterserve.cluster.engine.channel`), never through
 Serve's request path.
+
+A replica that stops (Serve scales it down, a redeploy replaces it, the server
+shuts down) drains first (:meth:`EngineCore.drain`): every ingress hears at
+once that it takes nothing new, and its requests run on for up to the config's
+``drain_timeout_s``. Serve's own wait for a stopping replica counts only the
+requests that come through its handles, none of ours, so the drain happens in
+the replica's destructor, which Serve gives ``drain_timeout_s`` and a margin.
+The same replica reports its load to Serve's autoscaler
+(:meth:`EngineServer.record_autoscaling_stats`,
+:mod:`~iterserve.cluster.serve.autoscaling`).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ class EngineServer:
         metrics_hub: str,
         executor: ExecutorFactory | None = None,
     ):
+        self.drain_timeout_s = config.drain_timeout_s
         self.core = EngineCore(
             config,
             model_name=model_name,
@@ -73,8 +84,11 @@ class EngineServer:
 
     def endpoint(self) -> dict | None:
         """Where ingresses connect (and the token they present), once the engine is
-        up; None while it loads."""
-        if not self.started.done() or self.started.exception() is not None:
+        up; ``{"replica", "loading": True}`` while it loads (an ingress with no
+        other replica waits for it); None when it failed to start or is stopping."""
+        if not self.started.done():
+            return {"replica": self.replica, "loading": True}
+        if self.started.exception() is not None or self.core.draining:
             return None
         return {**self.started.result()["endpoint"], "replica": self.replica}
 
@@ -123,8 +137,26 @@ class EngineServer:
         if not status["healthy"]:
             raise RuntimeError(status["message"])
 
+    async def drain(self) -> dict:
+        """Stops taking requests and waits until those it has end (at most
+        ``drain_timeout_s``); see :meth:`EngineCore.drain`. The replica keeps
+        answering health checks and stats meanwhile."""
+        if not self.started.done() or self.started.exception() is not None:
+            self.core.draining = True
+            return {"finished": 0, "cut": 0}
+        return await self.core.drain(self.drain_timeout_s)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load, as Serve's autoscaling policy reads it."""
+        return self.core.autoscaling_stats()
+
     async def __del__(self) -> None:
         if self.started.done() and self.started.exception() is None:
+            try:
+                drained = await self.core.drain(self.drain_timeout_s)
+                logger.info("engine replica %s drained: %s", self.replica, drained)
+            except Exception:
+                logger.exception("draining engine replica %s failed", self.replica)
             await self.core.shutdown()
         else:
             self.started.cancel()

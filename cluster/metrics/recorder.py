@@ -11,6 +11,7 @@ one table of its requests is the scheduler's.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from ...scheduler import (
     FinishReason,
@@ -22,6 +23,8 @@ from ...scheduler import (
 )
 from .engine import EngineMetrics
 
+RECENT_TTFT = 256  # first tokens the autoscaler's TTFT signal remembers
+
 
 class MetricsRecorder:
     def __init__(self, metrics: EngineMetrics):
@@ -29,6 +32,8 @@ class MetricsRecorder:
         self._num_preemptions = 0
         self._num_recomputed = 0
         self._prefix = (0, 0, 0)  # queries, hits, evictions recorded so far
+        # (when, seconds) of recent first tokens: the autoscaler's TTFT signal
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)
 
     def admitted(self, request: Request) -> None:
         self.metrics.on_prompt(request.num_prompt_tokens)
@@ -99,6 +104,7 @@ class MetricsRecorder:
                         queue_s=scheduled - arrival, prefill_s=now - scheduled, ttft_s=now - arrival
                     )
                     request.first_token_time = now
+                    self.recent_ttft.append((now, now - arrival))
                 else:
                     itl = [(now - request.last_token_time) / n] * n
                 request.last_token_time = now

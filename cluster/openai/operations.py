@@ -69,12 +69,13 @@ def _ratio(used: int, total: int) -> float:
 def aggregate_stats(replicas: list[dict], model: str) -> dict:
     """The engine replicas' stats summed into one view, each replica's kept too."""
     total = {key: sum(r.get(key, 0) for r in replicas) for key in _SUMMED_STATS}
-    policies = sorted({r.get("policy") for r in replicas})
+    # A replica still loading has no policy yet (nor any other figure).
+    policies = sorted({r["policy"] for r in replicas if r.get("policy")})
     return {
         "object": "engine.stats",
         "model": model,
         "num_engine_replicas": len(replicas),
-        "policy": policies[0] if len(policies) == 1 else policies,
+        "policy": policies[0] if len(policies) == 1 else policies or None,
         **total,
         "slot_utilization": _ratio(total["slots_used"], total["slots_total"]),
         "kv_usage": _ratio(total["kv_blocks_used"], total["kv_blocks_total"]),

@@ -13,8 +13,11 @@ tokens travel on the engine channels (:mod:`~iterserve.cluster.engine.channel`),
 request path, and with ``http_port`` set the ingress answers HTTP itself
 (:mod:`~iterserve.cluster.serve.ingress`), without Serve's proxy. The ingress routes each request to the
 replica with the fewest of its requests in flight. It takes at most what its
-engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``)
-and answers 503 beyond; each engine's own bounded queue answers 429.
+engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``,
+``max_replicas`` with ``autoscaling``) and answers 503 beyond; each engine's own
+bounded queue answers 429. With ``autoscaling`` Serve sizes the engine
+deployment on the engines' own load (:mod:`~iterserve.cluster.serve.autoscaling`);
+a replica that stops drains first (:mod:`~iterserve.cluster.engine.server`).
 ``build_app`` is the entry point of ``serve run`` configs (see
 ``deploy/serve-config.example.yaml``).
 """
@@ -32,12 +35,16 @@ from ..engine.server import EngineServer
 from ..metrics.hub import HUB_NAME
 from ..ranks.executors import ExecutorFactory
 from . import resources
+from .autoscaling import AutoscalingArgs
 from .ingress import OpenAIIngress
 
 ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
 # How often a stopping replica checks whether its last request has ended (Serve's
 # default of 2 s made every shutdown take seconds longer than its requests).
 SHUTDOWN_POLL_S = 0.25
+# What a stopping replica gets beyond drain_timeout_s before Serve kills it: the
+# last outputs' flush, the workers' shutdown.
+SHUTDOWN_MARGIN_S = 15.0
 
 
 def metrics_hub_name(model_name: str) -> str:
@@ -57,6 +64,11 @@ class ServeArgs(BaseModel):
         default_factory=dict, description="EngineConfig keys (policy, max_num_seqs, ...)."
     )
     num_engine_replicas: int = Field(1, ge=1, description="Data-parallel engine copies.")
+    autoscaling: AutoscalingArgs | None = Field(
+        None,
+        description="Engine replicas between min_replicas and max_replicas on the engines' "
+        "load (cluster/serve/autoscaling.py); unset: num_engine_replicas, fixed.",
+    )
     api_key_env: str | None = Field(
         None, description="Environment variable holding the API key; unset: no auth."
     )
@@ -122,10 +134,25 @@ class ServeArgs(BaseModel):
     def served_model_name(self, config: EngineConfig) -> str:
         return self.model_name or Path(config.model_path).name
 
+    @property
+    def initial_engine_replicas(self) -> int:
+        """Engine replicas at start (what a rank's derived CPU share is sized for:
+        with autoscaling, replicas beyond the minimum go to nodes the cluster adds)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.min_replicas
+        return self.num_engine_replicas
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """The most engine replicas there can be: the fixed count, or the autoscaler's bound."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        return self.num_engine_replicas
+
     def max_ongoing_requests(self, config: EngineConfig) -> int:
         """What the ingress takes at once: what its engines can hold or refuse."""
         per_engine = config.scheduler.max_queue_len + config.scheduler.max_num_seqs
-        return self.num_engine_replicas * (per_engine + ENGINE_HEADROOM)
+        return self.max_engine_replicas * (per_engine + ENGINE_HEADROOM)
 
 
 def build_app(args: dict[str, Any] | ServeArgs) -> Application:
@@ -141,12 +168,21 @@ def build_application(
     instead of the model (:mod:`~iterserve.cluster.ranks.executors`), which no
     config can ask for."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
-    config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
+    config = resources.resolve(
+        args.engine_config(), num_engine_replicas=args.initial_engine_replicas
+    )
     name = args.served_model_name(config)
+    if args.autoscaling is not None:
+        scaling: dict[str, Any] = {
+            "autoscaling_config": args.autoscaling.serve_config(config.scheduler.max_num_seqs)
+        }
+    else:
+        scaling = {"num_replicas": args.num_engine_replicas}
     engine = EngineServer.options(
-        num_replicas=args.num_engine_replicas,
+        **scaling,
         health_check_period_s=args.health_check_period_s,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        graceful_shutdown_timeout_s=config.drain_timeout_s + SHUTDOWN_MARGIN_S,
         # A health check pings through the step lock: it may wait out one slow step.
         health_check_timeout_s=config.step_timeout_s + 30,
         # The scheduler and its ranks reserved together: with PACK they share a node,
@@ -160,6 +196,7 @@ def build_application(
     ingress = OpenAIIngress.options(
         ray_actor_options={"num_cpus": args.ingress_cpus},
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
+        graceful_shutdown_timeout_s=config.drain_timeout_s + SHUTDOWN_MARGIN_S,
         max_ongoing_requests=bound,
         max_queued_requests=bound,
     )

@@ -4,7 +4,10 @@
 dashboard; Ray listens on loopback, see docs/reliability.md), starts Serve's
 HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve.app.build_app`
 at ``/``, waits until every engine replica has loaded its model, prints the URL
-and serves until Ctrl-C or SIGTERM, then stops Serve and Ray within seconds.
+and serves until Ctrl-C or SIGTERM. Then it drains: every engine replica stops
+taking requests (new ones get 503 with Retry-After) and finishes those it has,
+streams included, for up to ``drain_timeout_s`` (30 s by default); then it
+stops Serve and Ray within seconds.
 
 Ray starts its workers at nice 15 by default; the Ray started here runs them at
 nice 0 (``worker_niceness``), like any server process, so a client or a batch
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
 SERVE_SHUTDOWN_S = 5.0  # what Serve gets to stop its deployments before Ray goes
+DRAIN_MARGIN_S = 10.0  # beyond drain_timeout_s: the last outputs reach their clients
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -145,8 +149,8 @@ def run_server(
         pass
     finally:
         if block:
-            print("iterserve: shutting down", flush=True)
-            _shutdown(stop_ray=started_ray)
+            print("iterserve: draining, then shutting down", flush=True)
+            _shutdown(stop_ray=started_ray, drain_timeout_s=args.engine_config().drain_timeout_s)
             signal.signal(signal.SIGTERM, previous)
     return url
 
@@ -156,7 +160,7 @@ def _check_before_starting(args) -> str:
     starts; returns the served model's name."""
     from . import resources
 
-    replicas = args.num_engine_replicas
+    replicas = args.initial_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
     resources.check_fits(checked, num_engine_replicas=replicas, ingress_cpus=args.ingress_cpus)
     return args.served_model_name(checked)
@@ -186,15 +190,18 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _shutdown(stop_ray: bool) -> None:
-    """Stops Serve (bounded: its controller may wait out drains and timeouts), then
-    the Ray this process started, which takes every Ray process with it. Signals
-    wait meanwhile: a second SIGTERM or Ctrl-C must not cut this short."""
+def _shutdown(stop_ray: bool, drain_timeout_s: float = 0.0) -> None:
+    """Drains every engine replica (bounded by ``drain_timeout_s``: they finish
+    what they have while the ingress answers new requests 503), stops Serve
+    (bounded: its controller may wait out timeouts), then the Ray this process
+    started, which takes every Ray process with it. Signals wait meanwhile: a
+    second SIGTERM or Ctrl-C must not cut this short."""
     import ray
     from ray import serve
 
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        _drain_engines(drain_timeout_s)
         stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
         stopper.start()
         stopper.join(SERVE_SHUTDOWN_S)
@@ -203,6 +210,22 @@ def _shutdown(stop_ray: bool) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _drain_engines(timeout_s: float) -> None:
+    from ray import serve
+
+    try:
+        engines = serve.get_deployment_handle("EngineServer", APP_NAME)
+        drained = engines.broadcast("drain").results(timeout_s=timeout_s + DRAIN_MARGIN_S)
+    except Exception as exc:  # nothing deployed yet, or Serve already gone
+        print(f"iterserve: draining skipped: {type(exc).__name__}: {exc}", flush=True)
+        return
+    finished = sum(d.get("finished", 0) for d in drained if isinstance(d, dict))
+    cut = sum(d.get("cut", 0) for d in drained if isinstance(d, dict))
+    print(
+        f"iterserve: drained: {finished} requests finished, {cut} cut at the deadline", flush=True
+    )
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

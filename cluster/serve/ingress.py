@@ -7,14 +7,23 @@ two processes (rank → engine replica → ingress → client) instead of four, 
 no Ray message is sent per token at all. Several replicas on one node share
 the port (``SO_REUSEPORT``). Without ``http_port`` the same ASGI app sits
 behind Serve's proxy, as any Serve ingress.
+
+A stopping ingress (a redeploy, the server's shutdown) keeps accepting until
+another replica of its deployment runs (a redeploy starts its successor at the
+same moment, on the same port, which they share), or the app is being deleted,
+or ``drain_timeout_s`` passed; then it stops accepting and lets the connections
+it has finish their responses, streams included, for up to ``drain_timeout_s``
+and a margin before it closes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import time
 
 from ray import serve
 
@@ -29,6 +38,8 @@ from .routing import PrefixRouter
 
 logger = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
+DRAIN_MARGIN_S = 5.0  # beyond drain_timeout_s: the last outputs travel to their clients
+LINGER_POLL_S = 0.5  # how often a stopping ingress looks whether its successor runs
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -43,6 +54,20 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _successor_runs() -> bool:
+    """Whether a stopping ingress may stop accepting: another replica of its
+    deployment runs, or none will (the app is being deleted, or Serve cannot say)."""
+    try:
+        context = serve.get_replica_context()
+        app = serve.status().applications.get(context.app_name)
+        if app is None or app.status == "DELETING":
+            return True
+        deployment = app.deployments.get(context.deployment)
+        return deployment is None or deployment.replica_states.get("RUNNING", 0) > 0
+    except Exception:  # outside Serve, or Serve going away
+        return True
+
+
 @serve.deployment(ray_actor_options={"num_cpus": resources.INGRESS_CPUS})
 @serve.ingress()
 class OpenAIIngress:
@@ -53,6 +78,8 @@ class OpenAIIngress:
         from .app import metrics_hub_name
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
+        self.server_task: asyncio.Task | None = None
+        self.drain_timeout_s = config.drain_timeout_s
         api_key = None
         if args.api_key_env is not None:
             # The key is read here, on the ingress's node, and never travels in configs.
@@ -105,7 +132,13 @@ class OpenAIIngress:
         import uvicorn
 
         config = uvicorn.Config(
-            self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_keep_alive=30
+            self.asgi,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            # On stopping: responses in flight (streams the engines drain) finish first.
+            timeout_graceful_shutdown=self.drain_timeout_s + DRAIN_MARGIN_S,
         )
         self.server = uvicorn.Server(config)
         try:
@@ -123,5 +156,13 @@ class OpenAIIngress:
 
     async def __del__(self) -> None:
         if self.server is not None:
+            deadline = time.monotonic() + self.drain_timeout_s
+            while time.monotonic() < deadline and not await asyncio.to_thread(_successor_runs):
+                await asyncio.sleep(LINGER_POLL_S)
             self.server.should_exit = True
+            if self.server_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(
+                        asyncio.shield(self.server_task), self.drain_timeout_s + DRAIN_MARGIN_S
+                    )
         self.engines.close()

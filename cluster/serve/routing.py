@@ -83,6 +83,14 @@ class PrefixRouter:
         self._record(hashes, choice)
         return choice
 
+    def forget(self, replica: str) -> int:
+        """Drops every block recorded as ``replica``'s (it is gone, dead or
+        draining); returns how many."""
+        gone = [h for h, owner in self.owners.items() if owner == replica]
+        for h in gone:
+            del self.owners[h]
+        return len(gone)
+
     def _record(self, hashes: list[bytes], replica: str) -> None:
         owners = self.owners
         for h in hashes:

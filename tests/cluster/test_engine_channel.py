@@ -19,6 +19,8 @@ from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 class StubCore:
     """What the endpoint needs of an EngineCore."""
 
+    state = ("serving", "")
+
     def __init__(self):
         self.outputs = OutputBuffers()
         self.added: list[tuple] = []

@@ -60,6 +60,7 @@ def test_the_map_is_bounded_oldest_first():
 class FakeConnection:
     def __init__(self, replica: str, load: int):
         self.replica, self.load, self.closed = replica, load, False
+        self.usable = True
         self.added: list[str] = []
 
     async def open(self, label, prompt_token_ids, params, priority):

@@ -65,6 +65,22 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["serve.numEngineReplicas (3) is not satisfiable", "raise worker.maxReplicas"],
     ),
     (
+        "engine-autoscaling-beyond-the-pods",
+        {"serve": {"engineAutoscaling": {"enabled": True, "maxReplicas": 3}}},
+        ["serve.engineAutoscaling.maxReplicas (3) is not satisfiable", "raise worker.replicas"],
+    ),
+    (
+        "engine-autoscaling-min-above-max",
+        {"serve": {"engineAutoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}},
+        ["serve.engineAutoscaling.minReplicas (3) is larger than"],
+    ),
+    (
+        "incremental-upgrade-without-gateway",
+        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade"}},
+        ["needs upgrade.gatewayClassName"],
+    ),
+    ("unknown-upgrade-strategy", {"upgrade": {"strategy": "Rolling"}}, ["/upgrade/strategy"]),
+    (
         "no-model-source",
         {"model": NO_PVC},
         ["no model source", "model.pvc.claimName", "model.copy.url", "model.copy.volume"],

@@ -146,7 +146,8 @@ def test_head_does_no_gpu_work_and_workers_get_their_gpus(renders, variant) -> N
     assert group["rayStartParams"]["num-gpus"] == str(gpus)
     tp = rendered.app_args["config"]["tensor_parallel_size"]
     assert gpus % tp == 0
-    copies = rendered.app_args["num_engine_replicas"]
+    args = rendered.app_args
+    copies = args.get("autoscaling", {}).get("max_replicas", args["num_engine_replicas"])
     pods = group["maxReplicas"] if cluster["enableInTreeAutoscaling"] else group["replicas"]
     assert copies <= pods * (gpus // tp)
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]

@@ -26,7 +26,7 @@ else:  # pragma: no cover
 IMPORT_PATH = "iterserve.cluster.serve.app:build_app"
 APP_ARGS = {
     "model", "config", "num_engine_replicas", "api_key_env", "max_body_bytes", "http_host",
-    "http_port", "request_timeout_s",
+    "http_port", "request_timeout_s", "autoscaling",
 }  # fmt: skip
 EXAMPLE = REPO_ROOT / "deploy" / "serve-config.yaml"
 
@@ -163,3 +163,43 @@ def test_a_zero_step_budget_is_left_to_the_engine(render) -> None:
     config = render({"engine": {"maxNumBatchedTokens": 0}}).app_args["config"]
     assert "max_num_batched_tokens" not in config
     _check_engine_config(config)
+
+
+def test_engine_autoscaling_values_become_the_apps_autoscaling(render) -> None:
+    from iterserve.cluster.serve.app import ServeArgs
+    from iterserve.cluster.serve.autoscaling import POLICY_PATH
+
+    rendered = render(
+        {
+            "serve": {"engineAutoscaling": {"enabled": True, "maxReplicas": 3, "targetTtftS": 1.0}},
+            "autoscaling": {"enabled": True},
+            "worker": {"maxReplicas": 3},
+        }
+    )
+    args = ServeArgs.model_validate(rendered.app_args)
+    assert args.autoscaling is not None
+    assert (args.autoscaling.min_replicas, args.autoscaling.max_replicas) == (1, 3)
+    serve_config = args.autoscaling.serve_config(max_num_seqs=128)
+    assert serve_config["policy"]["policy_function"] == POLICY_PATH
+    assert serve_config["policy"]["policy_kwargs"] == {
+        "target_ongoing_requests": 128,  # 0 in the chart: the engine's max_num_seqs
+        "target_kv_usage": 0.9,
+        "target_ttft_s": 1.0,
+    }
+    assert rendered.rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    # Off by default: a fixed count of engine replicas.
+    assert "autoscaling" not in render({}).app_args
+
+
+def test_upgrade_strategy_values_reach_the_rayservice(render) -> None:
+    assert render({}).rayservice["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    spec = render(
+        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade", "gatewayClassName": "istio"}}
+    ).rayservice["spec"]["upgradeStrategy"]
+    assert spec["type"] == "NewClusterWithIncrementalUpgrade"
+    assert spec["clusterUpgradeOptions"] == {
+        "gatewayClassName": "istio",
+        "stepSizePercent": 25,
+        "intervalSeconds": 60,
+        "maxSurgePercent": 25,
+    }

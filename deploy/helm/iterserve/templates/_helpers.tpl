@@ -98,10 +98,17 @@ message naming the values to change.
 {{- fail (printf "worker.replicas (%d) must lie between worker.minReplicas (%d) and worker.maxReplicas (%d)" (int $w.replicas) (int $w.minReplicas) (int $w.maxReplicas)) }}
 {{- end }}
 {{- $pods := ternary (int $w.maxReplicas) (int $w.replicas) .Values.autoscaling.enabled }}
-{{- $copies := int .Values.serve.numEngineReplicas }}
+{{- $ea := .Values.serve.engineAutoscaling }}
+{{- if and $ea.enabled (gt (int $ea.minReplicas) (int $ea.maxReplicas)) }}
+{{- fail (printf "serve.engineAutoscaling.minReplicas (%d) is larger than serve.engineAutoscaling.maxReplicas (%d)" (int $ea.minReplicas) (int $ea.maxReplicas)) }}
+{{- end }}
+{{- if and (eq .Values.upgrade.strategy "NewClusterWithIncrementalUpgrade") (not .Values.upgrade.gatewayClassName) }}
+{{- fail "upgrade.strategy NewClusterWithIncrementalUpgrade needs upgrade.gatewayClassName (a GatewayClass of the cluster's Gateway API)" }}
+{{- end }}
+{{- $copies := ternary (int $ea.maxReplicas) (int .Values.serve.numEngineReplicas) $ea.enabled }}
 {{- $capacity := mul $pods (div $gpus $tp) }}
 {{- if gt $copies $capacity }}
-{{- fail (printf "serve.numEngineReplicas (%d) is not satisfiable: %d engine copies of engine.tensorParallelSize %d need %d GPUs, but %d worker pod(s) with %d GPU(s) each hold at most %d; raise worker.%s or worker.gpus, or lower serve.numEngineReplicas" $copies $copies $tp (mul $copies $tp) $pods $gpus $capacity (ternary "maxReplicas" "replicas" .Values.autoscaling.enabled)) }}
+{{- fail (printf "%s (%d) is not satisfiable: %d engine copies of engine.tensorParallelSize %d need %d GPUs, but %d worker pod(s) with %d GPU(s) each hold at most %d; raise worker.%s or worker.gpus, or lower it" (ternary "serve.engineAutoscaling.maxReplicas" "serve.numEngineReplicas" $ea.enabled) $copies $copies $tp (mul $copies $tp) $pods $gpus $capacity (ternary "maxReplicas" "replicas" .Values.autoscaling.enabled)) }}
 {{- end }}
 {{- $e := .Values.engine }}
 {{- if and (gt (int $e.maxNumBatchedTokens) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxNumSeqs)) }}
@@ -157,6 +164,8 @@ The Serve config (serveConfigV2) as YAML.
   "kv_memory_fraction" (float64 $e.kvMemoryFraction)
   "step_timeout_s" (float64 $e.stepTimeoutS)
   "max_restarts" (int $e.maxRestarts)
+  "restart_window_s" (float64 $e.restartWindowS)
+  "drain_timeout_s" (float64 $e.drainTimeoutS)
   "placement_strategy" $e.placementStrategy
   "async_scheduling" $e.asyncScheduling
 }}
@@ -179,6 +188,21 @@ The Serve config (serveConfigV2) as YAML.
 }}
 {{- if .Values.apiKey.enabled }}
 {{- $_ := set $args "api_key_env" .Values.apiKey.envName }}
+{{- end }}
+{{- $ea := .Values.serve.engineAutoscaling }}
+{{- if $ea.enabled }}
+{{- $scaling := dict
+  "min_replicas" (int $ea.minReplicas)
+  "max_replicas" (int $ea.maxReplicas)
+  "target_kv_usage" (float64 $ea.targetKvUsage)
+  "target_ttft_s" (float64 $ea.targetTtftS)
+  "upscale_delay_s" (float64 $ea.upscaleDelayS)
+  "downscale_delay_s" (float64 $ea.downscaleDelayS)
+}}
+{{- if gt (int $ea.targetOngoingRequests) 0 }}
+{{- $_ := set $scaling "target_ongoing_requests" (int $ea.targetOngoingRequests) }}
+{{- end }}
+{{- $_ := set $args "autoscaling" $scaling }}
 {{- end }}
 {{- $app := dict
   "name" .Values.serve.appName
