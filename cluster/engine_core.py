@@ -32,6 +32,7 @@ import ray
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.gc_pauses import freeze_startup_objects
 from iterserve.cluster.intake import checked_request
+from iterserve.cluster.lora import EngineAdapters
 from iterserve.cluster.metrics import EngineMetrics
 from iterserve.cluster.outputs import OutputBuffers, Record
 from iterserve.cluster.recorder import MetricsRecorder
@@ -45,6 +46,7 @@ from iterserve.scheduler import (
     ScheduledStep,
     Scheduler,
 )
+from iterserve.scheduler.adapters import AdapterNotFoundError
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -106,6 +108,8 @@ class EngineCore:
             ),
             kv_window=info.get("kv_window"),
         )
+        self.adapters = EngineAdapters(self.config, self.scheduler, self.metrics.model_name)
+        self.adapters.load_configured()
         self.recorder.state(self.scheduler)
         freeze_startup_objects()
         loop = asyncio.get_running_loop()
@@ -309,6 +313,8 @@ class EngineCore:
             return ("queue_full", str(exc))
         except PromptTooLongError as exc:
             return ("prompt_too_long", str(exc))
+        except AdapterNotFoundError as exc:
+            return ("model_not_found", f"The model '{exc.args[0]}' does not exist")
         except (SamplingParamsError, ValueError, TypeError) as exc:
             return ("invalid", str(exc))
         self.outputs.own(request_id, consumer_id)
@@ -326,6 +332,17 @@ class EngineCore:
         self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None, None))
         return True
 
+    # -- LoRA adapters (cluster/lora.py) -------------------------------------------------
+
+    async def load_lora_adapter(self, name, path, base_model_name=None) -> tuple | None:
+        return self.adapters.load(name, path, base_model_name)
+
+    async def unload_lora_adapter(self, name) -> tuple | None:
+        return self.adapters.unload(name)
+
+    async def lora_adapters(self) -> list[dict]:
+        return self.adapters.listing()
+
     # -- introspection ----------------------------------------------------------------------
 
     async def stats(self) -> dict:
@@ -338,6 +355,7 @@ class EngineCore:
             "worker_restarts": self.num_restarts,
             "rank_links": self.workers.links,
             "max_model_len": self.max_model_len,
+            **self.adapters.stats(),
         }
 
     async def metrics_text(self) -> bytes:

@@ -24,7 +24,12 @@ def checked_request(
     vocab_size: int,
 ) -> Request:
     """The scheduler's ``Request`` for these wire values; raises
-    ``SamplingParamsError``, ``ValueError`` or ``TypeError`` naming what is wrong."""
+    ``SamplingParamsError``, ``ValueError`` or ``TypeError`` naming what is wrong.
+    ``params`` may name a LoRA adapter as ``lora_name``."""
+    params = dict(params)
+    lora_name = params.pop("lora_name", None)
+    if lora_name is not None and (type(lora_name) is not str or not lora_name):
+        raise ValueError(f"lora_name must be an adapter's name, got {lora_name!r}")
     sampling = SamplingParams(**params)
     sampling.check_limits(
         max_n=limits.max_n, max_logprobs=limits.max_logprobs, vocab_size=vocab_size
@@ -39,4 +44,5 @@ def checked_request(
         arrival_time=time.monotonic(),
         priority=priority,
         label=label,
+        lora_name=lora_name,
     )

@@ -209,6 +209,9 @@ class EngineWorker:
                 # longest context it allows (the checkpoint's, when it leaves it).
                 graph_batch_sizes=graph_buckets(self.config.scheduler.max_num_seqs),
                 max_model_len=self.config.scheduler.max_model_len,
+                max_loras=self.config.rank_max_loras,
+                max_lora_rank=self.config.max_lora_rank,
+                max_cpu_loras=self.config.max_cpu_loras,
             )
             self.executor.warm_up()  # compiled kernels built before the engine reports ready
         elif kind == "fake":

@@ -50,3 +50,6 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
         sched.slots.release(request.slot_idx)
         request.slot_idx = -1
         del sched.running[request.request_id]
+        # The step in flight computes its last row with its adapter; a load that
+        # reuses the slot travels in a later plan, applied after that step.
+        sched.unpin_adapter(request)

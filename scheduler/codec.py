@@ -14,6 +14,7 @@ import dataclasses
 import msgpack
 
 from iterserve.scheduler.messages import (
+    AdapterLoad,
     FinishedSeq,
     NewSequence,
     PromptLogprobs,
@@ -31,8 +32,9 @@ from iterserve.scheduler.sampling import (
 
 # 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
-# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens
-VERSION = 5
+# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: LoRA adapters
+# (NewSequence.lora_slot, StepPlan.adapter_loads)
+VERSION = 6
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -135,7 +137,17 @@ _SCHEMAS[SamplingParams] = (
     _optional(_record(StructuredOutput)),
 )
 _SCHEMAS[StructuredOutput] = (_str, _str)
-_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams), _int)
+_SCHEMAS[NewSequence] = (
+    _int,
+    _str,
+    _int,
+    _list(_int),
+    _int,
+    _record(SamplingParams),
+    _int,
+    _int,
+)
+_SCHEMAS[AdapterLoad] = (_int, _int, _str, _str)
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
     _int,
@@ -144,6 +156,7 @@ _SCHEMAS[StepPlan] = (
     _list(_int),
     _list(_int),
     _bool,
+    _list(_record(AdapterLoad)),
 )
 _SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
@@ -222,6 +235,7 @@ def _encode_plan(m: StepPlan) -> list:
                 n.num_prompt_tokens,
                 _encode_params(n.params),
                 n.num_cached_tokens,
+                n.lora_slot,
             ]
             for n in m.new_seqs
         ],
@@ -232,6 +246,7 @@ def _encode_plan(m: StepPlan) -> list:
         m.released_slots,
         m.padding_slots,
         m.lookahead,
+        [[a.slot, a.adapter_id, a.name, a.path] for a in m.adapter_loads],
     ]
 
 

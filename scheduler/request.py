@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from iterserve.scheduler.adapters import Adapter
 from iterserve.scheduler.block_hash import chain_block_hashes
 from iterserve.scheduler.messages import PromptLogprobs
 from iterserve.scheduler.sampling import SamplingParams
@@ -116,6 +117,11 @@ class Request:
     num_cached_tokens: int | None = None
     # Tokens computed before its last preemption: what recompute may have to redo.
     num_dropped_tokens: int = 0
+    # The LoRA adapter its tokens compute with (None: the base model), named by the
+    # client as ``lora_name``; the scheduler resolves the name when it queues it.
+    lora_name: str | None = None
+    adapter: Adapter | None = None
+    lora_slot: int = 0  # the ranks' slot of that adapter while it runs; 0: none
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id

@@ -35,6 +35,7 @@ class SeqState:
     # Leading entries of block_ids out of every layer's window: the scheduler has
     # handed them on, and they are never read again (see BlockManager).
     num_freed_blocks: int = 0
+    lora_slot: int = 0  # the adapter slot its rows compute with; 0: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -143,6 +144,7 @@ class SequenceTable:
             num_prompt_tokens=new.num_prompt_tokens,
             params=new.params,
             num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
+            lora_slot=new.lora_slot,
         )
 
     def get(self, slot_idx: int) -> SeqState:

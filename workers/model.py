@@ -45,6 +45,7 @@ from iterserve.workers.moe import SparseMoE
 
 if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model does not
     from iterserve.workers.checkpoint import Checkpoint
+    from iterserve.workers.lora import LoraContext
 
 __all__ = ["AllReduce", "AttentionInputs", "DecoderLayer", "LlamaModel", "weight_bytes"]
 
@@ -184,6 +185,18 @@ class LlamaModel(nn.Module):
             if self.lm_head is not self.embed:
                 self.lm_head.data = self.lm_head.data.new_empty(0)
         return True
+
+    def enable_lora(self) -> LoraContext:
+        """Gives every attention and dense MLP a LoRA site reading one shared
+        context, which the runner points at each step's adapters (:mod:`.lora`)."""
+        from iterserve.workers.lora import LoraContext, LoraSite
+
+        context = LoraContext()
+        for i, layer in enumerate(self.layers):
+            layer.attn.lora = LoraSite(context, i)
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.lora = LoraSite(context, i)
+        return context
 
     def set_ops(self, ops: Any) -> None:
         """Runs the same weights on another kernel backend (for comparisons)."""

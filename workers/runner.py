@@ -7,6 +7,7 @@ captured CUDA graph (:mod:`.graphs`) and the forward is timed with events.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from iterserve.workers.sampler import Sampler, sequence_key
 
 if TYPE_CHECKING:
     from iterserve.workers.grammar import Grammars
+    from iterserve.workers.lora import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,9 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from iterserve.workers.checkpoint import load_checkpoint
@@ -91,6 +96,7 @@ class ModelRunner:
             num_kv_blocks, block_size, ckpt.eos_token_ids, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
+        self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -109,6 +115,9 @@ class ModelRunner:
         graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
         tokenizer_path: str | Path | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> ModelRunner:
         """A runner of ``config``'s shape with random weights drawn on the device:
         for benchmarks and device checks, where a checkpoint would only cost load time.
@@ -119,6 +128,7 @@ class ModelRunner:
         eos = frozenset(config.eos_token_ids)
         runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
+        runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
@@ -168,6 +178,23 @@ class ModelRunner:
         pad = c.pad_token_id
         self.pad_token_id = pad if pad is not None and pad < c.vocab_size else 0
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int = 16,
+                    max_cpu_loras: int | None = None) -> None:  # fmt: skip
+        """Gives the runner ``max_loras`` adapter slots (0: none, adapters refused);
+        plans load adapters into them and name each sequence's (:mod:`.lora`)."""
+        self.lora_slots: LoraSlots | None = None
+        self.lora_context = None
+        if max_loras <= 0:
+            return
+        from iterserve.workers.lora import LoraSlots
+
+        self.lora_context = self.model.enable_lora()
+        self.lora_slots = LoraSlots(
+            self.config, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras or max_loras, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.table = SequenceTable(
             self.eos_token_ids, kv_window=self.config.kv_window, block_size=self.block_size
@@ -182,8 +209,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(self.device) if on_gpu else None
         self.timer = ForwardTimer(self.device)
-        if cuda_graphs is None:
-            cuda_graphs = on_gpu and self.ops.name == "triton" and self.tp_size == 1
+        if cuda_graphs is None:  # graphs replay the base model only
+            cuda_graphs = (on_gpu and self.ops.name == "triton" and self.tp_size == 1
+                           and self.lora_slots is None)  # fmt: skip
         self.graphs = None
         if cuda_graphs:
             positions = self.model.cos_sin.shape[0]
@@ -218,9 +246,17 @@ class ModelRunner:
                     f"{new.request_id}: token id {bad[0]} outside the vocabulary "
                     f"of {self.vocab_size}"
                 )
+        if plan.adapter_loads:
+            if self.lora_slots is None:
+                raise PlanMismatchError("the plan loads LoRA adapters; this runner has no slots")
+            for load in plan.adapter_loads:
+                self.lora_slots.load(load.slot, load.adapter_id, load.path)
         plan = self.table.apply(plan)
         for new in plan.new_seqs:
             self._register(self.table.get(new.slot_idx))
+        segments: list[tuple[int, int, int]] = []
+        if self.lora_slots is not None:
+            plan, segments = self._by_adapter(plan)
         result = StepResult(
             step=plan.step,
             num_tokens=plan.num_tokens,
@@ -242,8 +278,14 @@ class ModelRunner:
             extra = torch.tensor(prompt_rows.rows, dtype=host.logits_indices.dtype)
             host.logits_indices = torch.cat([host.logits_indices, extra])
         self.timer.start()
-        # A graph's logits rows are the sampled and padding rows: prompt rows run eagerly.
-        logits = self.forward(host, replay=prompt_rows is None)  # [num_logits, vocab]
+        if segments:
+            self.lora_context.batch = self.lora_slots.batch(segments)
+        try:
+            # A graph's logits rows are the sampled and padding rows: prompt rows run eagerly.
+            logits = self.forward(host, replay=prompt_rows is None)  # [num_logits, vocab]
+        finally:
+            if segments:
+                self.lora_context.batch = None
         self.timer.stop()
 
         for entry in plan.scheduled:
@@ -254,6 +296,27 @@ class ModelRunner:
         self._sample(logits, rows, result)
         result.forward_s = self.timer.seconds()
         return result
+
+    def _by_adapter(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[int, int, int]]]:
+        """The plan with its entries ordered by adapter slot (base rows first), and
+        the ``(slot, first row, end row)`` segment of each adapter's rows."""
+        table = self.table
+        slots = [table.get(e.slot_idx).lora_slot for e in plan.scheduled]
+        if not any(slots):
+            return plan, []
+        order = sorted(range(len(slots)), key=slots.__getitem__)  # stable: plan order within
+        plan = dataclasses.replace(plan, scheduled=[plan.scheduled[i] for i in order])
+        segments: list[tuple[int, int, int]] = []
+        row = 0
+        for i, entry in zip(order, plan.scheduled):
+            slot, end = slots[i], row + entry.num_tokens
+            if slot:
+                if segments and segments[-1][0] == slot:
+                    segments[-1] = (slot, segments[-1][1], end)
+                else:
+                    segments.append((slot, row, end))
+            row = end
+        return plan, segments
 
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:

@@ -100,6 +100,8 @@ def from_refusal(refusal: EngineRefusal) -> APIError:
     """The HTTP answer to an engine's refusal."""
     if refusal.kind in ("invalid", "prompt_too_long"):
         return APIError(400, refusal.message, code=refusal.kind)
+    if refusal.kind == "model_not_found":  # an adapter unloaded since the ingress checked
+        return APIError(404, refusal.message, param="model", code="model_not_found")
     if refusal.kind == "queue_full":
         return APIError(
             429,

@@ -154,11 +154,14 @@ The Serve config (serveConfigV2) as YAML.
   "batch_wait_s" (float64 $e.batchWaitS)
   "max_n" (int $e.maxN)
   "max_logprobs" (int $e.maxLogprobs)
+  "max_loras" (int $e.maxLoras)
   "kv_memory_fraction" (float64 $e.kvMemoryFraction)
   "step_timeout_s" (float64 $e.stepTimeoutS)
   "max_restarts" (int $e.maxRestarts)
   "placement_strategy" $e.placementStrategy
   "async_scheduling" $e.asyncScheduling
+  "enable_lora" $e.enableLora
+  "max_lora_rank" (int $e.maxLoraRank)
 }}
 {{- if gt (int $e.maxNumBatchedTokens) 0 }}
 {{- $_ := set $config "max_num_batched_tokens" (int $e.maxNumBatchedTokens) }}
@@ -168,6 +171,9 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- if gt (int $e.numKvBlocks) 0 }}
 {{- $_ := set $config "num_kv_blocks" (int $e.numKvBlocks) }}
+{{- end }}
+{{- if gt (int $e.maxCpuLoras) 0 }}
+{{- $_ := set $config "max_cpu_loras" (int $e.maxCpuLoras) }}
 {{- end }}
 {{- /* end of the generated engine config */}}
 {{- $_ := set $config "device" "cuda" }}
