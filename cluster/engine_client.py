@@ -49,7 +49,7 @@ class ChannelEngineClient:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
         key = f"{self.ingress_id}.{next(self.keys)}"
         for attempt in range(2):  # once more after a refresh, if the first replica was gone
-            connection = await self._pick(prompt_token_ids)
+            connection = await self._pick(prompt_token_ids, params.get("lora_name"))
             try:
                 return await connection.add(key, request_id, prompt_token_ids, params, priority)
             except RefusedError as exc:
@@ -61,7 +61,7 @@ class ChannelEngineClient:
             await self._refresh()
         raise AssertionError("unreachable")
 
-    async def _pick(self, prompt_token_ids: list[int]) -> EngineConnection:
+    async def _pick(self, prompt_token_ids: list[int], adapter: str | None) -> EngineConnection:
         live = {r: c for r, c in self.connections.items() if not c.closed}
         if not live:
             await self._refresh()
@@ -69,7 +69,7 @@ class ChannelEngineClient:
             if not live:
                 raise EngineRefusal("unavailable", "no engine replica is ready")
         loads = {replica: c.load for replica, c in live.items()}
-        return live[choose_replica(self.router, prompt_token_ids, loads)]
+        return live[choose_replica(self.router, prompt_token_ids, loads, adapter)]
 
     # -- replicas -------------------------------------------------------------------------
 
