@@ -193,3 +193,25 @@ def test_load_refuses_missing_fields_and_duplicate_names(http, peft_adapters):
     assert r.status_code == 400 and "loaded already" in r.json()["error"]["message"]
     r = load(http, MODEL, peft_adapters["qv8"][0])
     assert r.status_code == 400 and "base model" in r.json()["error"]["message"]
+
+
+def test_the_sdk_loads_lists_uses_and_unloads_an_adapter(lora_url, peft_adapters, tmp_path):
+    from iterserve_client import AsyncClient, BadRequestError, Client, NotFoundError
+
+    with Client(lora_url, timeout=120) as client:
+        assert "added" in client.load_lora_adapter("sdk", str(peft_adapters["all16"][0]))
+        card = next(m for m in client.models() if m.id == "sdk")
+        assert card.parent == MODEL and card.root == str(peft_adapters["all16"][0])
+        out = client.completions.create(model="sdk", prompt=PROMPTS[1], max_tokens=4,
+                                        temperature=0, ignore_eos=True)  # fmt: skip
+        assert out.model == "sdk" and out.usage.completion_tokens == 4
+        with pytest.raises(BadRequestError, match="not a directory"):
+            client.load_lora_adapter("broken", str(tmp_path / "nowhere"))
+
+    async def unload():
+        async with AsyncClient(lora_url, timeout=120) as client:
+            assert "removed" in await client.unload_lora_adapter("sdk")
+            with pytest.raises(NotFoundError):
+                await client.unload_lora_adapter("sdk")
+
+    asyncio.run(unload())
