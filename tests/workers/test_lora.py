@@ -205,3 +205,50 @@ def test_dora_and_extra_modules_are_refused(adapters, config, tmp_path):
     _edit_config(path, use_dora=False, modules_to_save=["lm_head"])
     with pytest.raises(AdapterError, match="modules_to_save"):
         read_adapter(path, config, 64)
+
+
+# -- under the real scheduler -----------------------------------------------------------
+
+
+def test_the_scheduler_and_runner_keep_peft_tokens_through_preemption_and_eviction(
+    adapters, checkpoint_dir, hf_reference
+):
+    """Twelve requests over the base model and three adapters, two adapter slots,
+    8-token prefill pieces and too few KV blocks for all of them: sequences are
+    preempted and recomputed, adapters evicted and loaded again, and every request
+    still gets its own model's greedy tokens; prefix-cache hits stay within a model."""
+    from iterserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+    from iterserve.scheduler.codec import decode, encode
+    from iterserve.scheduler.messages import StepPlan, StepResult
+
+    sched = Scheduler(SchedulerConfig(policy="chunked", max_num_seqs=6, max_num_batched_tokens=24,
+                                      max_model_len=160, block_size=8, num_kv_blocks=24,
+                                      max_loras=2))  # fmt: skip
+    names = [None, "qv8", "all16", "mlp4"]
+    for name in names[1:]:
+        sched.adapters.register(name, str(adapters[name][0]))
+    runner = make_runner(checkpoint_dir("llama"), num_kv_blocks=24, max_loras=2, max_lora_rank=64)
+    ps = prompts()
+    expected = {}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i in range(12):
+        # Three prompts over four models: blocks a request could find cached under
+        # another model's hashes, if the cache crossed adapters.
+        name, prompt = names[i % 4], ps[5 + i % 3][:40]
+        sched.add_request(Request(f"r{i}", prompt, params, arrival_time=float(i), lora_name=name))
+        ref = hf_reference("llama") if name is None else adapters[name][1]
+        expected[f"r{i}"] = ref.greedy(prompt)
+    got: dict[str, list[int]] = {rid: [] for rid in expected}
+    for _ in range(2000):
+        step = sched.schedule(0.0)
+        if step is None:
+            break
+        plan = decode(encode(step.plan), StepPlan)  # what a rank receives
+        result = decode(encode(runner.execute(plan)), StepResult)
+        for out in sched.update(step, result):
+            got[out.request_id] += out.new_token_ids
+        sched.check_integrity()
+    assert not sched.has_work
+    assert sched.num_preemptions > 0 and sched.adapters.num_evictions > 0
+    assert sched.num_prefix_hits > 0
+    assert got == expected
