@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from iterserve.scheduler.messages import AdapterLoad, NewSequence, StepPlan
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.workers.lora import TARGETS, target_shape
 
-__all__ = ["bench_lora_step", "write_random_adapter"]
+__all__ = ["bench_lora_serving", "bench_lora_step", "write_random_adapter"]
 
 
 def write_random_adapter(path: Path, config, rank: int, seed: int,
@@ -75,7 +76,8 @@ class _GatherBatch:
 
 def bench_lora_step(model_path: str | Path | None = None, *, rows: int = 64,
                     num_adapters: int = 4, rank: int = 16, context: int = 128,
-                    steps: int = 20, num_threads: int | None = 1) -> dict[str, Any]:  # fmt: skip
+                    steps: int = 20, num_threads: int | None = 1,
+                    dtype: str = "auto") -> dict[str, Any]:  # fmt: skip
     """Decode tokens/s of a ``rows``-row step over ``num_adapters`` adapters and of
     the same step on the base model, and their ratios (see the module docstring)."""
     from iterserve.workers.runner import ModelRunner
@@ -92,7 +94,7 @@ def bench_lora_step(model_path: str | Path | None = None, *, rows: int = 64,
             block_size = 16
             per_seq = blocks_for(context + steps * 4 + 2, block_size)
             runner = ModelRunner(model_path, num_kv_blocks=2 * rows * per_seq + 8,
-                                 block_size=block_size, max_loras=num_adapters,
+                                 block_size=block_size, max_loras=num_adapters, dtype=dtype,
                                  max_lora_rank=max(rank, 16))  # fmt: skip
             loads = [
                 AdapterLoad(i + 1, i + 1, f"a{i}",
@@ -172,8 +174,14 @@ def _measure(runner, loads, rows, num_adapters, context, steps, block_size, per_
 
 
 def main(args: argparse.Namespace) -> None:
-    result = bench_lora_step(args.model, rows=args.rows, num_adapters=args.adapters,
-                             rank=args.rank, steps=args.steps, num_threads=args.threads)  # fmt: skip
+    if args.serving:
+        result = bench_lora_serving(args.model, num_adapters=args.adapters or 8,
+                                    max_loras=args.max_loras, rank=args.rank,
+                                    rounds=args.rounds)  # fmt: skip
+    else:
+        result = bench_lora_step(args.model, rows=args.rows, num_adapters=args.adapters or 4,
+                                 rank=args.rank, steps=args.steps, num_threads=args.threads,
+                                 dtype=args.dtype)  # fmt: skip
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -187,10 +195,99 @@ def register(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", help="checkpoint directory (default: the demo model)")
     p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--adapters", type=int, help="adapters (default: 4 in a step, 8 serving)")
+    p.add_argument(
+        "--serving",
+        action="store_true",
+        help="engine output tok/s with requests over the adapters ÷ on the base model",
+    )
+    p.add_argument("--max-loras", type=int, default=8, help="adapter slots (--serving)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating passes (--serving)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--dtype", default="auto", help="the runner's dtype (step bench)")
     p.add_argument("--json", help="also write the result to this file")
     p.set_defaults(func=main)
     return p
+
+
+# -- serving -------------------------------------------------------------------------------
+
+
+def bench_lora_serving(model: str | None = None, *, num_requests: int = 64,
+                       num_adapters: int = 8, max_loras: int = 8, rank: int = 16,
+                       prompt_len: int = 32, max_tokens: int = 64, rounds: int = 3,
+                       torch_threads: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Output tokens/s of one engine (through Ray, the real scheduler) serving
+    ``num_requests`` requests at once spread round-robin over ``num_adapters``
+    adapters, and the same requests on the base model, in ``rounds`` alternating
+    passes; the medians and their ratio."""
+    import asyncio
+
+    from iterserve.bench.engine_bench import ensure_ray
+    from iterserve.cluster.config import EngineConfig
+    from iterserve.cluster.engine import AsyncEngine
+    from iterserve.workers.checkpoint import load_checkpoint
+
+    if model is None:
+        from iterserve.models import DEMO_MODEL_PATH
+
+        model = str(DEMO_MODEL_PATH)
+    ensure_ray()
+    block_size = 16
+    config = EngineConfig.from_dict(dict(
+        model=model, num_kv_blocks=num_requests * (blocks_for(prompt_len + max_tokens,
+                                                               block_size) + 1),
+        max_num_seqs=num_requests, max_num_batched_tokens=max(512, num_requests),
+        max_model_len=512, torch_threads=torch_threads, num_cpus_per_worker=1.0,
+        enable_lora=True, max_loras=max_loras, max_lora_rank=max(16, rank),
+        enable_prefix_caching=False,
+    ))  # fmt: skip
+    ckpt = load_checkpoint(model)
+    model_config = ckpt.config
+    ckpt.close()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [[10 + (i * 7 + j) % 300 for j in range(prompt_len)] for i in range(num_requests)]
+
+    async def one_pass(engine, names) -> float:
+        async def one(i, prompt):
+            n = 0
+            async for out in engine.generate(prompt, params, lora_name=names[i % len(names)]):
+                n += len(out.token_ids)
+            return n
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return sum(counts) / (time.perf_counter() - start)
+
+    async def run(tmp: str) -> dict[str, list[float]]:
+        engine = await AsyncEngine(config).start()
+        try:
+            names = []
+            for i in range(num_adapters):
+                path = write_random_adapter(Path(tmp) / f"a{i}", model_config, rank, 100 + i)
+                refusal = await engine.actor.load_lora_adapter.remote(f"a{i}", str(path))
+                assert refusal is None, refusal
+                names.append(f"a{i}")
+            runs: dict[str, list[float]] = {"base": [], "lora": []}
+            await one_pass(engine, [None])  # warm-up: every adapter loaded once too
+            await one_pass(engine, names)
+            for _ in range(rounds):
+                runs["base"].append(await one_pass(engine, [None]))
+                runs["lora"].append(await one_pass(engine, names))
+            return runs
+        finally:
+            await engine.shutdown()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = asyncio.run(run(tmp))
+    base, lora = statistics.median(runs["base"]), statistics.median(runs["lora"])
+    return {
+        "model": model, "requests": num_requests, "adapters": num_adapters,
+        "max_loras": max_loras, "rank": rank, "max_tokens": max_tokens,
+        "base_tok_s": round(base, 1), "lora_tok_s": round(lora, 1),
+        "lora_vs_base": round(lora / base, 3),
+        "base_tok_s_runs": [round(x, 1) for x in runs["base"]],
+        "lora_tok_s_runs": [round(x, 1) for x in runs["lora"]],
+    }  # fmt: skip

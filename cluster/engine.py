@@ -53,6 +53,7 @@ class GenerationOutput:
 
 _REFUSALS = {
     "invalid": InvalidRequestError,
+    "model_not_found": InvalidRequestError,  # a LoRA adapter that is not loaded
     "queue_full": QueueFullError,
     "engine_dead": EngineDeadError,
 }
@@ -114,6 +115,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[GenerationOutput]:
         """Streams a request's new tokens. Leaving the loop early aborts the request.
 
@@ -121,6 +123,7 @@ class AsyncEngine:
         not be unique (the engine gets a key of this client's own).
         Raises InvalidRequestError, PromptTooLongError, QueueFullError or
         EngineDeadError before the first output when the request is refused.
+        ``lora_name`` names a loaded LoRA adapter to generate with.
         """
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -130,13 +133,11 @@ class AsyncEngine:
         self.keys.setdefault(request_id, set()).add(key)
         finished = False
         try:
+            wire = asdict(params)
+            if lora_name is not None:
+                wire["lora_name"] = lora_name
             refusal = await self.actor.add_request.remote(
-                self.consumer_id,
-                key,
-                list(prompt_token_ids),
-                asdict(params),
-                priority,
-                request_id,
+                self.consumer_id, key, list(prompt_token_ids), wire, priority, request_id
             )
             if refusal is not None:
                 finished = True

@@ -331,7 +331,7 @@ class BatchedLoraBatch:
         shape = (self.num, self.width, -1)
         if self.index is None:
             shrunk = torch.bmm(x[self.start : self.end].view(shape), product.at)
-            out[self.start : self.end].view(shape).add_(torch.bmm(shrunk, product.bt))
+            out[self.start : self.end].view(shape).baddbmm_(shrunk, product.bt)
             return
         shrunk = torch.bmm(x.index_select(0, self.index).view(shape), product.at)
         shrunk.mul_(self.row_mask)
