@@ -163,3 +163,32 @@ def test_a_zero_step_budget_is_left_to_the_engine(render) -> None:
     config = render({"engine": {"maxNumBatchedTokens": 0}}).app_args["config"]
     assert "max_num_batched_tokens" not in config
     _check_engine_config(config)
+
+
+def test_lora_modules_come_from_the_adapters_volume(render) -> None:
+    rendered = render(
+        {
+            "lora": {
+                "volume": {"persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}},
+                "mountPath": "/adapters/",
+                "modules": {"sql": "sql-lora", "chat": "/chat/"},
+            },
+            "engine": {"maxLoras": 4, "maxLoraRank": 64},
+        }
+    )
+    config = rendered.app_args["config"]
+    assert config["enable_lora"] is True
+    assert config["lora_modules"] == {"sql": "/adapters/sql-lora", "chat": "/adapters/chat"}
+    assert config["max_loras"] == 4 and config["max_lora_rank"] == 64
+    _check_engine_config(config)
+    (service,) = rendered.of_kind("RayService")
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["lora-adapters"]["persistentVolumeClaim"]["claimName"] == "adapters"
+    mounts = {m["name"]: m for m in head["containers"][0]["volumeMounts"]}
+    assert mounts["lora-adapters"]["readOnly"] is True
+
+
+def test_without_adapters_lora_stays_off(renders) -> None:
+    config = renders["defaults"].app_args["config"]
+    assert config["enable_lora"] is False and "lora_modules" not in config

@@ -177,6 +177,14 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- /* end of the generated engine config */}}
 {{- $_ := set $config "device" "cuda" }}
+{{- if .Values.lora.modules }}
+{{- $modules := dict }}
+{{- range $name, $dir := .Values.lora.modules }}
+{{- $_ := set $modules $name (printf "%s/%s" (trimSuffix "/" $.Values.lora.mountPath) (trimAll "/" $dir)) }}
+{{- end }}
+{{- $_ := set $config "lora_modules" $modules }}
+{{- $_ := set $config "enable_lora" true }}
+{{- end }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
   "config" $config
@@ -223,12 +231,21 @@ Volumes and mounts that carry the model into a Ray pod.
   {{- toYaml $m.copy.volume | nindent 2 }}
 {{- end }}
 {{- end }}
+{{- if .Values.lora.volume }}
+- name: lora-adapters
+  {{- toYaml .Values.lora.volume | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "iterserve.modelVolumeMounts" -}}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
+{{- if .Values.lora.volume }}
+- name: lora-adapters
+  mountPath: {{ .Values.lora.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/*
