@@ -339,6 +339,28 @@ class BatchedLoraBatch:
         out.index_add_(0, self.index, delta.view(self.num * self.width, -1))
 
 
+class KernelLoraBatch:
+    """On a GPU: every adapter of the step in one launch per shrink and per expand,
+    segmented by adapter (:mod:`iterserve.kernels.triton_lora`), over the step's
+    adapters stacked as for :class:`BatchedLoraBatch`."""
+
+    def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
+        from iterserve.kernels import triton_lora
+
+        self.kernels = triton_lora
+        self.layers = slots.stacked(tuple(slot for slot, _, _ in segments))
+        self.starts = [start for _, start, _ in segments]
+        self.lens = [end - start for _, start, end in segments]
+        self.index = list(range(len(segments)))  # segment i computes with stack entry i
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        product = self.layers[layer].get(group)
+        if product is None:
+            return
+        shrunk = self.kernels.lora_shrink(x, product.at, self.starts, self.lens, self.index)
+        self.kernels.lora_expand(shrunk, product.bt, out, self.starts, self.lens, self.index)
+
+
 class LoraContext:
     """What every layer's LoRA site reads: the step's :class:`LoraBatch`, or None
     when the step has no adapted row (then a product costs one attribute check)."""
@@ -379,6 +401,8 @@ class LoraSlots:
         self.host: OrderedDict[int, PeftAdapter] = OrderedDict()  # adapter_id -> read adapter
         self.num_reads = 0
         self.batch_adapters = True  # several adapters in a step: BatchedLoraBatch
+        # The segmented Triton kernels (KernelLoraBatch): on a GPU.
+        self.use_kernels = torch.device(device).type == "cuda"
         self.stacks: OrderedDict[tuple[int, ...], list[dict[str, LoraProduct]]] = OrderedDict()
 
     def load(self, slot: int, adapter_id: int, path: str) -> None:
@@ -398,11 +422,16 @@ class LoraSlots:
                                           device=self.device)  # fmt: skip
         self.adapter_ids[slot] = adapter_id
 
-    def batch(self, segments: list[tuple[int, int, int]]) -> LoraBatch | BatchedLoraBatch | None:
-        """The step's adapted rows: one adapter as its own products, several as
-        batched ones (:class:`BatchedLoraBatch`) unless ``batch_adapters`` is off."""
+    def batch(
+        self, segments: list[tuple[int, int, int]]
+    ) -> LoraBatch | BatchedLoraBatch | KernelLoraBatch | None:
+        """The step's adapted rows: on a GPU through the segmented kernels; on a CPU
+        one adapter as its own products, several as batched ones
+        (:class:`BatchedLoraBatch`) unless ``batch_adapters`` is off."""
         if not segments:
             return None
+        if self.use_kernels:
+            return KernelLoraBatch(self, segments)
         if len(segments) > 1 and self.batch_adapters:
             return BatchedLoraBatch(self, segments)
         return LoraBatch(self, segments)

@@ -4,13 +4,14 @@ refused naming the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 import torch
 from lora_adapters import ADAPTERS, build_peft_model, save_adapter
-from plan_driver import PlanDriver
+from plan_driver import GREEDY, PlanDriver
 from test_runner_greedy import make_runner, prompts
 from tiny_checkpoints import HFReference
 
@@ -67,6 +68,25 @@ def test_a_mixed_batch_of_adapters_and_base_matches_each_reference(
         ref = hf_reference("llama") if slot == 0 else adapters[names[slot - 1]][1]
         expected[f"r{i}"] = ref.greedy(prompt)
     assert driver.run(chunk=7) == expected
+
+
+def test_the_segmented_triton_kernels_in_the_runner_match_peft(adapters, checkpoint_dir,
+                                                              hf_reference):  # fmt: skip
+    """The GPU path (one shrink and one expand launch per product for all the
+    step's adapters), interpreted on the CPU: base and two adapters mixed."""
+    runner = lora_runner(checkpoint_dir)
+    runner.lora_slots.use_kernels = True
+    driver = PlanDriver(runner)
+    driver.load_adapter(1, 1, adapters["all16"][0])
+    driver.load_adapter(2, 2, adapters["mlp4"][0])
+    ps = prompts()
+    refs = [hf_reference("llama"), adapters["all16"][1], adapters["mlp4"][1]]
+    expected = {}
+    params = dataclasses.replace(GREEDY, max_tokens=6)
+    for i in range(3):
+        driver.add(f"r{i}", ps[4 + i], params=params, lora_slot=i)
+        expected[f"r{i}"] = refs[i].greedy(ps[4 + i], 6)
+    assert driver.run(chunk=24) == expected
 
 
 def test_a_slot_loaded_again_serves_the_new_adapter(adapters, checkpoint_dir):
