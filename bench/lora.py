@@ -5,9 +5,10 @@ each: one set on the base model, the other spread round-robin over
 ``num_adapters`` adapters (rank ``rank`` on every projection q/k/v/o/gate/up/
 down, written in PEFT's layout into a temporary directory). Their decode steps
 alternate, so that both see the same machine; the figure is the median over
-``steps`` steps of each, timed by the runner's forward (batch building and
-sampling excluded), and the ratio of the adapter step's tokens/s to the base
-step's is printed from that one run.
+``steps`` steps of each, timed by the CPU time of this thread over the whole
+step (one torch thread runs every kernel on it, so a shared machine's other
+load does not count, as ``bench forward``'s ``cpu_clock``), and the ratio of
+the adapter step's tokens/s to the base step's is printed from that one run.
 
 Three ways of adding the adapters are measured on the same steps:
 
@@ -76,8 +77,8 @@ class _GatherBatch:
 
 def bench_lora_step(model_path: str | Path | None = None, *, rows: int = 64,
                     num_adapters: int = 4, rank: int = 16, context: int = 128,
-                    steps: int = 20, num_threads: int | None = 1,
-                    dtype: str = "auto") -> dict[str, Any]:  # fmt: skip
+                    steps: int = 20, num_threads: int | None = 1, dtype: str = "auto",
+                    targets: tuple[str, ...] = TARGETS) -> dict[str, Any]:  # fmt: skip
     """Decode tokens/s of a ``rows``-row step over ``num_adapters`` adapters and of
     the same step on the base model, and their ratios (see the module docstring)."""
     from iterserve.workers.runner import ModelRunner
@@ -97,12 +98,14 @@ def bench_lora_step(model_path: str | Path | None = None, *, rows: int = 64,
                                  block_size=block_size, max_loras=num_adapters, dtype=dtype,
                                  max_lora_rank=max(rank, 16))  # fmt: skip
             loads = [
-                AdapterLoad(i + 1, i + 1, f"a{i}",
-                            str(write_random_adapter(Path(tmp) / f"a{i}", runner.config, rank, i)))
+                AdapterLoad(i + 1, i + 1, f"a{i}", str(write_random_adapter(
+                    Path(tmp) / f"a{i}", runner.config, rank, i, targets)))
                 for i in range(num_adapters)
             ]  # fmt: skip
-            return _measure(runner, loads, rows, num_adapters, context, steps, block_size,
-                            per_seq, str(model_path), rank)  # fmt: skip
+            out = _measure(runner, loads, rows, num_adapters, context, steps, block_size,
+                           per_seq, str(model_path), rank)  # fmt: skip
+            out["targets"] = ",".join(t.removesuffix("_proj") for t in targets)
+            return out
     finally:
         torch.set_num_threads(saved)
 
@@ -149,8 +152,14 @@ def _measure(runner, loads, rows, num_adapters, context, steps, block_size, per_
     by_adapter = runner._by_adapter
     gather_rows = {a: torch.tensor([i for i, s in enumerate(lora_slots) if adapter_of[s] == a])
                    for a in range(1, num_adapters + 1)}  # fmt: skip
+
+    def timed(p: StepPlan) -> float:
+        start = time.thread_time()
+        runner.execute(p)
+        return time.thread_time() - start
+
     for _ in range(steps + 1):
-        times["base"].append(runner.execute(plan([], base_slots, 1)).forward_s)
+        times["base"].append(timed(plan([], base_slots, 1)))
         for mode, stacked in modes.items():
             if stacked is None:  # rows left where the plan put them
                 runner._by_adapter = lambda p: (p, [(0, 0, 0)])
@@ -158,13 +167,13 @@ def _measure(runner, loads, rows, num_adapters, context, steps, block_size, per_
             else:
                 lora.batch_adapters = stacked
             try:
-                times[mode].append(runner.execute(plan([], lora_slots, 1)).forward_s)
+                times[mode].append(timed(plan([], lora_slots, 1)))
             finally:
                 runner._by_adapter = by_adapter
                 lora.__dict__.pop("batch", None)
     tok_s = {mode: rows / statistics.median(t[1:]) for mode, t in times.items()}
     out: dict[str, Any] = {"model": name, "rows": rows, "adapters": num_adapters, "rank": rank,
-                           "targets": "q,k,v,o,gate,up,down", "context": context,
+                           "context": context,
                            "num_threads": torch.get_num_threads(), "dtype": str(runner.dtype)}  # fmt: skip
     out.update({f"{mode}_tok_s": round(v, 1) for mode, v in tok_s.items()})
     out.update({f"{mode}_vs_base": round(tok_s[mode] / tok_s["base"], 3) for mode in modes})
@@ -181,11 +190,19 @@ def main(args: argparse.Namespace) -> None:
     else:
         result = bench_lora_step(args.model, rows=args.rows, num_adapters=args.adapters or 4,
                                  rank=args.rank, steps=args.steps, num_threads=args.threads,
-                                 dtype=args.dtype)  # fmt: skip
+                                 dtype=args.dtype, targets=_targets(args.targets))  # fmt: skip
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    names = tuple(f"{t.strip()}_proj" for t in text.split(",") if t.strip())
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or not names:
+        raise SystemExit(f"--targets: among q,k,v,o,gate,up,down, got {text!r}")
+    return names
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -207,6 +224,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--dtype", default="auto", help="the runner's dtype (step bench)")
+    p.add_argument(
+        "--targets",
+        default="q,k,v,o,gate,up,down",
+        help="adapted projections (step bench; peft's default for Llama: q,v)",
+    )
     p.add_argument("--json", help="also write the result to this file")
     p.set_defaults(func=main)
     return p
