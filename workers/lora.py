@@ -23,14 +23,8 @@ v, gate, up) and A's columns where it is split by input (o, down): there each
 rank's ``(x_r A_r^T) B^T`` is a partial sum, which the layer's all-reduce adds
 up with the base product's, so adapters cost no communication.
 
-A step's rows are ordered by adapter slot (the runner sorts its entries), so
-each adapter's rows are one contiguous segment::
-
-    rows:     base base base | A A A A | B B      (slot 0 | slot 1 | slot 2)
-    per product and segment: out[seg] += (x[seg] @ At_slot) @ Bt_slot
-
-Segments cost two small products each, not a gather and a scatter, and rows
-of the base model cost nothing.
+How a step's rows use the adapters held in the rank's slots is
+:mod:`.lora_batch`'s business.
 """
 
 from __future__ import annotations
@@ -38,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +145,9 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> PeftAd
         )
         raise AdapterError(f"adapter path {path} has no {WEIGHTS_FILE}{hint}")
     adapter = PeftAdapter(str(path), rank, scaling)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    # Shapes are checked from the header before any tensor is read: a file of
+    # another model (or an absurd one) costs no memory.
+    keys: dict[tuple[int, str], dict[str, str]] = {}
     try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -163,30 +158,37 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> PeftAd
                         f"({', '.join(TARGETS)})"
                     )
                 layer, target, half = int(m.group(1)), m.group(2), m.group(3)
-                halves.setdefault((layer, target), {})[half] = f.get_tensor(key)
+                keys.setdefault((layer, target), {})[half] = key
+            if not keys:
+                raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
+            for (layer, target), pair in sorted(keys.items()):
+                _check_pair(config, rank, layer, target, pair,
+                            {h: tuple(f.get_slice(k).get_shape()) for h, k in pair.items()})  # fmt: skip
+            for (layer, target), pair in keys.items():
+                a, b = (f.get_tensor(pair[h]).float() for h in "AB")
+                adapter.weights[(layer, target)] = (a, b)
     except AdapterError:
         raise
     except Exception as exc:  # a truncated or foreign file
         raise AdapterError(f"{WEIGHTS_FILE} is not readable: {exc}") from None
-    if not halves:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
-    for (layer, target), pair in sorted(halves.items()):
-        where = f"layer {layer} {target}"
-        if layer >= config.num_layers:
-            raise AdapterError(f"{where}: the base model has {config.num_layers} layers")
-        if GROUPS[target] in ("gate_up", "down") and config.is_moe_layer(layer):
-            raise AdapterError(f"{where}: the base model's MLP there is a mixture of experts")
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"{where}: lora_{'AB'.replace(''.join(pair), '')} is missing")
-        a, b = pair["A"], pair["B"]
-        out_dim, in_dim = target_shape(config, target)
-        if tuple(a.shape) != (rank, in_dim) or tuple(b.shape) != (out_dim, rank):
-            raise AdapterError(
-                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not match "
-                f"the base model's projection ({out_dim} x {in_dim}) at rank {rank}"
-            )
-        adapter.weights[(layer, target)] = (a.float(), b.float())
     return adapter
+
+
+def _check_pair(config: ModelConfig, rank: int, layer: int, target: str, pair: dict,
+                shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
+    where = f"layer {layer} {target}"
+    if layer >= config.num_layers:
+        raise AdapterError(f"{where}: the base model has {config.num_layers} layers")
+    if GROUPS[target] in ("gate_up", "down") and config.is_moe_layer(layer):
+        raise AdapterError(f"{where}: the base model's MLP there is a mixture of experts")
+    if set(pair) != {"A", "B"}:
+        raise AdapterError(f"{where}: lora_{'AB'.replace(''.join(pair), '')} is missing")
+    out_dim, in_dim = target_shape(config, target)
+    if shapes["A"] != (rank, in_dim) or shapes["B"] != (out_dim, rank):
+        raise AdapterError(
+            f"{where}: lora_A {shapes['A']} and lora_B {shapes['B']} do not match "
+            f"the base model's projection ({out_dim} x {in_dim}) at rank {rank}"
+        )
 
 
 def check_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> dict:
@@ -272,196 +274,3 @@ def shard_adapter(adapter: PeftAdapter, config: ModelConfig, *, tp_rank: int, tp
                 bt.to(dtype=dtype, device=device).contiguous(),
             )
     return out
-
-
-class LoraBatch:
-    """One step's rows by adapter: ``segments`` are ``(slot, start, end)`` row
-    ranges of adapted rows (base-model rows appear in none)."""
-
-    def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
-        # Per segment, the adapter's products by layer: looked up once per step.
-        self.parts = [(slots.layers[slot], start, end) for slot, start, end in segments]
-
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[seg] += (x[seg] @ At) @ Bt`` for each segment whose adapter adapts
-        ``group`` of ``layer``; ``out`` is a fresh product output, changed in place."""
-        for layers, start, end in self.parts:
-            product = layers[layer].get(group)
-            if product is not None:
-                rows = out[start:end]
-                rows.addmm_(torch.mm(x[start:end], product.at), product.bt)
-
-
-class BatchedLoraBatch:
-    """A step of several adapters as one batched shrink and one batched expand per
-    product: each adapter's rows one matrix of a batch, padded to the longest::
-
-        x[adapted rows] -> [A, L, in]        (a view when every adapter has L rows,
-                                              else gathered, padding rows repeated)
-        s = bmm(x, At)          [A, L, R]    (At: the step's adapters, [A, in, R],
-        s *= row mask                         ranks zero-padded to the largest R)
-        d = bmm(s, Bt)          [A, L, out]
-        out[adapted rows] += d               (a view, else an index_add)
-
-    Three to five calls per product whatever the number of adapters, and no more
-    arithmetic than each adapter's own products (but the padding): on a CPU step
-    of a few rows per adapter the calls cost more than the arithmetic
-    (``iterserve bench lora``)."""
-
-    def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
-        self.start, self.end = segments[0][1], segments[-1][2]
-        self.layers = slots.stacked(tuple(slot for slot, _, _ in segments))
-        lengths = [end - start for _, start, end in segments]
-        self.num, self.width = len(segments), max(lengths)
-        self.index: torch.Tensor | None = None  # [A * L] rows, when not one even block
-        self.row_mask: torch.Tensor | None = None  # [A, L, 1], zero on padding rows
-        if min(lengths) != self.width:
-            rows = [start + min(j, end - start - 1) for _, start, end in segments
-                    for j in range(self.width)]  # fmt: skip
-            self.index = torch.tensor(rows, device=slots.device)
-            mask = [[1.0 if j < n else 0.0] for n in lengths for j in range(self.width)]
-            self.row_mask = torch.tensor(mask, dtype=slots.dtype, device=slots.device).view(
-                self.num, self.width, 1
-            )
-
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        product = self.layers[layer].get(group)
-        if product is None:
-            return
-        shape = (self.num, self.width, -1)
-        if self.index is None:
-            shrunk = torch.bmm(x[self.start : self.end].view(shape), product.at)
-            out[self.start : self.end].view(shape).baddbmm_(shrunk, product.bt)
-            return
-        shrunk = torch.bmm(x.index_select(0, self.index).view(shape), product.at)
-        shrunk.mul_(self.row_mask)
-        delta = torch.bmm(shrunk, product.bt)  # [A, L, out]
-        out.index_add_(0, self.index, delta.view(self.num * self.width, -1))
-
-
-class KernelLoraBatch:
-    """On a GPU: every adapter of the step in one launch per shrink and per expand,
-    segmented by adapter (:mod:`iterserve.kernels.triton_lora`), over the step's
-    adapters stacked as for :class:`BatchedLoraBatch`."""
-
-    def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
-        from iterserve.kernels import triton_lora
-
-        self.kernels = triton_lora
-        self.layers = slots.stacked(tuple(slot for slot, _, _ in segments))
-        self.starts = [start for _, start, _ in segments]
-        self.lens = [end - start for _, start, end in segments]
-        self.index = list(range(len(segments)))  # segment i computes with stack entry i
-
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        product = self.layers[layer].get(group)
-        if product is None:
-            return
-        shrunk = self.kernels.lora_shrink(x, product.at, self.starts, self.lens, self.index)
-        self.kernels.lora_expand(shrunk, product.bt, out, self.starts, self.lens, self.index)
-
-
-class LoraContext:
-    """What every layer's LoRA site reads: the step's :class:`LoraBatch`, or None
-    when the step has no adapted row (then a product costs one attribute check)."""
-
-    def __init__(self) -> None:
-        self.batch: LoraBatch | None = None
-
-
-class LoraSite:
-    """One layer's hook: ``site(group, x, out)`` adds the step's adapters' deltas."""
-
-    __slots__ = ("context", "layer")
-
-    def __init__(self, context: LoraContext, layer: int):
-        self.context, self.layer = context, layer
-
-    def __call__(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        batch = self.context.batch
-        if batch is not None:
-            batch.add(self.layer, group, x, out)
-        return out
-
-
-class LoraSlots:
-    """The rank's adapter slots ``1..max_loras`` (their weights in the model's dtype,
-    on its device) and a host cache of the ``max_cpu_loras`` adapters read most
-    recently, so that an adapter evicted and loaded again is not read again."""
-
-    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 device: Any):  # fmt: skip
-        self.config, self.max_loras, self.max_lora_rank = config, max_loras, max_lora_rank
-        self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.tp_rank, self.tp_size, self.dtype, self.device = tp_rank, tp_size, dtype, device
-        empty: list[dict[str, LoraProduct]] = [{} for _ in range(config.num_layers)]
-        self.layers: list[list[dict[str, LoraProduct]]] = [empty] * (max_loras + 1)
-        self.adapter_ids = [0] * (max_loras + 1)
-        self.host: OrderedDict[int, PeftAdapter] = OrderedDict()  # adapter_id -> read adapter
-        self.num_reads = 0
-        self.batch_adapters = True  # several adapters in a step: BatchedLoraBatch
-        # The segmented Triton kernels (KernelLoraBatch): on a GPU.
-        self.use_kernels = torch.device(device).type == "cuda"
-        self.stacks: OrderedDict[tuple[int, ...], list[dict[str, LoraProduct]]] = OrderedDict()
-
-    def load(self, slot: int, adapter_id: int, path: str) -> None:
-        if not 1 <= slot <= self.max_loras:
-            raise ValueError(f"adapter slot {slot} outside 1..{self.max_loras}")
-        adapter = self.host.get(adapter_id)
-        if adapter is None:
-            adapter = read_adapter(path, self.config, self.max_lora_rank)
-            self.num_reads += 1
-            self.host[adapter_id] = adapter
-            while len(self.host) > self.max_cpu_loras:
-                self.host.popitem(last=False)
-        self.host.move_to_end(adapter_id)
-        self.stacks.clear()  # they may hold the slot's old adapter
-        self.layers[slot] = shard_adapter(adapter, self.config, tp_rank=self.tp_rank,
-                                          tp_size=self.tp_size, dtype=self.dtype,
-                                          device=self.device)  # fmt: skip
-        self.adapter_ids[slot] = adapter_id
-
-    def batch(
-        self, segments: list[tuple[int, int, int]]
-    ) -> LoraBatch | BatchedLoraBatch | KernelLoraBatch | None:
-        """The step's adapted rows: on a GPU through the segmented kernels; on a CPU
-        one adapter as its own products, several as batched ones
-        (:class:`BatchedLoraBatch`) unless ``batch_adapters`` is off."""
-        if not segments:
-            return None
-        if self.use_kernels:
-            return KernelLoraBatch(self, segments)
-        if len(segments) > 1 and self.batch_adapters:
-            return BatchedLoraBatch(self, segments)
-        return LoraBatch(self, segments)
-
-    def stacked(self, slots: tuple[int, ...]) -> list[dict[str, LoraProduct]]:
-        """Per layer and product, the adapters of ``slots`` as one batch
-        (``at [A, in, R]``, ``bt [A, R, out]``, ranks zero-padded to the largest, an
-        adapter without the product all zeros); kept for the next steps with the
-        same adapters until a slot loads another."""
-        stack = self.stacks.get(slots)
-        if stack is not None:
-            self.stacks.move_to_end(slots)
-            return stack
-        stack: list[dict[str, LoraProduct]] = []
-        for layer in range(self.config.num_layers):
-            products = [self.layers[slot][layer] for slot in slots]
-            batched: dict[str, LoraProduct] = {}
-            for group in sorted({g for p in products for g in p}):
-                parts = [p.get(group) for p in products]
-                known = next(q for q in parts if q is not None)
-                rank = max(q.at.shape[1] for q in parts if q is not None)
-                at = known.at.new_zeros(len(slots), known.at.shape[0], rank)
-                bt = known.bt.new_zeros(len(slots), rank, known.bt.shape[1])
-                for i, q in enumerate(parts):
-                    if q is not None:
-                        at[i, :, : q.at.shape[1]] = q.at
-                        bt[i, : q.bt.shape[0]] = q.bt
-                batched[group] = LoraProduct(at, bt)
-            stack.append(batched)
-        self.stacks[slots] = stack
-        while len(self.stacks) > 4:
-            self.stacks.popitem(last=False)
-        return stack

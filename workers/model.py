@@ -45,7 +45,7 @@ from iterserve.workers.moe import SparseMoE
 
 if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model does not
     from iterserve.workers.checkpoint import Checkpoint
-    from iterserve.workers.lora import LoraContext
+    from iterserve.workers.lora_batch import LoraContext
 
 __all__ = ["AllReduce", "AttentionInputs", "DecoderLayer", "LlamaModel", "weight_bytes"]
 
@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
     def enable_lora(self) -> LoraContext:
         """Gives every attention and dense MLP a LoRA site reading one shared
         context, which the runner points at each step's adapters (:mod:`.lora`)."""
-        from iterserve.workers.lora import LoraContext, LoraSite
+        from iterserve.workers.lora_batch import LoraContext, LoraSite
 
         context = LoraContext()
         for i, layer in enumerate(self.layers):

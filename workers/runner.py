@@ -7,7 +7,6 @@ captured CUDA graph (:mod:`.graphs`) and the forward is timed with events.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from iterserve.workers.sampler import Sampler, sequence_key
 
 if TYPE_CHECKING:
     from iterserve.workers.grammar import Grammars
-    from iterserve.workers.lora import LoraSlots
+    from iterserve.workers.lora_batch import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +185,7 @@ class ModelRunner:
         self.lora_context = None
         if max_loras <= 0:
             return
-        from iterserve.workers.lora import LoraSlots
+        from iterserve.workers.lora_batch import LoraSlots
 
         self.lora_context = self.model.enable_lora()
         self.lora_slots = LoraSlots(
@@ -298,25 +297,9 @@ class ModelRunner:
         return result
 
     def _by_adapter(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[int, int, int]]]:
-        """The plan with its entries ordered by adapter slot (base rows first), and
-        the ``(slot, first row, end row)`` segment of each adapter's rows."""
-        table = self.table
-        slots = [table.get(e.slot_idx).lora_slot for e in plan.scheduled]
-        if not any(slots):
-            return plan, []
-        order = sorted(range(len(slots)), key=slots.__getitem__)  # stable: plan order within
-        plan = dataclasses.replace(plan, scheduled=[plan.scheduled[i] for i in order])
-        segments: list[tuple[int, int, int]] = []
-        row = 0
-        for i, entry in zip(order, plan.scheduled):
-            slot, end = slots[i], row + entry.num_tokens
-            if slot:
-                if segments and segments[-1][0] == slot:
-                    segments[-1] = (slot, segments[-1][1], end)
-                else:
-                    segments.append((slot, row, end))
-            row = end
-        return plan, segments
+        from iterserve.workers.lora_batch import order_by_adapter
+
+        return order_by_adapter(plan, self.table)
 
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:
