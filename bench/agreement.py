@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.workers.runner import ModelRunner
+from ..scheduler.blocks import blocks_for
+from ..scheduler.messages import NewSequence, ScheduledSeq, StepPlan
+from ..scheduler.sampling import SamplingParams
+from ..workers.runner import ModelRunner
 
 _MODULES = ("json", "os.path", "re", "collections", "itertools", "functools", "textwrap",
             "string", "pathlib", "shutil", "statistics", "random", "math", "heapq", "bisect",
@@ -94,7 +94,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
 
 
 def run(model: str | Path, dtype: str, against: str, num_prompts: int, max_tokens: int) -> dict:
-    from iterserve.workers.tokenizer import Tokenizer
+    from ..workers.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model)
     texts = stdlib_prompts(num_prompts)
@@ -111,7 +111,7 @@ def run(model: str | Path, dtype: str, against: str, num_prompts: int, max_token
 
 
 def main(args: argparse.Namespace) -> None:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     result = run(args.model or DEMO_MODEL_PATH, args.dtype, args.against, args.prompts,

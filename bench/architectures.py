@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from iterserve.bench.forward import RANDOM_LLAMA, cache_blocks, measure
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.runner import ModelRunner
+from ..workers.config import ModelConfig
+from ..workers.runner import ModelRunner
+from .forward import RANDOM_LLAMA, cache_blocks, measure
 
 # Each architecture's keys beyond the Llama's, as its checkpoints set them.
 SAME_SHAPE: dict[str, dict[str, Any]] = {
@@ -101,7 +101,7 @@ def compare_architectures(
 def experts_confined_to(n: int) -> Iterator[None]:
     """Routing as the model computes it, each choice then folded into the first
     ``n`` experts (``id mod n``): what the step computes, not which tokens go where."""
-    from iterserve.workers import moe
+    from ..workers import moe
 
     real = moe.route
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from iterserve.bench.loadgen import Item, fixed_items, run_load
-from iterserve.bench.report import summarize, write_json
+from .loadgen import Item, fixed_items, run_load
+from .report import summarize, write_json
 
 METRICS = (  # key, label, better
     ("throughput_tok_s", "output tok/s", "higher"),
@@ -208,7 +208,7 @@ def render(result: dict, a: str, b: str) -> str:
 
 
 def plot(result: dict, a: str, b: str, path: str) -> None:
-    from iterserve.bench.plots import _pyplot
+    from .plots import _pyplot
 
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(3 * len(METRICS), 3.2))
@@ -223,10 +223,10 @@ def plot(result: dict, a: str, b: str, path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
     if args.shape:
-        from iterserve.bench.shapes import cached_checkpoint
+        from .shapes import cached_checkpoint
 
         args.model = str(cached_checkpoint(args.shape))
         print(f"checkpoint {args.shape}: {args.model}", file=sys.stderr)
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> None:
     args.a_model = args.a_model or (
         os.path.basename(args.model.rstrip("/")) if args.model else "demo"
     )
-    from iterserve.workers.tokenizer import Tokenizer
+    from ..workers.tokenizer import Tokenizer
 
     vocab = Tokenizer(tokenizer).vocab_size
     rng = np.random.default_rng(args.seed)

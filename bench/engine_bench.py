@@ -1,7 +1,8 @@
 """Engine benchmarks through Ray: control-plane overhead and the ceiling ratio.
 
-- ``overhead``: workers whose forward only sleeps 5 ms; what each step costs on
-  top of that (schedule + broadcast + collect + update) is the control plane.
+- ``overhead``: ranks that run the fake model, whose step only sleeps 5 ms; what
+  each step costs on top of that (schedule + broadcast + collect + update) is the
+  control plane.
 - ``ceiling``: the engine's decode throughput through Ray vs the same batch
   shapes replayed through the bare model runner in one process (no scheduler
   actor, no Ray, no serialization).
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import ray
 
-from iterserve.bench.report import forward_ms_per_step
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine import AsyncEngine
-from iterserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from iterserve.scheduler.blocks import blocks_for
+from ..cluster.config import EngineConfig
+from ..cluster.engine.api import AsyncEngine
+from ..scheduler import FakeModel, Request, SamplingParams, Scheduler, SchedulerConfig
+from ..scheduler.blocks import blocks_for
+from .report import forward_ms_per_step
 
 
 def ensure_ray() -> None:
@@ -50,8 +51,10 @@ async def _generate_all(engine: AsyncEngine, prompts: list[list[int]], params) -
     return {"num_tokens": num_tokens, "wall_s": time.perf_counter() - start}
 
 
-async def _drive(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> dict:
-    engine = await AsyncEngine(config).start()
+async def _drive(
+    config: EngineConfig, prompts: list[list[int]], params: SamplingParams, executor=None
+) -> dict:
+    engine = await AsyncEngine(config, executor).start()
     try:
         run = await _generate_all(engine, prompts, params)
         stats = await engine.stats()
@@ -71,12 +74,6 @@ def control_ms_per_step(
     config = EngineConfig.from_dict(
         dict(
             async_scheduling=async_scheduling,
-            executor="fake",
-            executor_options={
-                "output_len": None,
-                "max_model_len": 512,
-                "step_sleep_s": step_sleep_s,
-            },
             num_kv_blocks=num_seqs * 16,
             max_num_seqs=num_seqs,
             max_num_batched_tokens=max(512, num_seqs),
@@ -84,7 +81,9 @@ def control_ms_per_step(
         )
     )
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    run = asyncio.run(_drive(config, [[3 + i % 50] * 16 for i in range(num_seqs)], params))
+    fake = FakeModel(output_len=None, max_model_len=512, step_sleep_s=step_sleep_s)
+    prompts = [[3 + i % 50] * 16 for i in range(num_seqs)]
+    run = asyncio.run(_drive(config, prompts, params, fake))
     timing = run["timing"]
     return (timing["step_s"] - timing["forward_s"]) / timing["steps"] * 1000.0
 
@@ -111,7 +110,7 @@ class _CeilingRun:
     ):
         import torch
 
-        from iterserve.workers.runner import ModelRunner
+        from ..workers.runner import ModelRunner
 
         block_size = SchedulerConfig().block_size
         # Every sequence's prompt and output fit, plus a block: nothing is ever preempted.
@@ -193,7 +192,7 @@ class _CeilingRun:
 
 
 def _default_model() -> str:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
     if not (Path(DEMO_MODEL_PATH) / "config.json").exists():
         raise SystemExit(f"no checkpoint at {DEMO_MODEL_PATH}; pass --model")

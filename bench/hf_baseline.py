@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from iterserve.bench.report import RequestTiming, policy_entry
-from iterserve.bench.workloads import BenchRequest
+from .report import RequestTiming, policy_entry
+from .workloads import BenchRequest
 
 
 def run_hf(model: str, requests: list[BenchRequest], batch_size: int, threads: int) -> dict:

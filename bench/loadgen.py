@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from iterserve.bench.report import RequestTiming, summarize, write_json
+from .report import RequestTiming, summarize, write_json
 
 DATASETS = ("longtail", "fixed", "sharegpt")
 
@@ -78,7 +78,7 @@ def sharegpt_items(
         data = json.load(f)
     tok = None
     if tokenizer:
-        from iterserve.workers.tokenizer import Tokenizer
+        from ..workers.tokenizer import Tokenizer
 
         tok = Tokenizer(tokenizer)
     pairs = []
@@ -258,7 +258,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     model = args.model or info.get("id") or "default"
     max_model_len = args.max_model_len or info.get("max_model_len") or 2048
     if args.tokenizer:
-        from iterserve.workers.tokenizer import Tokenizer
+        from ..workers.tokenizer import Tokenizer
 
         args.vocab_size = Tokenizer(args.tokenizer).vocab_size
     items = load_items(args, max_model_len)
@@ -299,7 +299,7 @@ def main(args: argparse.Namespace) -> None:
     # Files first: a reader that stops reading stdout early must not lose them.
     write_json(result, args.json)
     if args.png:
-        from iterserve.bench.plots import loadgen_plot
+        from .plots import loadgen_plot
 
         loadgen_plot(result, timings, args.png)
     print(render(result))

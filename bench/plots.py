@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iterserve.bench.report import RequestTiming
+from .report import RequestTiming
 
 COLORS = {"static": "#c44e52", "dynamic": "#dd8452", "continuous": "#4c72b0",
           "chunked": "#55a868", "hf_generate": "#8172b3"}  # fmt: skip

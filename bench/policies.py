@@ -18,8 +18,11 @@ import json
 import os
 import time
 
-from iterserve.bench.hf_baseline import run_hf
-from iterserve.bench.report import (
+from ..cluster.config import EngineConfig
+from ..cluster.gc_pauses import freeze_startup_objects
+from ..scheduler import POLICIES, SamplingParams
+from .hf_baseline import run_hf
+from .report import (
     RequestTiming,
     forward_ms_per_step,
     median_entry,
@@ -30,10 +33,7 @@ from iterserve.bench.report import (
     targets,
     write_json,
 )
-from iterserve.bench.workloads import SPECS, BenchRequest, Spec, build, describe
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.scheduler import POLICIES, SamplingParams
+from .workloads import SPECS, BenchRequest, Spec, build, describe
 
 WALL_CAP_S = 1800.0  # one policy's run never outlives this, whatever the machine
 
@@ -67,7 +67,7 @@ def engine_config(policy: str, spec: Spec, model: str, torch_threads: int) -> En
 
 async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict:
     """Serves ``requests`` open-loop through a fresh engine; one policy's entry."""
-    from iterserve.cluster.engine import AsyncEngine
+    from ..cluster.engine.api import AsyncEngine
 
     engine = await AsyncEngine(config).start()
     try:
@@ -99,7 +99,7 @@ async def run_policy(config: EngineConfig, requests: list[BenchRequest]) -> dict
 
 
 def vocab_size(model: str) -> int:
-    from iterserve.workers.checkpoint import load_checkpoint
+    from ..workers.checkpoint import load_checkpoint
 
     return load_checkpoint(model).config.vocab_size
 
@@ -118,7 +118,7 @@ def compare(
 ) -> dict:
     """Runs ``workload`` under each policy and the transformers baseline, ``repeats``
     rounds; each figure is the median over the rounds."""
-    from iterserve.bench.engine_bench import _default_model, ensure_ray
+    from .engine_bench import _default_model, ensure_ray
 
     model = model or _default_model()
     spec = SPECS[workload][scale]
@@ -171,7 +171,7 @@ def main(args: argparse.Namespace) -> None:
     # Files first: a reader that stops reading stdout early must not lose them.
     write_json(result, args.json)
     if args.png:
-        from iterserve.bench.plots import policy_plot
+        from .plots import policy_plot
 
         policy_plot(result, args.png)
     print(render_policies(result))

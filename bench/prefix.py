@@ -21,7 +21,11 @@ import json
 import os
 import time
 
-from iterserve.bench.report import (
+from ..cluster.config import EngineConfig
+from ..cluster.gc_pauses import freeze_startup_objects
+from ..cluster.serve.routing import PrefixRouter, choose_replica
+from ..scheduler import SamplingParams
+from .report import (
     RequestTiming,
     format_table,
     median_entry,
@@ -29,17 +33,13 @@ from iterserve.bench.report import (
     summarize,
     write_json,
 )
-from iterserve.bench.workloads import (
+from .workloads import (
     PREFIX_SPECS,
     PrefixSpec,
     conversations,
     describe_prefix,
     shared_prefix_requests,
 )
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
-from iterserve.scheduler import SamplingParams
 
 WALL_CAP_S = 1800.0  # one mode's run never outlives this, whatever the machine
 # mode -> (prefix cache on, engine replicas, routing over them)
@@ -156,7 +156,7 @@ async def run_mode(
     routing: str = "load",
 ) -> tuple[dict, list]:
     """Serves the workload through fresh engines; one mode's entry and its outputs."""
-    from iterserve.cluster.engine import AsyncEngine
+    from ..cluster.engine.api import AsyncEngine
 
     engines = [await AsyncEngine(config).start() for _ in range(replicas)]
     try:
@@ -234,8 +234,8 @@ def compare(workload="shared-prefix", model=None, *, seed=0, torch_threads=1, sc
     """Runs ``workload`` with the cache off and on (``routing``: over two replicas
     routed by load, then by prefix), ``repeats`` rounds (each mode once per round,
     in the same order); each figure is the median over the rounds."""
-    from iterserve.bench.engine_bench import _default_model, ensure_ray
-    from iterserve.bench.policies import vocab_size as checkpoint_vocab
+    from .engine_bench import _default_model, ensure_ray
+    from .policies import vocab_size as checkpoint_vocab
 
     model = model or _default_model()
     spec = PREFIX_SPECS[workload][scale]

@@ -14,8 +14,8 @@ import math
 
 import numpy as np
 
-from iterserve.bench.costmodel import CostModel
-from iterserve.bench.simulator import (
+from .costmodel import CostModel
+from .simulator import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_TOKENS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
+from ..scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 
 def ms_per_step(num_seqs: int, num_steps: int = 200, policy: str = "chunked") -> float:

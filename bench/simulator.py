@@ -35,8 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from iterserve.bench.costmodel import CostModel
-from iterserve.scheduler import (
+from ..scheduler import (
     POLICIES,
     FakeExecutor,
     Request,
@@ -44,6 +43,7 @@ from iterserve.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from .costmodel import CostModel
 
 MAX_MODEL_LEN = 8192
 MAX_TOKENS = 2048  # every request's cap: EOS, not the cap, ends almost all of them
@@ -330,7 +330,7 @@ def run(
     of :func:`simulate`, or of ``prefix_sim.simulate_prefix`` for the
     ``shared-prefix`` workload); writes the result as JSON to ``json_path``."""
     if workload == "shared-prefix":
-        from iterserve.bench.prefix_sim import simulate_prefix
+        from .prefix_sim import simulate_prefix
 
         result = simulate_prefix(gpu=gpu, model=model, **overrides)
     else:

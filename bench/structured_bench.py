@@ -23,9 +23,9 @@ import statistics
 import time
 from pathlib import Path
 
-from iterserve.scheduler import Request, SamplingParams, Scheduler
-from iterserve.scheduler.config import SchedulerConfig
-from iterserve.scheduler.sampling import StructuredOutput
+from ..scheduler import Request, SamplingParams, Scheduler
+from ..scheduler.config import SchedulerConfig
+from ..scheduler.sampling import StructuredOutput
 
 SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10_000}
 BATCHES = ("unconstrained", "half_constrained")
@@ -35,7 +35,7 @@ class StructuredBench:
     def __init__(self, model: str, num_seqs: int, max_tokens: int, prompt_len: int = 16):
         import torch
 
-        from iterserve.workers.runner import ModelRunner
+        from ..workers.runner import ModelRunner
 
         torch.set_num_threads(1)
         block_size = 16
@@ -138,7 +138,7 @@ def structured_cost(
 
 
 def _default_model() -> str:
-    from iterserve.models import DEMO_MODEL_PATH
+    from ..models import DEMO_MODEL_PATH
 
     if not (Path(DEMO_MODEL_PATH) / "config.json").exists():
         raise SystemExit(f"no checkpoint at {DEMO_MODEL_PATH}; pass --model")

@@ -15,16 +15,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.scheduler.config import SchedulerConfig, check_knobs, knob
+from ..scheduler.config import SchedulerConfig, check_knobs, knob
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-EXECUTORS = ("model", "fake")
-# What the fake executor takes (FakeExecutor's keywords, and the checkpoint facts it
-# stands in for). Anything else is refused: a deployment config cannot reach test code.
-FAKE_EXECUTOR_OPTIONS = (
-    "vocab_size", "eos_token_id", "output_len", "step_sleep_s", "check_blocks", "max_model_len",
-)  # fmt: skip
 SCHEDULER_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
 
@@ -119,33 +113,14 @@ class EngineConfig:
         minimum=1,
         shown_default="max_loras",
     )
-    executor: str = knob(
-        "model",
-        "`model` runs the checkpoint; `fake` a deterministic stand-in (benchmarks of the "
-        "control plane); `module:attr` a factory `(config, rank, world_size, all_reduce)`",
-        helm=False,
-    )
-    executor_options: dict[str, Any] = field(
-        default_factory=dict, metadata={"doc": "options of a `fake` or `module:attr` executor"}
-    )
 
     def __post_init__(self) -> None:
         check_knobs(self)
-        from iterserve.cluster.lora import normalize_lora_modules
+        from .lora import normalize_lora_modules
 
         object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
         if self.lora_modules and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)
-        if self.executor not in EXECUTORS and ":" not in self.executor:
-            raise ValueError(f"executor must be model, fake or module:attr, got {self.executor!r}")
-        allowed = {"model": (), "fake": FAKE_EXECUTOR_OPTIONS}.get(self.executor)
-        if allowed is not None:
-            unknown = sorted(set(self.executor_options) - set(allowed))
-            if unknown:
-                raise ValueError(
-                    f"executor_options of the {self.executor} executor: unknown keys "
-                    f"{', '.join(unknown)} (allowed: {', '.join(allowed) or 'none'})"
-                )
 
     @property
     def rank_max_loras(self) -> int:
@@ -156,7 +131,7 @@ class EngineConfig:
     def model_path(self) -> str:
         if self.model is not None:
             return self.model
-        from iterserve.models import DEMO_MODEL_PATH
+        from ..models import DEMO_MODEL_PATH
 
         return str(DEMO_MODEL_PATH)
 

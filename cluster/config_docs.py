@@ -19,8 +19,8 @@ from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.scheduler.config import SchedulerConfig
+from ..scheduler.config import SchedulerConfig
+from .config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "iterserve"

@@ -25,7 +25,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from iterserve.scheduler.adapters import AdapterNotFoundError
+from ..scheduler.adapters import AdapterNotFoundError
 
 # -- configuration ---------------------------------------------------------------------
 
@@ -107,8 +107,12 @@ class EngineAdapters:
     scheduler. Methods answer ``None`` or a refusal ``(kind, message)``: kind is
     ``invalid`` (400) or ``not_found`` (404)."""
 
-    def __init__(self, config: Any, scheduler: Any, model_name: str):
+    def __init__(self, config: Any, scheduler: Any, model_name: str, *,
+                 check_weights: bool = True):  # fmt: skip
+        """``check_weights``: check an adapter's tensors against the checkpoint (the
+        ranks run the model); off for a stand-in executor, which reads its config."""
         self.config, self.scheduler, self.model_name = config, scheduler, model_name
+        self.check_weights = check_weights
         self._model_config = None
 
     @property
@@ -117,15 +121,15 @@ class EngineAdapters:
 
     def _check(self, path: str) -> None:
         """Raises AdapterError when the ranks could not serve the adapter."""
-        from iterserve.workers.lora import _read_config, check_adapter
+        from ..workers.lora import _read_config, check_adapter
 
-        if self.config.executor != "model":  # a stand-in executor: the config file only
+        if not self.check_weights:  # a stand-in executor: the config file only
             from pathlib import Path
 
             _read_config(Path(path), self.config.max_lora_rank)
             return
         if self._model_config is None:
-            from iterserve.workers.checkpoint import load_checkpoint
+            from ..workers.checkpoint import load_checkpoint
 
             ckpt = load_checkpoint(self.config.model_path)
             self._model_config = ckpt.config
@@ -133,7 +137,7 @@ class EngineAdapters:
         check_adapter(path, self._model_config, self.config.max_lora_rank)
 
     def load(self, name: Any, path: Any, base_model_name: Any = None) -> tuple[str, str] | None:
-        from iterserve.workers.lora import AdapterError
+        from ..workers.lora import AdapterError
 
         if not self.enabled:
             return ("invalid", "LoRA adapters are not enabled on this server (enable_lora)")
@@ -262,9 +266,9 @@ def add_lora_routes(app: Any, serving: Any, max_body_bytes: int) -> None:
     a 200 with a line of text, a refusal an OpenAI error (400, 404 or 503)."""
     from starlette.responses import PlainTextResponse
 
-    from iterserve.cluster.openai.app import read_body
-    from iterserve.cluster.openai.errors import APIError, unavailable
-    from iterserve.cluster.openai.serving import load_json
+    from .openai.app import read_body
+    from .openai.errors import APIError, unavailable
+    from .openai.serving import load_json
 
     def refused(refusal: tuple, param: str) -> APIError:
         kind, message = refusal[0], refusal[1]

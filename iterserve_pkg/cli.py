@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from iterserve.cluster.serve_cli import add_serve_arguments
+    from iterserve.cluster.serve.cli import add_serve_arguments
 
     add_serve_arguments(
         commands.add_parser("serve", help="the OpenAI-compatible server (default: the demo model)")

@@ -29,6 +29,13 @@ tensor as its bits) and :func:`empty_apart`, an output placed so that a kernel
 streaming through its input and output in step does not stall on 4K aliasing
 (see there).
 
+On CPUs with AVX-512 the kernels are compiled for 512-bit vectors
+(:func:`use_wide_vectors`). LLVM's tuning for those CPUs prefers 256-bit ones
+(their wide units once lowered the clock); for these loops, which widen bf16 to
+fp32 and multiply-add a head's 64 values, the 512-bit code is the faster:
+the decode attention of 32 rows over 160 positions 1.23 against 1.55 ms a
+layer, 0.56 against 0.86 over 70 positions, measured alternately on a Xeon.
+
 Without numba they are plain Python (``math.exp`` and a no-op), which nothing
 calls: the kernels that use them run only where numba imports.
 """
@@ -49,7 +56,25 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency
     numba = None
 
+
+def use_wide_vectors() -> bool:
+    """Compile the kernels for 512-bit vectors where the CPU has AVX-512 (see the
+    module docstring): the host's features less LLVM's ``prefer-256-bit`` tuning.
+    Left alone when numba's CPU features are set already (``NUMBA_CPU_FEATURES``)
+    or the CPU lacks AVX-512. Whether it applies."""
+    if numba is None or numba.config.CPU_FEATURES is not None:
+        return False
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features().flatten()
+    if "+avx512f" not in features.split(","):
+        return False
+    numba.config.CPU_FEATURES = features + ",-prefer-256-bit"
+    return True
+
+
 if numba is not None:
+    use_wide_vectors()
     _I8_PTR = ir.IntType(8).as_pointer()
     _I32 = ir.IntType(32)
 

@@ -11,8 +11,8 @@ and the rotary embedding's broadcast multiplies alone cost a 2048-token prefill
   cos/sin rows, without the broadcast intermediates;
 - :func:`store_kv`: each token's K/V row copied into its cache slot.
 
-- :func:`silu_mul`: the gate's SiLU times the up half in one pass (bf16 only;
-  fp32 stays torch's, whose vectorized exponential is as fast).
+- :func:`silu_mul` is torch's, in the tensors' dtype (its vectorized
+  exponential is the faster).
 
 Every kernel serves fp32 and bf16 tensors alike (:mod:`.cpu_math`: a bf16
 tensor is read as fp32 and rounded where the reference rounds, so the two
@@ -30,7 +30,7 @@ import torch
 
 from . import checks, reference
 from .cpu_attention import _jit, available
-from .cpu_math import as_array, empty_apart, exp_f32, load_f32, round_to, store_f32
+from .cpu_math import as_array, empty_apart, load_f32, round_to, store_f32
 
 # The dtypes the compiled kernels take; numba has no fp16 arithmetic.
 DTYPES = (torch.float32, torch.bfloat16)
@@ -45,25 +45,15 @@ def _compiled(*tensors: object) -> bool:
     )
 
 
-@_jit()
-def _silu_mul_rows(x, out):
-    rows, width = out.shape
-    for i in range(rows):
-        for j in range(width):
-            gate = load_f32(x, (i, j))
-            up = load_f32(x, (i, width + j))
-            store_f32(out, (i, j), gate / (np.float32(1.0) + exp_f32(-gate)) * up)
-
-
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """:func:`reference.silu_mul` in one pass for bf16; fp32 keeps torch's SiLU,
-    whose vectorized exponential is as fast and one pass fewer to write."""
-    if x.dtype != torch.bfloat16 or not _compiled(x):
-        return reference.silu_mul(x)
+    """The gate's SiLU times the up half, in the tensor's dtype as Hugging Face's
+    MLP computes it (a bf16 SiLU rounded, then the product rounded). torch's
+    vectorized exponential beats a compiled loop over the rows: in a 144M model's
+    decode step of 32 rows, 3.3 ms a step against 6–23 ms, and 1.5 against 5 ms
+    for the fp32 round trip of :func:`reference.silu_mul`."""
     checks.check_silu_mul(x)
-    out = empty_apart((x.shape[0], x.shape[1] // 2), x.dtype, x)
-    _silu_mul_rows(as_array(x), as_array(out))
-    return out
+    d = x.shape[1] // 2
+    return torch.nn.functional.silu(x[:, :d]).mul_(x[:, d:])
 
 
 def _on_cpu(index: object) -> bool:
@@ -79,7 +69,7 @@ def _on_cpu(index: object) -> bool:
 def _rms_norm_rows(x, weight, eps, out):
     rows, width = x.shape
     for i in range(rows):
-        total = 0.0
+        total = np.float32(0.0)  # fp32, as the reference's mean: 1.5x faster than fp64
         for j in range(width):
             v = load_f32(x, (i, j))
             total += v * v
@@ -93,7 +83,7 @@ def _rms_norm_rows(x, weight, eps, out):
 def _add_rms_norm_rows(x, residual, weight, eps, out, summed):
     rows, width = x.shape
     for i in range(rows):
-        total = 0.0
+        total = np.float32(0.0)  # fp32, as the reference's mean: 1.5x faster than fp64
         for j in range(width):
             s = round_to(summed, load_f32(x, (i, j)) + load_f32(residual, (i, j)))
             store_f32(summed, (i, j), s)

@@ -7,21 +7,23 @@ Public surface:
 - :class:`Scheduler` — ``schedule(now) -> ScheduledStep``, ``update(step, StepResult) -> outputs``.
 - :mod:`~iterserve.scheduler.messages` — the two messages that cross to the workers.
 - :mod:`~iterserve.scheduler.codec` — their strict msgpack codec.
-- :class:`FakeExecutor` — a deterministic stand-in for the model workers.
+- :class:`FakeExecutor` — a deterministic stand-in for the model workers;
+  :class:`FakeModel` hands one to each rank of an engine (given in code).
 """
 
-from iterserve.scheduler.config import POLICIES, SchedulerConfig
-from iterserve.scheduler.core import Scheduler
-from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
-from iterserve.scheduler.fake_executor import FakeExecutor
-from iterserve.scheduler.messages import StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason, Request, RequestOutput, RequestStatus
-from iterserve.scheduler.sampling import SamplingParams, SamplingParamsError
-from iterserve.scheduler.step import ScheduledStep, StepBuilder
+from .config import POLICIES, SchedulerConfig
+from .core import Scheduler
+from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .fake_executor import FakeExecutor, FakeModel
+from .messages import StepPlan, StepResult
+from .request import FinishReason, Request, RequestOutput, RequestStatus
+from .sampling import SamplingParams, SamplingParamsError
+from .step import ScheduledStep, StepBuilder
 
 __all__ = [
     "POLICIES",
     "FakeExecutor",
+    "FakeModel",
     "FinishReason",
     "PromptTooLongError",
     "ProtocolError",

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.messages import AdapterLoad
+from .messages import AdapterLoad
 
 
 class AdapterNotFoundError(KeyError):

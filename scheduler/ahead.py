@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.request import Request
+    from .core import Scheduler
+    from .request import Request
 
 
 def finishing_if_ahead_fits(sched: Scheduler) -> list[Request] | None:
@@ -47,8 +47,7 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
         # Its KV up to its last known token is computed by the step in flight.
         known = min(request.num_computed_tokens, request.num_tokens)
         sched.retiring[request.seq_id] = (request, sched.prefix.release(request, known))
-        sched.slots.release(request.slot_idx)
-        request.slot_idx = -1
+        sched.release_slot(request, tell_workers=False)
         del sched.running[request.request_id]
         # The step in flight computes its last row with its adapter; a load that
         # reuses the slot travels in a later plan, applied after that step.

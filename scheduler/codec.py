@@ -1,4 +1,4 @@
-"""The msgpack codec for the scheduler <-> worker messages.
+"""The msgpack codec for the messages of :mod:`~iterserve.scheduler.messages`.
 
 No pickle and no msgpack extension types: a message is a msgpack array
 ``[tag, version, field, ...]`` whose fields are ints, floats, bools, strings,
@@ -10,11 +10,16 @@ never another exception — for malformed, truncated or oversized input.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 import msgpack
 
-from iterserve.scheduler.messages import (
+from .messages import (
+    FINISH_REASONS,
     AdapterLoad,
+    EngineOutput,
+    EngineOutputs,
     FinishedSeq,
     NewSequence,
     PromptLogprobs,
@@ -23,7 +28,7 @@ from iterserve.scheduler.messages import (
     StepPlan,
     StepResult,
 )
-from iterserve.scheduler.sampling import (
+from .sampling import (
     MAX_GRAMMAR_BYTES,
     SamplingParams,
     SamplingParamsError,
@@ -32,9 +37,9 @@ from iterserve.scheduler.sampling import (
 
 # 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
-# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: LoRA adapters
-# (NewSequence.lora_slot, StepPlan.adapter_loads)
-VERSION = 6
+# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
+# 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads)
+VERSION = 7
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -89,6 +94,18 @@ def _pair(v):
     if type(v) is not list or len(v) != 2:
         raise CodecError("expected a [token_id, logprob] pair")
     return (_int(v[0]), _float(v[1]))
+
+
+def _token_logprobs(v):
+    if type(v) is not list or len(v) != 2:
+        raise CodecError("expected a [logprob, top_logprobs] entry")
+    return (_float(v[0]), _list(_pair)(v[1]))
+
+
+def _finish_reason(v):
+    if v not in FINISH_REASONS or type(v) is not str:
+        raise CodecError(f"expected a finish reason, got {v!r}")
+    return v
 
 
 def _tuple_of_ints(v):
@@ -170,11 +187,21 @@ _SCHEMAS[StepResult] = (
     _int,
     _list(_record(PromptLogprobs)),
 )
+_SCHEMAS[EngineOutput] = (
+    _str,
+    _list(_int),
+    _list(_token_logprobs),
+    _optional(_record(PromptLogprobs)),
+    _optional(_finish_reason),
+    _optional(_str),
+    _optional(_int),
+)
+_SCHEMAS[EngineOutputs] = (_list(_record(EngineOutput)),)
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _SCHEMAS}
 for _cls, _schema in _SCHEMAS.items():
     assert len(_schema) == len(_FIELDS[_cls]), f"codec schema of {_cls.__name__} is stale"
 
-_TAGS = {StepPlan: 1, StepResult: 2}
+_TAGS = {StepPlan: 1, StepResult: 2, EngineOutputs: 3}
 _BY_TAG = {tag: cls for cls, tag in _TAGS.items()}
 
 
@@ -229,7 +256,7 @@ def _encode_plan(m: StepPlan) -> list:
         [
             [
                 n.seq_id,
-                n.request_id,
+                n.label,
                 n.slot_idx,
                 n.token_ids,
                 n.num_prompt_tokens,
@@ -250,6 +277,27 @@ def _encode_plan(m: StepPlan) -> list:
     ]
 
 
+def _encode_prompt_logprobs(p: PromptLogprobs) -> list:
+    return [p.seq_id, p.token_logprobs, p.ranks, [[list(t) for t in top] for top in p.top_logprobs]]
+
+
+def _encode_outputs(m: EngineOutputs) -> list:
+    return [
+        [
+            [
+                o.request_id,
+                o.token_ids,
+                [[lp, [list(p) for p in top]] for lp, top in o.logprobs] if o.logprobs else [],
+                None if o.prompt_logprobs is None else _encode_prompt_logprobs(o.prompt_logprobs),
+                o.finish_reason,
+                o.error,
+                o.num_cached_tokens,
+            ]
+            for o in m.outputs
+        ]
+    ]
+
+
 def _encode_result(m: StepResult) -> list:
     return [
         m.step,
@@ -258,25 +306,63 @@ def _encode_result(m: StepResult) -> list:
         m.forward_s,
         m.num_tokens,
         m.num_padding_tokens,
-        [
-            [
-                p.seq_id,
-                p.token_logprobs,
-                p.ranks,
-                [[list(t) for t in top] for top in p.top_logprobs],
-            ]
-            for p in m.prompt_logprobs
-        ],
+        [_encode_prompt_logprobs(p) for p in m.prompt_logprobs],
     ]
 
 
-_ENCODERS = {StepPlan: _encode_plan, StepResult: _encode_result}
+def _decode_outputs(value: list) -> EngineOutputs:
+    """EngineOutputs with the same checks as the schema's, written out: a client
+    decodes one per step with every stream's outputs, the hot path of its reads."""
+    if len(value) != 1 or type(value[0]) is not list:
+        raise CodecError("malformed EngineOutputs")
+    outputs = []
+    for v in value[0]:
+        if type(v) is not list or len(v) != 7:
+            raise CodecError("malformed EngineOutput")
+        request_id, token_ids, logprobs, prompt, reason, error, cached = v
+        if type(request_id) is not str:
+            raise CodecError("EngineOutput.request_id: expected str")
+        if type(token_ids) is not list:
+            raise CodecError("EngineOutput.token_ids: expected list")
+        for t in token_ids:
+            if type(t) is not int:
+                raise CodecError("EngineOutput.token_ids: expected int")
+        if token_ids and not INT_MIN <= min(token_ids) <= max(token_ids) <= INT_MAX:
+            raise CodecError("EngineOutput.token_ids: an int out of range")
+        if logprobs:
+            try:
+                logprobs = _list(_token_logprobs)(logprobs)
+            except CodecError as exc:
+                raise CodecError(f"EngineOutput.logprobs: {exc}") from None
+        elif type(logprobs) is not list:
+            raise CodecError("EngineOutput.logprobs: expected list")
+        if prompt is not None:
+            prompt = _decode_record(PromptLogprobs, prompt)
+        if reason is not None and (type(reason) is not str or reason not in FINISH_REASONS):
+            raise CodecError(
+                f"EngineOutput.finish_reason: expected a finish reason, got {reason!r}"
+            )
+        if error is not None and type(error) is not str:
+            raise CodecError("EngineOutput.error: expected str")
+        if cached is not None and type(cached) is not int:
+            raise CodecError("EngineOutput.num_cached_tokens: expected int")
+        outputs.append(EngineOutput(request_id, token_ids, logprobs, prompt, reason, error, cached))
+    return EngineOutputs(outputs)
+
+
+_ENCODERS: dict[type, Callable[[Any], list]] = {
+    StepPlan: _encode_plan,
+    StepResult: _encode_result,
+    EngineOutputs: _encode_outputs,
+}
+
+Message: TypeAlias = "StepPlan | StepResult | EngineOutputs"
 
 
 # -- public API ----------------------------------------------------------------------
 
 
-def encode(message: StepPlan | StepResult) -> bytes:
+def encode(message: Message) -> bytes:
     tag = _TAGS.get(type(message))
     if tag is None:
         raise CodecError(f"cannot encode {type(message).__name__}")
@@ -287,8 +373,8 @@ def _reject_ext(code, data):
     raise CodecError("msgpack extension types are not accepted")
 
 
-def decode(data: bytes, expected: type | None = None) -> StepPlan | StepResult:
-    """Decodes one message; ``expected`` (StepPlan or StepResult) restricts its type."""
+def decode(data: bytes, expected: type | None = None) -> Message:
+    """Decodes one message; ``expected`` (a message class) restricts its type."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
@@ -321,6 +407,8 @@ def decode(data: bytes, expected: type | None = None) -> StepPlan | StepResult:
     if expected is not None and cls is not expected:
         raise CodecError(f"expected {expected.__name__}, got {cls.__name__}")
     try:
+        if cls is EngineOutputs:
+            return _decode_outputs(raw[2:])
         return _decode_record(cls, raw[2:])
     except CodecError:
         raise

@@ -160,7 +160,7 @@ class SchedulerConfig:
 
     @property
     def blocks_per_seq_max(self) -> int:
-        from iterserve.scheduler.blocks import blocks_for
+        from .blocks import blocks_for
 
         assert self.max_model_len is not None
         return blocks_for(self.max_model_len, self.block_size)

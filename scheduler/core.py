@@ -17,37 +17,48 @@ Prefix caching (which blocks are shared by content, and when) is explained in
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 
-from iterserve.scheduler.adapters import AdapterResidency
-from iterserve.scheduler.ahead import finishing_if_ahead_fits, retire
-from iterserve.scheduler.blocks import BlockManager
-from iterserve.scheduler.config import SchedulerConfig
-from iterserve.scheduler.errors import PromptTooLongError, ProtocolError, QueueFullError
-from iterserve.scheduler.messages import NewSequence, StepResult
-from iterserve.scheduler.policies import make_policy
-from iterserve.scheduler.prefix_cache import PrefixCache
-from iterserve.scheduler.queue import WaitingQueue
-from iterserve.scheduler.request import (
+from .adapters import AdapterResidency
+from .ahead import finishing_if_ahead_fits, retire
+from .blocks import BlockManager
+from .config import SchedulerConfig
+from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .messages import NewSequence, StepResult
+from .policies import make_policy
+from .prefix_cache import PrefixCache
+from .queue import WaitingQueue
+from .request import (
     FinishReason,
     Request,
     RequestOutput,
     RequestStatus,
-    prompt_logprobs_entry,
 )
-from iterserve.scheduler.slots import SlotTable
-from iterserve.scheduler.step import ScheduledStep, StepBuilder
+from .slots import SlotTable
+from .step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, *, kv_window: int | None = None):
-        """``kv_window``: the model's, when every layer reads only that many last
-        positions (blocks before it are handed on while a sequence runs; paged only)."""
+    """``max_in_flight``: steps handed out whose results have not come back, at
+    most (2: one built ahead of the one running; 1: one at a time). ``kv_window``:
+    the model's, when every layer reads only that many last positions (blocks
+    before it are handed on while a sequence runs; paged only)."""
+
+    def __init__(
+        self, config: SchedulerConfig, max_in_flight: int = 2, *, kv_window: int | None = None
+    ):
         config.check_complete()
+        if max_in_flight not in (1, 2):
+            raise ValueError(f"max_in_flight must be 1 or 2, got {max_in_flight}")
         self.config = config
+        self.max_in_flight = max_in_flight
         self.slots = SlotTable(config.max_num_seqs)
-        slab = config.max_model_len if config.kv_layout == "slab" else 0
+        num_kv_blocks, max_model_len = config.num_kv_blocks, config.max_model_len
+        assert num_kv_blocks is not None and max_model_len is not None  # check_complete
+        self.max_model_len = max_model_len
+        slab = max_model_len if config.kv_layout == "slab" else 0
         window = kv_window if config.kv_layout == "paged" else None
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size, slab_tokens=slab,
+        self.blocks = BlockManager(num_kv_blocks, config.block_size, slab_tokens=slab,
                                    window=window)  # fmt: skip
         self.prefix_caching = config.prefix_caching
         self.prefix = PrefixCache(self.blocks, config.block_size, config.prefix_caching)
@@ -58,7 +69,9 @@ class Scheduler:
         # LoRA adapters: the registry and which the ranks hold (a resource like slots).
         self.adapters = AdapterResidency(config.max_loras)
         self.step = 0
-        self.num_in_flight = 0  # steps scheduled whose results have not come back (0-2)
+        # The steps handed out whose results have not come back, oldest first: the
+        # one queue of them (the engine keeps none); update() takes the oldest.
+        self.in_flight: deque[ScheduledStep] = deque()
         self._next_seq_id = 0
         # The requests the workers know, by the id results name them with: running
         # ones and retiring ones. An aborted request leaves at once, so a result
@@ -79,12 +92,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request. Raises QueueFullError, PromptTooLongError,
         SamplingParamsError or ValueError; a refused request leaves no trace."""
+        if type(request.priority) is not int:  # the queue orders by it: refuse before any trace
+            raise ValueError(f"priority: must be an integer, got {type(request.priority).__name__}")
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty; at least one token is required")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise PromptTooLongError(request.num_prompt_tokens, self.config.max_model_len)
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(request.num_prompt_tokens, self.max_model_len)
         request.params.check_limits(max_n=self.config.max_n, max_logprobs=self.config.max_logprobs)
         if request.lora_name is not None:  # raises AdapterNotFoundError
             request.adapter = self.adapters.get(request.lora_name)
@@ -93,7 +108,7 @@ class Scheduler:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_queue_len} requests)"
             )
-        room = self.config.max_model_len - request.num_prompt_tokens
+        room = self.max_model_len - request.num_prompt_tokens
         if request.params.max_tokens > room:
             request.params = dataclasses.replace(
                 request.params,
@@ -121,12 +136,12 @@ class Scheduler:
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
         self._finish(request, reason)
-        return RequestOutput(request_id, finish_reason=reason)
+        return RequestOutput(request_id, finish_reason=reason, request=request)
 
     def requeue_running(self) -> None:
         """The steps in flight were lost with the workers: forget them and preempt
         every running sequence, to be recomputed on fresh workers. No token is lost."""
-        self.num_in_flight = 0
+        self.in_flight.clear()
         self.policy.reset(self)
         retiring = [request for request, _ in self.retiring.values()]
         self.retiring.clear()
@@ -138,16 +153,17 @@ class Scheduler:
     # -- the step --------------------------------------------------------------
 
     def schedule(self, now: float) -> ScheduledStep | None:
-        """Builds the next step, or returns None when there is nothing to run.
+        """Builds the next step, or returns None when there is nothing to run or
+        ``max_in_flight`` steps are out already.
 
         With a step in flight, builds the step after it (a lookahead plan, see
         the module docstring), or returns None when that step must wait for the
-        result of the one in flight. The caller keeps the step and hands it back
-        to :meth:`update` with its result."""
-        if self.num_in_flight > 1:
-            raise RuntimeError("two steps are in flight already: update one first")
-        lookahead = self.num_in_flight == 1
-        finishing: list[Request] = []
+        result of the one in flight. The step's result goes back to :meth:`update`
+        with it, oldest step first."""
+        if len(self.in_flight) >= self.max_in_flight:
+            return None
+        lookahead = bool(self.in_flight)
+        finishing: list[Request] | None = []
         if lookahead:
             finishing = finishing_if_ahead_fits(self)
             if finishing is None:
@@ -158,18 +174,25 @@ class Scheduler:
         self.policy.schedule(step, now)
         if not step.scheduled:
             return None
+        for new in step.new_seqs:
+            request = step.requests[new.slot_idx]
+            if request.scheduled_time is None:
+                request.scheduled_time = now
         self.step += 1
-        self.num_in_flight += 1
-        scheduled = step.build(self.step, self._released_slots)
+        scheduled = step.build(self.step, self._released_slots, now)
         self._released_slots = []
+        self.in_flight.append(scheduled)
         return scheduled
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """Applies the workers' result for ``step`` (the oldest step in flight):
         append tokens, finish, free."""
+        if not self.in_flight or step is not self.in_flight[0]:
+            raise ProtocolError(f"step {step.plan.step} is not the oldest step in flight")
         if result.step != step.plan.step:
             raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
-        self.num_in_flight -= 1
+        self.in_flight.popleft()
+        request: Request | None
         expected: list[Request] = []
         for entry in step.plan.scheduled:
             if entry.sample:
@@ -185,19 +208,21 @@ class Scheduler:
                 continue  # aborted while the step was in flight
             request.output_token_ids.append(sampled.token_id)
             out = outputs[request.request_id] = RequestOutput(
-                request.request_id, [sampled.token_id]
+                request.request_id, [sampled.token_id], request=request
             )
             if len(request.output_token_ids) == 1:
                 out.num_cached_tokens = request.num_cached_tokens
             if request.params.logprobs is not None:
-                entry = (sampled.logprob, list(sampled.top_logprobs))
-                request.output_logprobs.append(entry)
-                out.new_logprobs.append(entry)
-        for prompt in result.prompt_logprobs:  # before the first token's entry, once
+                logprobs = (sampled.logprob, list(sampled.top_logprobs))
+                request.output_logprobs.append(logprobs)
+                out.new_logprobs.append(logprobs)
+        for prompt in result.prompt_logprobs:  # once, with the step completing the prompt
             request = live.get(prompt.seq_id)
             if request is not None:
-                out = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
-                out.new_logprobs.insert(0, prompt_logprobs_entry(prompt))
+                out = outputs.setdefault(
+                    request.request_id, RequestOutput(request.request_id, request=request)
+                )
+                out.prompt_logprobs = prompt
         for finished in result.finished:
             request = live.get(finished.seq_id)
             if request is None:
@@ -214,7 +239,7 @@ class Scheduler:
             reason = FinishReason(finished.reason)
             self._finish(request, reason)
             outputs.setdefault(
-                request.request_id, RequestOutput(request.request_id)
+                request.request_id, RequestOutput(request.request_id, request=request)
             ).finish_reason = reason
         for request in expected:
             if request.request_id not in outputs:
@@ -254,7 +279,7 @@ class Scheduler:
         self._by_seq[request.seq_id] = request
         return NewSequence(
             seq_id=request.seq_id,
-            request_id=request.label,
+            label=request.label,
             slot_idx=request.slot_idx,
             token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -280,7 +305,7 @@ class Scheduler:
             self.prefix.release(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
-            self._release_slot(request)
+            self.release_slot(request, tell_workers=True)
             del self.running[request.request_id]
             self.unpin_adapter(request)
         request.num_dropped_tokens = request.num_computed_tokens
@@ -292,14 +317,14 @@ class Scheduler:
         self.num_preempted += 1
         self.waiting.push(request)
 
-    def release_slot(self, request: Request) -> None:
-        """Frees the slot a finished member of a static batch kept, as the batch ends."""
+    def release_slot(self, request: Request, *, tell_workers: bool) -> None:
+        """Frees a request's slot, the one place slots are freed. ``tell_workers``:
+        the next plan releases it (an abort, an error, a preemption: the workers
+        still hold the sequence); otherwise they dropped it themselves (it ended
+        where it was sampled, or its last token is being sampled: retiring)."""
         self.slots.release(request.slot_idx)
-        request.slot_idx = -1
-
-    def _release_slot(self, request: Request) -> None:
-        self.slots.release(request.slot_idx)
-        self._released_slots.append(request.slot_idx)
+        if tell_workers:
+            self._released_slots.append(request.slot_idx)
         request.slot_idx = -1
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -326,13 +351,16 @@ class Scheduler:
         del self.running[request.request_id]
         self.unpin_adapter(request)
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
-            self._release_slot(request)  # the workers still hold it: tell them
+            self.release_slot(request, tell_workers=True)  # the workers still hold it
         elif not self.policy.holds_finished_slots:
-            # The worker dropped the sequence itself when it finished it.
-            self.release_slot(request)
+            self.release_slot(request, tell_workers=False)  # the worker ended it itself
         # else: static batching keeps the slot, as padding, until its batch ends.
 
     # -- introspection ---------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
 
     @property
     def has_work(self) -> bool:

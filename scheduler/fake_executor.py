@@ -5,8 +5,9 @@ It consumes real :class:`StepPlan` messages and answers real
 (:class:`SequenceTable`) as the model runner, so the scheduler, the Ray actor,
 the Serve app and the benchmarks run end to end without a model.
 
-The token at output position ``i`` of a request depends only on the request id
-and ``i``: a preempted request that is recomputed produces the same tokens, and
+The token at output position ``i`` of a request depends only on its label (the
+name its client gave it, ``NewSequence.label``; a request added to a scheduler
+directly has its id as its label) and ``i``: a preempted request that is recomputed produces the same tokens, and
 tests can predict every request's exact output. A request ends with EOS after
 ``output_len(request_id)`` tokens (``None``: never by itself).
 
@@ -26,12 +27,14 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import PromptLogprobs, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.scheduler.seq_table import SequenceTable, stop_reason
+from .blocks import blocks_for
+from .messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from .request import FinishReason
+from .sampling import SamplingParams
+from .seq_table import SequenceTable, stop_reason
 
 OutputLen = Callable[[str], "int | None"]
 
@@ -109,7 +112,7 @@ class FakeExecutor:
                 needed = blocks_for(entry.start_pos + entry.num_tokens, self.block_size)
                 if len(seq.block_ids) < needed:
                     raise AssertionError(
-                        f"{seq.request_id}: {len(seq.block_ids)} blocks cannot hold "
+                        f"{seq.label}: {len(seq.block_ids)} blocks cannot hold "
                         f"{entry.start_pos + entry.num_tokens} tokens"
                     )
             self.table.advance(entry)
@@ -120,7 +123,7 @@ class FakeExecutor:
             if seq.params.max_tokens == 0:  # the prompt alone was asked for
                 result.finished.append(self.table.end(entry.slot_idx, FinishReason.LENGTH))
                 continue
-            token = self._next_token(seq.request_id, seq.num_output_tokens, seq.params)
+            token = self._next_token(seq.label, seq.num_output_tokens, seq.params)
             logprob = -0.5 if seq.params.logprobs is not None else None
             top = [(token, -0.5)][: seq.params.logprobs or 0]
             result.sampled.append(SampledToken(seq.seq_id, token, logprob, top))
@@ -161,6 +164,42 @@ class FakeExecutor:
                 held = self._kv.get(block, empty)[pos % size]
                 if held != (pos, self._digest(seq, pos)):
                     raise AssertionError(
-                        f"{seq.request_id}: block {block} does not hold its KV of position "
+                        f"{seq.label}: block {block} does not hold its KV of position "
                         f"{pos} in step {plan.step}"
                     )
+
+
+@dataclass(frozen=True)
+class FakeModel:
+    """An engine's stand-in model: each rank runs a :class:`FakeExecutor` (the
+    control plane on its own, outputs a test can predict). Given to an engine in
+    code (``AsyncEngine(config, executor=FakeModel(...))``), it is out of reach of
+    any deployment config. ``max_model_len`` and ``vocab_size`` are the facts of
+    the checkpoint it stands in for; the rest are :class:`FakeExecutor`'s."""
+
+    vocab_size: int = 32000
+    max_model_len: int = 2048
+    eos_token_id: int = 2
+    output_len: int | None = None
+    step_sleep_s: float = 0.0
+    check_blocks: bool = True
+
+    def model_info(self, config: Any, device: str) -> dict:
+        return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
+
+    def kv_capacity(self, config: Any, rank: int, world_size: int, device: str) -> int:
+        return 4096
+
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
+        return FakeExecutor(**self.executor_options(config))
+
+    def executor_options(self, config: Any) -> dict:
+        """:class:`FakeExecutor`'s keywords, for an engine of ``config``."""
+        return dict(
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            output_len=self.output_len,
+            step_sleep_s=self.step_sleep_s,
+            check_blocks=self.check_blocks,
+            block_size=config.scheduler.block_size,
+        )

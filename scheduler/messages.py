@@ -1,6 +1,9 @@
-"""The two messages that cross the scheduler <-> worker boundary.
+"""The messages that cross the engine's boundaries: the two between the
+scheduler and its workers (:class:`StepPlan`, :class:`StepResult`), and the
+record the engine hands its clients (:class:`EngineOutput`, a step's worth for
+one client in :class:`EngineOutputs`).
 
-Only lists of ints, floats and short strings cross it — never tensors, never
+Only lists of ints, floats and short strings cross — never tensors, never
 pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
 
 A worker applies a :class:`StepPlan` in this order:
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.sampling import SamplingParams
+from .sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -43,8 +46,10 @@ class NewSequence:
     """A sequence the workers have not seen yet, sent in full once.
 
     ``seq_id`` names the sequence in every result; the scheduler never gives two
-    requests the same one. ``request_id`` is the caller's name for it (a client's
-    request id), for logs; it need not be unique. ``token_ids`` is the prompt plus
+    requests the same one. ``label`` is its client's name for it (a user's request
+    id), for logs only: it need not be unique, and the ranks key nothing by it
+    (but the fake executor, a stand-in for tests, derives its tokens from it, so
+    that a test can predict them). ``token_ids`` is the prompt plus
     any output produced before a preemption (recompute resumes from there); the
     first ``num_prompt_tokens`` are prompt. The first ``num_cached_tokens`` (whole
     blocks, fewer than ``len(token_ids)``) are in the KV cache already, in the
@@ -54,7 +59,7 @@ class NewSequence:
     """
 
     seq_id: int
-    request_id: str
+    label: str
     slot_idx: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -170,3 +175,51 @@ class StepResult:
     num_tokens: int = 0
     num_padding_tokens: int = 0
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+# One token's logprob and its top alternatives: ``(logprob, [(token_id, logprob), ...])``.
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+FINISH_REASONS = ("eos", "stop_token", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """Engine -> client: what one step produced for one request.
+
+    ``request_id`` is the engine's id of the request (the one its client chose
+    when it added it). ``logprobs`` holds one entry per token of ``token_ids``
+    when the request asked for logprobs; ``prompt_logprobs`` comes once, in the
+    output of the step that completed the prompt, when it asked for those.
+    ``finish_reason`` (one of ``FINISH_REASONS``) is set on its last output;
+    ``error`` says why, when that reason is ``error``. ``num_cached_tokens`` is
+    set on its first output with tokens: prompt tokens found in the prefix cache.
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failed(cls, request_id: str, message: str) -> EngineOutput:
+        """The last output of a request the engine (or the way to it) failed."""
+        return cls(request_id, finish_reason="error", error=message)
+
+    @classmethod
+    def aborted(cls, request_id: str) -> EngineOutput:
+        return cls(request_id, finish_reason="abort")
+
+
+@dataclass(slots=True)
+class EngineOutputs:
+    """Engine -> one client: everything one step produced for that client's
+    requests, in one message."""
+
+    outputs: list[EngineOutput] = field(default_factory=list)

@@ -17,9 +17,9 @@ hash.
 
 from __future__ import annotations
 
-from iterserve.scheduler.block_hash import prompt_block_hashes
-from iterserve.scheduler.blocks import BlockManager
-from iterserve.scheduler.request import Request
+from .block_hash import prompt_block_hashes
+from .blocks import BlockManager
+from .request import Request
 
 
 class PrefixCache:

@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 
-from iterserve.scheduler.request import Request
+from .request import Request
 
 
 class WaitingQueue:

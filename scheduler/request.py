@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from iterserve.scheduler.adapters import Adapter
-from iterserve.scheduler.block_hash import chain_block_hashes
-from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.sampling import SamplingParams
+from .adapters import Adapter
+from .block_hash import chain_block_hashes
+from .messages import PromptLogprobs
+from .sampling import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -122,6 +122,14 @@ class Request:
     lora_name: str | None = None
     adapter: Adapter | None = None
     lora_slot: int = 0  # the ranks' slot of that adapter while it runs; 0: none
+    # What the engine around the scheduler keeps of a request lives here too, so
+    # that a request is in one table (Scheduler.requests): the client that reads
+    # its outputs, and the times its metrics are measured from (``now`` of the
+    # schedule() that first admitted it; its first and latest output tokens).
+    client: str = ""
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.label = self.label or self.request_id
@@ -184,42 +192,16 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
-    # (logprob, [(token_id, logprob)]) per new token. The output of the step that
-    # completed a prompt whose logprobs were asked for starts with them, as
-    # prompt_logprobs_entry() writes them: plain types, so that they cross every
-    # transport the token logprobs cross (split_prompt_logprobs reads them back).
-    new_logprobs: list = field(default_factory=list)
+    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
     finish_reason: FinishReason | None = None
     # Set on a request's first output with tokens: how many of its prompt tokens
     # were found in the prefix cache (usage.prompt_tokens_details.cached_tokens).
     num_cached_tokens: int | None = None
+    # The prompt's logprobs, in the output of the step that completed the prompt
+    # of a request that asked for them.
+    prompt_logprobs: PromptLogprobs | None = None
+    request: Request | None = field(default=None, repr=False, compare=False)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-PROMPT_LOGPROBS = "prompt_logprobs"
-
-
-def prompt_logprobs_entry(prompt: PromptLogprobs) -> dict:
-    """A sequence's prompt logprobs as the entry that leads its output's logprobs."""
-    return {
-        PROMPT_LOGPROBS: {
-            "seq_id": prompt.seq_id,
-            "token_logprobs": list(prompt.token_logprobs),
-            "ranks": list(prompt.ranks),
-            "top_logprobs": [[list(pair) for pair in top] for top in prompt.top_logprobs],
-        }
-    }
-
-
-def split_prompt_logprobs(entries: list) -> tuple[PromptLogprobs | None, list]:
-    """The prompt logprobs leading ``entries`` (an output's logprobs), if any, and
-    the token logprobs after them."""
-    if not entries or not isinstance(entries[0], dict) or PROMPT_LOGPROBS not in entries[0]:
-        return None, entries
-    value = entries[0][PROMPT_LOGPROBS]
-    top = [[(pair[0], pair[1]) for pair in row] for row in value["top_logprobs"]]
-    prompt = PromptLogprobs(value["seq_id"], value["token_logprobs"], value["ranks"], top)
-    return prompt, entries[1:]

@@ -5,17 +5,31 @@ A worker (the real model runner or the fake executor) keeps one
 out the token ids to compute, records sampled tokens and decides when a
 sequence ends (EOS, stop token, length). Pure Python, so the fake executor and
 the real runner share exactly the same stop rules.
+
+Everything a rank keeps for one sequence is in its :class:`SeqState`: tokens,
+blocks, its row of the penalties' token counts, its grammar matcher, the
+prompt logprobs it is gathering. A sequence leaves by one door,
+:meth:`SequenceTable.forget` (released by a plan, or ended on the rank), which
+hands it to the table's ``on_forget`` for what it holds outside itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from iterserve.scheduler.blocks import blocks_before_window
-from iterserve.scheduler.messages import FinishedSeq, NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.sampling import SamplingParams
+from .blocks import blocks_before_window
+from .messages import (
+    FinishedSeq,
+    NewSequence,
+    PromptLogprobs,
+    ScheduledSeq,
+    StepPlan,
+)
+from .request import FinishReason
+from .sampling import SamplingParams
 
 
 class PlanMismatchError(RuntimeError):
@@ -25,7 +39,7 @@ class PlanMismatchError(RuntimeError):
 @dataclass(slots=True)
 class SeqState:
     seq_id: int
-    request_id: str
+    label: str  # its client's name for it: for messages only
     slot_idx: int
     token_ids: list[int]
     num_prompt_tokens: int
@@ -36,6 +50,12 @@ class SeqState:
     # handed them on, and they are never read again (see BlockManager).
     num_freed_blocks: int = 0
     lora_slot: int = 0  # the adapter slot its rows compute with; 0: the base model
+    # Its row in the rank's token-count tables (penalties; -1: none), and the
+    # (length, last token) of the tokens that row counts.
+    counts_row: int = -1
+    counted: tuple[int, int] = (0, -1)
+    grammar: Any = None  # its grammar's matcher state (structured outputs)
+    prompt_logprobs: PromptLogprobs | None = None  # entries gathered, until its prompt is in
 
     @property
     def num_output_tokens(self) -> int:
@@ -66,7 +86,8 @@ def stop_reason(
 
 
 class SequenceTable:
-    """Per-slot sequence state on a worker. With the model's ``kv_window`` (every
+    """Per-slot sequence state on a worker. ``on_forget(seq)`` is called for each
+    sequence that leaves, whatever the reason. With the model's ``kv_window`` (every
     layer reads only that many last positions) it tells, by the scheduler's own
     formula, which leading blocks of each sequence the scheduler has handed on:
     a finished sequence releases only the blocks it still held."""
@@ -74,11 +95,13 @@ class SequenceTable:
     def __init__(
         self,
         eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        on_forget: Callable[[SeqState], None] | None = None,
         *,
         kv_window: int | None = None,
         block_size: int = 1,
     ):
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.on_forget = on_forget
         self.kv_window, self.block_size = kv_window, block_size
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
@@ -92,7 +115,7 @@ class SequenceTable:
         previous step ended, a copy in which their entries are padding slots."""
         ended, self.ended = self.ended, set()
         for slot_idx in plan.released_slots:
-            self.by_slot.pop(slot_idx, None)
+            self.forget(slot_idx)
         for new in plan.new_seqs:
             self._add(new)
         if plan.lookahead and ended:
@@ -101,12 +124,12 @@ class SequenceTable:
             seq = self.get(entry.slot_idx)
             if entry.start_pos != seq.num_computed_tokens:
                 raise PlanMismatchError(
-                    f"slot {entry.slot_idx} ({seq.request_id}): plan starts at {entry.start_pos}, "
+                    f"slot {entry.slot_idx} ({seq.label}): plan starts at {entry.start_pos}, "
                     f"worker has {seq.num_computed_tokens} tokens computed"
                 )
             if entry.start_pos + entry.num_tokens > len(seq.token_ids):
                 raise PlanMismatchError(
-                    f"slot {entry.slot_idx} ({seq.request_id}): plan computes up to "
+                    f"slot {entry.slot_idx} ({seq.label}): plan computes up to "
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
                 )
             seq.block_ids.extend(entry.new_block_ids)
@@ -129,16 +152,16 @@ class SequenceTable:
     def _add(self, new: NewSequence) -> None:
         if new.slot_idx in self.by_slot:
             raise PlanMismatchError(
-                f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].request_id}"
+                f"slot {new.slot_idx} already holds {self.by_slot[new.slot_idx].label}"
             )
         if not 0 <= new.num_cached_tokens < len(new.token_ids):
             # At least the last token is computed, so that there are logits to sample.
             raise PlanMismatchError(
-                f"{new.request_id}: {new.num_cached_tokens} cached tokens of {len(new.token_ids)}"
+                f"{new.label}: {new.num_cached_tokens} cached tokens of {len(new.token_ids)}"
             )
         self.by_slot[new.slot_idx] = SeqState(
             seq_id=new.seq_id,
-            request_id=new.request_id,
+            label=new.label,
             slot_idx=new.slot_idx,
             token_ids=list(new.token_ids),
             num_prompt_tokens=new.num_prompt_tokens,
@@ -146,6 +169,13 @@ class SequenceTable:
             num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
             lora_slot=new.lora_slot,
         )
+
+    def forget(self, slot_idx: int) -> SeqState | None:
+        """Drops the sequence in ``slot_idx`` and all it holds (the one way out)."""
+        seq = self.by_slot.pop(slot_idx, None)
+        if seq is not None and self.on_forget is not None:
+            self.on_forget(seq)
+        return seq
 
     def get(self, slot_idx: int) -> SeqState:
         try:
@@ -175,7 +205,9 @@ class SequenceTable:
         """Ends a sequence without a new token: one whose ``max_tokens`` is 0 once its
         prompt is computed (``length``), or one the worker cannot go on with
         (``error``). Like a stop by a token, it leaves the table at once."""
-        seq = self.by_slot.pop(slot_idx)
+        seq = self.forget(slot_idx)
+        if seq is None:
+            raise PlanMismatchError(f"slot {slot_idx} holds no sequence")
         self.ended.add(slot_idx)
         held = seq.block_ids[seq.num_freed_blocks :]
         return FinishedSeq(seq_id=seq.seq_id, reason=reason.value, block_ids=held)

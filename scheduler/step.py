@@ -14,8 +14,8 @@ preempted. Policies fill it through its small API::
     step.pad_slot(slot_idx)                 a padding row (static batching)
 
 :meth:`StepBuilder.build` turns it into a :class:`ScheduledStep`: the plan for
-the workers and what ``update`` needs to take the result, which the caller
-keeps while the step runs (the scheduler keeps no copy).
+the workers and what ``update`` needs to take the result; the scheduler keeps
+it in its queue of steps in flight until then.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.blocks import blocks_before_window
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.request import Request
+from .blocks import blocks_before_window
+from .messages import NewSequence, ScheduledSeq, StepPlan
+from .request import Request
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.queue import WaitingQueue
+    from .core import Scheduler
+    from .queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -45,6 +45,7 @@ class ScheduledStep:
     requests: dict[int, Request]  # slot_idx -> the request its entry computes
     num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
     num_freed: dict[int, int]  # seq_id -> of those, the leading ones handed on (windows)
+    scheduled_at: float = 0.0  # the ``now`` it was scheduled at
 
     def held(self, sched: Scheduler, request: Request) -> list[int]:
         """The blocks ``request`` held once the workers applied this step: what they
@@ -203,7 +204,7 @@ class StepBuilder:
 
     # -- the result ------------------------------------------------------------------
 
-    def build(self, step: int, released_slots: list[int]) -> ScheduledStep:
+    def build(self, step: int, released_slots: list[int], now: float) -> ScheduledStep:
         plan = StepPlan(
             step=step,
             new_seqs=self.new_seqs,
@@ -216,4 +217,4 @@ class StepBuilder:
         blocks = self.sched.blocks
         num_blocks = {r.seq_id: len(blocks.tables[r.request_id]) for r in self.requests.values()}
         num_freed = {r.seq_id: blocks.num_freed[r.request_id] for r in self.requests.values()}
-        return ScheduledStep(plan, self.requests, num_blocks, num_freed)
+        return ScheduledStep(plan, self.requests, num_blocks, num_freed, now)

@@ -394,6 +394,7 @@ class Row:
     def __init__(self, seq_id, params, token_ids, num_prompt_tokens):
         self.seq_id, self.params = seq_id, params
         self.token_ids, self.num_prompt_tokens = token_ids, num_prompt_tokens
+        self.counts_row, self.counted = -1, (0, -1)  # its token-count row, as a SeqState's
 
 
 def check_host(r: Report, dev, smoke: bool) -> None:

@@ -12,6 +12,18 @@ import shutil
 # anything: what tests of the README's commands run them with.
 USER_ENV = dict(os.environ)
 
+# The API keys the session's apps are deployed with, as a deployment gives one: in
+# an environment variable of the ingress's node (these, set before Ray starts, are
+# in every Ray worker's environment).
+API_KEYS = {"ITERSERVE_TEST_API_KEY": "test-key-123", "ITERSERVE_TEST_CLIENT_KEY": "client-key"}
+os.environ.update(API_KEYS)
+
+
+def api_key_env(key: str) -> str:
+    """The name of the session's environment variable that holds ``key``."""
+    return next(name for name, value in API_KEYS.items() if value == key)
+
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

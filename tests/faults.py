@@ -1,7 +1,7 @@
-"""Fault injection for tests: an executor factory, never a product setting.
+"""Fault injection for tests: a stand-in model handed to engines in code, out of
+reach of any deployment config (``AsyncEngine(config, executor=Faulty(...))``).
 
-Engines under test name it as their executor (``executor="tests.faults:faulty"``);
-its own options ride in ``executor_options`` next to the fake executor's:
+:class:`Faulty` is the fake model, with these faults besides its own options:
 
 - ``fault_rank`` (default 0): the rank that faults;
 - ``fault_crash_at_step``: that rank's process exits during this step;
@@ -18,27 +18,24 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from iterserve.scheduler.fake_executor import FakeExecutor
+from iterserve.scheduler.fake_executor import FakeExecutor, FakeModel
 from iterserve.scheduler.messages import StepPlan, StepResult
-
-FAULT_OPTIONS = (
-    "fault_rank", "fault_crash_at_step", "fault_hang_at_step", "fault_bad_result_at_step",
-    "fault_once_file",
-)  # fmt: skip
 
 
 class FaultyExecutor:
-    def __init__(self, inner: FakeExecutor, rank: int, options: dict):
+    def __init__(self, inner: FakeExecutor, rank: int, faults: Faulty):
         self.inner = inner
-        self.active = rank == options.get("fault_rank", 0)
-        self.options = options
+        self.active = rank == faults.fault_rank
+        self.faults = faults
 
     def _fires(self, key: str, step: int) -> bool:
-        if not self.active or step != self.options.get(key):
+        if not self.active or step != getattr(self.faults, key):
             return False
-        once = self.options.get("fault_once_file")
+        once = self.faults.fault_once_file
         if once is None:
             return True
         try:
@@ -58,10 +55,16 @@ class FaultyExecutor:
         return result
 
 
-def faulty(config, rank: int, world_size: int, all_reduce) -> FaultyExecutor:
-    """The fake executor of ``config``, faulting as its ``fault_*`` options say."""
-    options = dict(config.executor_options)
-    faults = {k: options.pop(k) for k in FAULT_OPTIONS if k in options}
-    options.pop("max_model_len", None)
-    inner = FakeExecutor(block_size=config.scheduler.block_size, **options)
-    return FaultyExecutor(inner, rank, faults)
+@dataclass(frozen=True)
+class Faulty(FakeModel):
+    """The fake model, faulting as its ``fault_*`` fields say."""
+
+    fault_rank: int = 0
+    fault_crash_at_step: int | None = None
+    fault_hang_at_step: int | None = None
+    fault_bad_result_at_step: int | None = None
+    fault_once_file: str | None = None
+
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
+        inner = super().build(config, rank, world_size, device, all_reduce)
+        return FaultyExecutor(inner, rank, self)

@@ -36,14 +36,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from iterserve.workers.checkpoint import (
+    from .checkpoint import (
         Checkpoint,
         CheckpointError,
         ModelConfig,
         load_checkpoint,
     )
-    from iterserve.workers.runner import ModelRunner
-    from iterserve.workers.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+    from .runner import ModelRunner
+    from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 
 def __getattr__(name: str) -> Any:

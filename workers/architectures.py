@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from iterserve.workers.config import (
+from .config import (
     FULL,
     SLIDING,
     CheckpointError,

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import ScheduledSeq, StepPlan
-from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
-from iterserve.workers.model import AttentionInputs
+from ..scheduler.blocks import blocks_for
+from ..scheduler.messages import ScheduledSeq, StepPlan
+from ..scheduler.seq_table import PlanMismatchError, SequenceTable
+from .model import AttentionInputs
 
 # Token ids, positions, slots and block ids all fit int32 (the cache checks its
 # slot count), which every kernel and torch index op accepts.
@@ -184,7 +184,7 @@ def _check_entry(
 
 
 def _name(entry: ScheduledSeq, seq) -> str:
-    return f"slot {entry.slot_idx} ({seq.request_id})"
+    return f"slot {entry.slot_idx} ({seq.label})"
 
 
 def _block_tables(tables: list[list[int]], needed_blocks: list[int], freed_blocks: list[int],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.workers.config import CheckpointError
+from .config import CheckpointError
 
 DTYPES = {
     "float32": torch.float32,
@@ -100,6 +100,6 @@ def choose_dtype(
 
 
 def _compiled_kernels() -> bool:
-    from iterserve.kernels.registry import numba_available
+    from ..kernels.registry import numba_available
 
     return numba_available()

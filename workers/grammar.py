@@ -34,12 +34,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
 
-from iterserve.scheduler.sampling import StructuredOutput
-from iterserve.workers.tokenizer import Tokenizer
+from ..scheduler.sampling import SamplingParams, StructuredOutput
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,10 @@ class GrammarMask:
     rows: list[int]
 
 
-class _SeqGrammar:
+class SeqGrammar:
+    """One sequence's grammar state, kept on its ``SeqState.grammar``: the grammar
+    being compiled, then its matcher."""
+
     def __init__(self, compiled: Future, output_ids: list[int]):
         self.compiled = compiled
         self.replay = output_ids  # tokens to accept once the grammar is compiled
@@ -206,8 +210,18 @@ class _SeqGrammar:
         self.broken = False  # it refused a token, or its grammar failed to compile
 
 
+class GrammarRow(Protocol):
+    """What :class:`Grammars` reads and writes of a sequence (``SeqState``)."""
+
+    seq_id: int
+    params: SamplingParams
+    output_token_ids: list[int]
+    grammar: SeqGrammar | None
+
+
 class Grammars:
-    """A rank's grammars: compiled in the background, one matcher per sequence.
+    """A rank's grammars: compiled in the background (shared by spec), one matcher
+    per sequence, kept on the sequence (``SeqState.grammar``), so it leaves with it.
 
     ``tokenizer_path`` holds the checkpoint's tokenizer (read when the first
     grammar arrives); ``stop_token_ids`` end a grammar (the model's EOS ids).
@@ -227,11 +241,7 @@ class Grammars:
         self._compiler: xgr.GrammarCompiler | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._futures = _Cache()
-        self._seqs: dict[int, _SeqGrammar] = {}
         self._bitmask = torch.empty(0, 0, dtype=torch.int32)
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     def _compile_async(self, spec: StructuredOutput) -> Future:
         future = self._futures.get(spec)
@@ -248,26 +258,26 @@ class Grammars:
             self._futures.put(spec, future)
         return future
 
-    def add(self, seq_id: int, spec: StructuredOutput, output_ids: list[int]) -> None:
-        """Starts a sequence's grammar; ``output_ids`` (tokens it produced before a
-        preemption or a restart) are accepted once it is compiled."""
+    def add(self, seq: GrammarRow) -> None:
+        """Starts a sequence's grammar (its ``params.structured_output``); the tokens
+        it produced before a preemption or a restart are accepted once it is compiled."""
+        spec = seq.params.structured_output
+        assert spec is not None
         try:
             future = self._compile_async(spec)
         except GrammarError as exc:
             future = Future()
             future.set_exception(exc)
-        self._seqs[seq_id] = _SeqGrammar(future, list(output_ids))
+        seq.grammar = SeqGrammar(future, list(seq.output_token_ids))
 
-    def forget(self, seq_id: int) -> None:
-        self._seqs.pop(seq_id, None)
-
-    def _matcher(self, seq_id: int) -> xgr.GrammarMatcher | None:
-        state = self._seqs[seq_id]
+    def _matcher(self, seq: GrammarRow) -> xgr.GrammarMatcher | None:
+        state = seq.grammar
+        assert state is not None
         if state.matcher is None and not state.broken:
             try:
                 compiled = state.compiled.result()  # compiled meanwhile, normally
             except Exception as exc:
-                logger.error("sequence %d: its grammar did not compile: %s", seq_id, exc)
+                logger.error("sequence %d: its grammar did not compile: %s", seq.seq_id, exc)
                 state.broken = True
                 return None
             state.matcher = xgr.GrammarMatcher(
@@ -282,48 +292,49 @@ class Grammars:
             state.replay = []
         return None if state.broken else state.matcher
 
-    def fill(self, seq_ids: Sequence[int | None]) -> GrammarMask | None:
-        """The mask of one step's sampler rows (``seq_ids[i]`` owns row ``i``; None:
-        no grammar), or None when no row has a grammar."""
+    def fill(self, rows: Sequence[GrammarRow | None]) -> GrammarMask | None:
+        """The mask of one step's sampler rows (``rows[i]`` owns row ``i``; None or a
+        sequence without a grammar: all allowed), or None when no row has a grammar."""
         found = []
-        for i, seq_id in enumerate(seq_ids):
-            if seq_id is not None and seq_id in self._seqs:
-                matcher = self._matcher(seq_id)
+        for i, seq in enumerate(rows):
+            if seq is not None and seq.grammar is not None:
+                matcher = self._matcher(seq)
                 # A broken one is ended after this sample; an ended one never samples
                 # again (the runner ends its sequence with the grammar).
                 if matcher is not None and not matcher.is_terminated():
-                    found.append((i, seq_id, matcher))
+                    found.append((i, seq, matcher))
         if not found:
             return None
-        n = len(seq_ids)
+        n = len(rows)
         if self._bitmask.shape[0] < n:
             self._bitmask = xgr.allocate_token_bitmask(max(n, 2 * self._bitmask.shape[0], 8),
                                                        self.vocab_size)  # fmt: skip
         bitmask = self._bitmask[:n]
         bitmask.fill_(-1)  # all ones: rows without a grammar allow every token
-        rows = []
-        for i, seq_id, matcher in found:
+        masked = []
+        for i, seq, matcher in found:
             try:
                 matcher.fill_next_token_bitmask(bitmask, i)
-                rows.append(i)
+                masked.append(i)
             except Exception:  # xgrammar's own check failed: this sequence alone ends
-                logger.exception("sequence %d: its grammar cannot give a next token", seq_id)
-                self._seqs[seq_id].broken = True
+                logger.exception("sequence %d: its grammar cannot give a next token", seq.seq_id)
+                seq.grammar.broken = True
                 bitmask[i] = -1
-        return GrammarMask(bitmask, rows) if rows else None
+        return GrammarMask(bitmask, masked) if masked else None
 
-    def done(self, seq_id: int) -> bool:
+    @staticmethod
+    def done(seq: GrammarRow) -> bool:
         """Whether a sequence's grammar has ended (it accepted a stop token)."""
-        state = self._seqs.get(seq_id)
+        state = seq.grammar
         return state is not None and state.matcher is not None and state.matcher.is_terminated()
 
-    def accept(self, seq_id: int, token_id: int) -> bool:
+    def accept(self, seq: GrammarRow, token_id: int) -> bool:
         """Advances a sequence's matcher; False when its grammar refuses the token
         (or was broken before), and the sequence cannot go on."""
-        state = self._seqs.get(seq_id)
+        state = seq.grammar
         if state is None:
             return True
-        matcher = self._matcher(seq_id)
+        matcher = self._matcher(seq)
         if matcher is None or not matcher.accept_token(token_id):
             state.broken = True
             return False

@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.workers.batch import INDEX_DTYPE, HostBatch, segment_offsets
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.model import AttentionInputs, LlamaModel
+from ..scheduler.blocks import blocks_for
+from .batch import INDEX_DTYPE, HostBatch, segment_offsets
+from .kv_cache import KVCache
+from .model import AttentionInputs, LlamaModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

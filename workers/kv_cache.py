@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.workers.host_memory import advise_huge_pages
+from .host_memory import advise_huge_pages
 
 
 def bytes_per_block(

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from iterserve.kernels.cpu_linear import linear
-from iterserve.kernels.cpu_linear import pack as pack_weight
-from iterserve.workers.config import ModelConfig
+from ..kernels.cpu_linear import linear
+from ..kernels.cpu_linear import pack as pack_weight
+from .config import ModelConfig
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from iterserve.workers.config import ModelConfig
+from .config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Each target's product on the rank, and its place in that product's fused output.

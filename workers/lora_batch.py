@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from iterserve.scheduler.messages import StepPlan
-from iterserve.scheduler.seq_table import SequenceTable
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.lora import LoraProduct, PeftAdapter, read_adapter, shard_adapter
+from ..scheduler.messages import StepPlan
+from ..scheduler.seq_table import SequenceTable
+from .config import ModelConfig
+from .lora import LoraProduct, PeftAdapter, read_adapter, shard_adapter
 
 
 def order_by_adapter(

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from iterserve.kernels.cpu_linear import linear
-from iterserve.kernels.cpu_linear import pack as pack_weight
-from iterserve.kernels.experts import route
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.layers import AllReduce, TPLayout, weight
+from ..kernels.cpu_linear import linear
+from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.experts import route
+from .config import ModelConfig
+from .layers import AllReduce, TPLayout, weight
 
 
 class SparseMoE(nn.Module):

@@ -10,10 +10,11 @@ output token is sampled from (not a prompt entry)::
     rows     r0  r1  r2 |r3  r4
     entries  t1  t2  t3 |t4  (r4 samples the first output token)
 
-Entries gather piece by piece and leave once, with the step that completes the
-prompt. A sequence sent again with tokens it produced (after a preemption or a
-restart) had its prompt's entries already: it is not collected again. Only
-rank 0's result is read, so only rank 0 collects.
+Entries gather piece by piece on the sequence itself (``SeqState.prompt_logprobs``)
+and leave once, with the step that completes the prompt. A sequence sent again
+with tokens it produced (after a preemption or a restart) had its prompt's
+entries already: it is not collected again. Only rank 0's result is read, so
+only rank 0 collects.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.messages import PromptLogprobs, StepPlan
-from iterserve.scheduler.seq_table import SeqState, SequenceTable
+from ..scheduler.messages import PromptLogprobs, StepPlan
+from ..scheduler.seq_table import SeqState, SequenceTable
 
 
 @dataclass
@@ -31,7 +32,7 @@ class PromptRows:
     """One step's prompt rows: where they are in the flat batch, and what they predict."""
 
     rows: list[int]  # flat batch row of each entry
-    seq_ids: list[int]
+    seqs: list[SeqState]
     targets: list[int]  # the prompt token each row predicts
     top: list[int]  # alternatives wanted, per row
 
@@ -39,33 +40,31 @@ class PromptRows:
 class PromptLogprobsCollector:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._pending: dict[int, PromptLogprobs] = {}
 
     def add(self, seq: SeqState) -> None:
         if self.enabled and seq.params.prompt_logprobs is not None and not seq.num_output_tokens:
-            self._pending[seq.seq_id] = PromptLogprobs(seq.seq_id)
+            seq.prompt_logprobs = PromptLogprobs(seq.seq_id)
 
-    def forget(self, seq_id: int) -> None:
-        self._pending.pop(seq_id, None)
-
-    def pop(self, seq_id: int) -> PromptLogprobs | None:
+    @staticmethod
+    def pop(seq: SeqState) -> PromptLogprobs | None:
         """A sequence's entries, once its prompt is computed."""
-        return self._pending.pop(seq_id, None)
+        entries, seq.prompt_logprobs = seq.prompt_logprobs, None
+        return entries
 
     def rows(self, plan: StepPlan, table: SequenceTable) -> PromptRows | None:
         """The prompt rows of ``plan`` (already applied to ``table``). Rows are laid
         out entry by entry, in plan order (:mod:`.batch`)."""
-        if not self._pending:
+        if not self.enabled:
             return None
         found = PromptRows([], [], [], [])
         offset = 0
         for entry in plan.scheduled:
             seq = table.get(entry.slot_idx)
-            if seq.seq_id in self._pending:
+            if seq.prompt_logprobs is not None:
                 last = min(entry.start_pos + entry.num_tokens, seq.num_prompt_tokens - 1)
                 for pos in range(entry.start_pos, last):
                     found.rows.append(offset + pos - entry.start_pos)
-                    found.seq_ids.append(seq.seq_id)
+                    found.seqs.append(seq)
                     found.targets.append(seq.token_ids[pos + 1])
                     found.top.append(seq.params.prompt_logprobs or 0)
             offset += entry.num_tokens
@@ -87,8 +86,9 @@ class PromptLogprobsCollector:
         chosen_l, rank_l = host[:n].tolist(), host[n : 2 * n].long().tolist()
         top_vals = host[2 * n : 2 * n + n * k].reshape(n, k).tolist()
         top_ids = host[2 * n + n * k :].reshape(n, k).long().tolist()
-        for i, seq_id in enumerate(rows.seq_ids):
-            entry = self._pending[seq_id]
+        for i, seq in enumerate(rows.seqs):
+            entry = seq.prompt_logprobs
+            assert entry is not None
             entry.token_logprobs.append(chosen_l[i])
             entry.ranks.append(rank_l[i])
             want = rows.top[i]

@@ -15,23 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.kernels import build_cos_sin_cache, get_ops
-from iterserve.kernels.cpu_linear import packs_every_batch
-from iterserve.scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
-from iterserve.scheduler.request import FinishReason
-from iterserve.scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
-from iterserve.workers.batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.dtype import choose_dtype
-from iterserve.workers.graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.model import AllReduce, LlamaModel
-from iterserve.workers.prompt_logprobs import PromptLogprobsCollector
-from iterserve.workers.sampler import Sampler, sequence_key
+from ..kernels import build_cos_sin_cache, get_ops
+from ..kernels.cpu_linear import packs_every_batch
+from ..scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
+from ..scheduler.request import FinishReason
+from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
+from .batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
+from .config import ModelConfig
+from .dtype import choose_dtype
+from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
+from .kv_cache import KVCache
+from .model import AllReduce, LlamaModel
+from .prompt_logprobs import PromptLogprobsCollector
+from .sampler import Sampler
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import Grammars
-    from iterserve.workers.lora_batch import LoraSlots
+    from .grammar import Grammars
+    from .lora_batch import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class ModelRunner:
         max_cpu_loras: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
-        from iterserve.workers.checkpoint import load_checkpoint
+        from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(model_path)
         device = torch.device(device)
@@ -195,10 +195,16 @@ class ModelRunner:
         )  # fmt: skip
 
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
-        self.table = SequenceTable(
-            self.eos_token_ids, kv_window=self.config.kv_window, block_size=self.block_size
-        )
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
+        # Each sequence's state on this rank is its SeqState (tokens, blocks, its
+        # token-count row, grammar matcher, pending prompt logprobs); what it holds
+        # outside itself, its token-count row, goes back as it leaves.
+        self.table = SequenceTable(
+            self.eos_token_ids,
+            on_forget=self.sampler.release,
+            kv_window=self.config.kv_window,
+            block_size=self.block_size,
+        )
         # Structured outputs' state: made with the first grammar, which is also when
         # xgrammar and the tokenizer are first imported (a runner without grammars
         # needs neither: the device image has torch and triton only).
@@ -234,16 +240,11 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Applies ``plan``, runs one forward over all its rows and samples."""
-        for slot in plan.released_slots:
-            seq = self.table.by_slot.get(slot)
-            if seq is not None:
-                self._forget(seq)
         for new in plan.new_seqs:
             bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise PlanMismatchError(
-                    f"{new.request_id}: token id {bad[0]} outside the vocabulary "
-                    f"of {self.vocab_size}"
+                    f"{new.label}: token id {bad[0]} outside the vocabulary of {self.vocab_size}"
                 )
         if plan.adapter_loads:
             if self.lora_slots is None:
@@ -304,25 +305,19 @@ class ModelRunner:
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:
             if self.grammars is None:
-                from iterserve.workers.grammar import Grammars
+                from .grammar import Grammars
 
                 self.grammars = Grammars(
                     self.tokenizer_path, self.config.vocab_size, self.eos_token_ids
                 )
-            self.grammars.add(seq.seq_id, seq.params.structured_output, seq.output_token_ids)
+            self.grammars.add(seq)
         self.prompt_logprobs.add(seq)
-
-    def _forget(self, seq: SeqState) -> None:
-        self.sampler.forget(sequence_key(seq))
-        if self.grammars is not None:
-            self.grammars.forget(seq.seq_id)
-        self.prompt_logprobs.forget(seq.seq_id)
 
     def _sample(self, logits: torch.Tensor, rows: list[SeqState], result: StepResult) -> None:
         """Samples one token for each of ``rows`` (row ``i`` owns ``logits[i]``); a
         sequence whose ``max_tokens`` is 0 ends instead, now that its prompt is in."""
         for seq in rows:
-            prompt = self.prompt_logprobs.pop(seq.seq_id)
+            prompt = self.prompt_logprobs.pop(seq)
             if prompt is not None:
                 result.prompt_logprobs.append(prompt)
         drawn = [i for i, seq in enumerate(rows) if seq.params.max_tokens > 0]
@@ -330,14 +325,13 @@ class ModelRunner:
             for seq in rows:
                 if seq.params.max_tokens == 0:
                     result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
-                    self._forget(seq)
             logits = logits[torch.tensor(drawn, dtype=torch.long, device=logits.device)]
             rows = [rows[i] for i in drawn]
         if not rows:
             return
         grammars, grammar = self.grammars, None
-        if grammars is not None and any(seq.seq_id in grammars for seq in rows):
-            grammar = grammars.fill([seq.seq_id for seq in rows])
+        if grammars is not None and any(seq.grammar is not None for seq in rows):
+            grammar = grammars.fill(rows)
         out = self.sampler(logits[: len(rows)], rows, grammar)  # waits for the tokens
         for i, seq in enumerate(rows):
             token = out.token_ids[i]
@@ -352,20 +346,19 @@ class ModelRunner:
             finished = self._append(seq, token, grammar is not None)
             if finished is not None:
                 result.finished.append(finished)
-                self._forget(seq)
 
     def _append(self, seq: SeqState, token: int, constrained: bool) -> FinishedSeq | None:
         """Records a sampled token; a sequence with a grammar also advances its matcher,
         and ends when the grammar does (its EOS, even where ``ignore_eos`` or
         ``min_tokens`` would go on) or cannot go on (it refused the token)."""
-        if not constrained or self.grammars is None or seq.seq_id not in self.grammars:
+        if not constrained or self.grammars is None or seq.grammar is None:
             return self.table.append_token(seq.slot_idx, token)
-        if not self.grammars.accept(seq.seq_id, token):
-            logger.error("%s: its grammar refused token %d; ending it", seq.request_id, token)
+        if not self.grammars.accept(seq, token):
+            logger.error("%s: its grammar refused token %d; ending it", seq.label, token)
             seq.token_ids.append(token)
             return self.table.end(seq.slot_idx, FinishReason.ERROR)
         finished = self.table.append_token(seq.slot_idx, token)
-        if finished is None and self.grammars.done(seq.seq_id):
+        if finished is None and self.grammars.done(seq):
             finished = self.table.end(seq.slot_idx, FinishReason.EOS)
         return finished
 

@@ -27,9 +27,13 @@ before any of the steps above, the grammar's mask included), as vLLM returns
 them by default.
 
 Draws use the exponential race (``argmax(p / q)``, ``q ~ Exp(1)``), which picks
-token ``i`` with probability ``p_i``. A seeded request draws its ``q`` from its
-own generator, seeded once, so its tokens do not depend on what else shares the
-batch; unseeded requests share one generator.
+token ``i`` with probability ``p_i``. A seeded request draws the ``q`` of its
+output token ``k`` from a generator seeded with ``(seed, k)``: its position in
+its random stream is its number of output tokens, which a sequence carries
+through a preemption or a worker restart (it comes back with the tokens it
+produced), so its draws resume where they stopped instead of starting over, and
+its tokens do not depend on what else shares the batch. Unseeded requests share
+one generator.
 
 Host work per step is a few Python lists: every per-row parameter and index
 crosses to the device in one copy (a pinned buffer on CUDA), the penalties read
@@ -44,19 +48,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.workers.batch import Staging
-from iterserve.workers.step_params import SampleRow, StepParams
-from iterserve.workers.token_counts import TokenCounts
+from ..scheduler.sampling import SamplingParams
+from .batch import Staging
+from .step_params import SampleRow, StepParams
+from .token_counts import TokenCounts
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import GrammarMask
+    from .grammar import GrammarMask
 
 
-def sequence_key(row: SampleRow) -> int:
-    """What names a row's sequence across steps: its generator and token counts
-    live under this key until :meth:`Sampler.forget`."""
-    return row.seq_id
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function: nearby inputs give unrelated 64-bit outputs."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for output token ``position``.
+    Mixed, not added: choice ``j`` of a request runs with ``seed + j``, and its
+    draws must not be its neighbour's shifted by one token."""
+    return _mix64(_mix64(seed) ^ position)
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -87,26 +103,25 @@ class Sampler:
         # Every tensor-parallel rank seeds this identically, so all ranks draw
         # the same tokens and their sequence tables stay in step.
         self._shared = torch.Generator(device=self.device).manual_seed(seed)
-        self._seeded: dict[int, torch.Generator] = {}
-        self._counts = TokenCounts(self.device, key=sequence_key)
+        self._positioned = torch.Generator(device=self.device)  # seeded rows: see draw_seed
+        self._counts = TokenCounts(self.device)
         # Parameters and indices cross as float64: exact for every int id and for
         # the Python floats, which then round to fp32 as torch.tensor would.
         self._staging = Staging(self.device, torch.float64)
         self._mask_staging = Staging(self.device, torch.int32)  # grammar bitmasks
 
-    def forget(self, key: str) -> None:
-        """Drops a finished or released sequence's generator and token counts
-        (``key`` as :func:`sequence_key` gives it)."""
-        self._seeded.pop(key, None)
-        self._counts.forget(key)
+    def release(self, row: SampleRow) -> None:
+        """Hands back what a sequence leaving the rank holds here: its row of the
+        token counts (its draws need nothing kept: see the module docstring)."""
+        self._counts.release(row)
 
-    def _generator(self, row: SampleRow) -> torch.Generator:
-        key = sequence_key(row)
-        gen = self._seeded.get(key)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(row.params.seed)
-            self._seeded[key] = gen
-        return gen
+    def step_params(
+        self, rows: list[SampleRow], vocab: int, grammar: GrammarMask | None
+    ) -> StepParams:
+        return StepParams(
+            rows, vocab, grammar,
+            eos_token_ids=self.eos_token_ids, counts=self._counts, staging=self._staging,
+        )  # fmt: skip
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
@@ -125,7 +140,7 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        batch = StepParams(self, rows, vocab, grammar)
+        batch = self.step_params(rows, vocab, grammar)
         logits = self._process(logits, rows, batch)
         if not batch.random:
             tokens = logits.argmax(dim=-1)
@@ -178,7 +193,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleRow], grammar: GrammarMask | None = None
     ) -> torch.Tensor:
         """Steps 1-6: masks, bias and penalties, on a float copy of ``logits``."""
-        batch = StepParams(self, rows, logits.shape[1], grammar)
+        batch = self.step_params(rows, logits.shape[1], grammar)
         out = self._process(logits.float(), rows, batch)
         return out.clone() if out is logits else out
 
@@ -187,7 +202,7 @@ class Sampler:
             return logits  # nothing to change: no copy (a greedy batch's common case)
         logits = logits.clone()
         if batch.grammar is not None:
-            from iterserve.workers.grammar import apply_token_bitmask
+            from .grammar import apply_token_bitmask
 
             (bitmask,) = self._mask_staging.put([batch.grammar.bitmask])
             apply_token_bitmask(logits, batch.grammar, bitmask)
@@ -237,9 +252,13 @@ class Sampler:
                 q[idx] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
                     generator=self._shared
                 )
+            gen = self._positioned
             for i, r in enumerate(rows):
                 if r.params.seed is not None:
-                    q[i].exponential_(generator=self._generator(r))
+                    gen.manual_seed(
+                        draw_seed(r.params.seed, len(r.token_ids) - r.num_prompt_tokens)
+                    )
+                    q[i].exponential_(generator=gen)
         # An Exp(1) draw can be exactly 0; keep the quotient finite.
         return (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
 

@@ -7,20 +7,24 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from iterserve.scheduler.sampling import SamplingParams
+from ..scheduler.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from iterserve.workers.grammar import GrammarMask
-    from iterserve.workers.sampler import Sampler
+    from .batch import Staging
+    from .grammar import GrammarMask
+    from .token_counts import TokenCounts
 
 
 class SampleRow(Protocol):
-    """What the sampler reads of a sequence (``SeqState`` satisfies it)."""
+    """What the sampler reads of a sequence (``SeqState`` satisfies it); its
+    token-count row is the sequence's own (:mod:`.token_counts`)."""
 
     seq_id: int
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
+    counts_row: int
+    counted: tuple[int, int]
 
 
 class StepParams:
@@ -28,7 +32,14 @@ class StepParams:
     after a single copy. ``get(name)`` returns a float64 view to cast."""
 
     def __init__(
-        self, sampler: Sampler, rows: list[SampleRow], vocab: int, grammar: GrammarMask | None
+        self,
+        rows: list[SampleRow],
+        vocab: int,
+        grammar: GrammarMask | None,
+        *,
+        eos_token_ids: list[int],
+        counts: TokenCounts,
+        staging: Staging,
     ):
         params = [r.params for r in rows]
         self.greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -37,7 +48,7 @@ class StepParams:
         self.banned_rows: list[int] = []
         banned_tokens: list[int] = []
         for i, r in enumerate(rows):
-            banned = [t for t in _banned(r, sampler.eos_token_ids) if t < vocab]
+            banned = [t for t in _banned(r, eos_token_ids) if t < vocab]
             self.banned_rows += [i] * len(banned)
             banned_tokens += banned
         self.allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
@@ -60,9 +71,7 @@ class StepParams:
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         ]
         self.counted = sorted(set(self.rep) | set(self.oa))
-        slot_of = dict(
-            zip(self.counted, sampler._counts.slots([rows[i] for i in self.counted], vocab))
-        )
+        slot_of = dict(zip(self.counted, counts.slots([rows[i] for i in self.counted], vocab)))
         drawn = [params[i] for i in self.random]
         fields = {
             "greedy": self.greedy,
@@ -93,7 +102,7 @@ class StepParams:
             "min_p": [p.min_p for p in drawn],
         }
         names = list(fields)
-        views = sampler._staging.put([torch.tensor(fields[k], dtype=torch.float64) for k in names])
+        views = staging.put([torch.tensor(fields[k], dtype=torch.float64) for k in names])
         self._views = dict(zip(names, views))
 
     def get(self, name: str) -> torch.Tensor:

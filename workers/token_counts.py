@@ -9,15 +9,17 @@ token it draws, on the device, with no host round trip::
 
     prompt_seen [capacity, vocab] bool     output [capacity, vocab] float32
 
-A row is trusted only while the sequence is exactly what the counts last saw
-(same length, same last token); otherwise, as after a preemption re-sends the
-request, it is rebuilt from the tokens.
+A table row is the sequence's own (``SeqState.counts_row``, with what it counts in
+``SeqState.counted``), handed back with :meth:`TokenCounts.release` when the
+sequence leaves the rank. It is trusted only while the sequence is exactly what
+the counts last saw (same length, same last token); otherwise, as after a
+preemption re-sends the request, it is rebuilt from the tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -25,44 +27,46 @@ import torch
 class CountedRow(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
+    counts_row: int  # -1: none yet
+    counted: tuple[int, int]  # (length, last token) the row counts
+
+
+def _last(ids: list[int]) -> tuple[int, int]:
+    return (len(ids), ids[-1] if ids else -1)
 
 
 class TokenCounts:
-    """``key(row)`` names a row's sequence: the same key, the same counts."""
+    """The device tables; which row is whose is written on the sequences."""
 
-    def __init__(self, device: torch.device, key: Callable[[Any], Hashable]):
+    def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.key = key
-        self._slot: dict[Hashable, int] = {}
-        self._seen: dict[Hashable, tuple[int, int]] = {}  # key -> (length, last token) counted
         self._free: list[int] = []
         self.prompt_seen = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
         self.output = torch.zeros(0, 0, device=self.device)
 
-    def forget(self, key: Hashable) -> None:
-        slot = self._slot.pop(key, None)
-        if slot is not None:
-            self._seen.pop(key, None)
-            self._free.append(slot)
+    def release(self, row: CountedRow) -> None:
+        """Hands a leaving sequence's table row back."""
+        if row.counts_row >= 0:
+            self._free.append(row.counts_row)
+            row.counts_row = -1
 
     def slots(self, rows: Sequence[CountedRow], vocab: int) -> list[int]:
         """The table row of each of ``rows``, brought up to date with its tokens."""
         if self.output.shape[1] != vocab:
+            if self.output.shape[0]:
+                raise ValueError(f"token counts of {self.output.shape[1]} ids, asked for {vocab}")
             self._resize(0, vocab)
         stale = []
         out = []
         for r in rows:
-            key = self.key(r)
-            slot = self._slot.get(key)
-            if slot is None:
-                slot = self._take(vocab)
-                self._slot[key] = slot
-            ids = r.token_ids
-            if self._seen.get(key) != (len(ids), ids[-1] if ids else -1):
-                stale.append((slot, r))
-            out.append(slot)
+            if r.counts_row < 0:
+                r.counts_row = self._take(vocab)
+                stale.append(r)
+            elif r.counted != _last(r.token_ids):
+                stale.append(r)
+            out.append(r.counts_row)
         if stale:
-            self._rebuild(stale, vocab)
+            self._rebuild(stale)
         return out
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -73,7 +77,7 @@ class TokenCounts:
     def drawn(self, rows: Sequence[CountedRow], tokens: Sequence[int]) -> None:
         """Records that ``tokens`` (already counted by :meth:`add`) will end ``rows``."""
         for r, t in zip(rows, tokens):
-            self._seen[self.key(r)] = (len(r.token_ids) + 1, t)
+            r.counted = (len(r.token_ids) + 1, t)
 
     def _take(self, vocab: int) -> int:
         if not self._free:
@@ -85,27 +89,24 @@ class TokenCounts:
     def _resize(self, capacity: int, vocab: int) -> None:
         seen = torch.zeros(capacity, vocab, dtype=torch.bool, device=self.device)
         output = torch.zeros(capacity, vocab, device=self.device)
-        if self.output.shape[1] == vocab:
-            n = self.output.shape[0]
+        n = self.output.shape[0]
+        if n:
             seen[:n] = self.prompt_seen
             output[:n] = self.output
-        else:  # a new vocabulary: nothing carries over
-            self._slot.clear()
-            self._seen.clear()
-            self._free.clear()
         self.prompt_seen, self.output = seen, output
 
-    def _rebuild(self, stale: list[tuple[int, CountedRow]], vocab: int) -> None:
+    def _rebuild(self, stale: list[CountedRow]) -> None:
         # One upload for all stale rows: (row, token, is_output) triples.
         slot_of, token_of, is_output = [], [], []
-        for slot, r in stale:
+        for r in stale:
             ids = r.token_ids
-            slot_of += [slot] * len(ids)
+            slot_of += [r.counts_row] * len(ids)
             token_of += ids
             is_output += [0] * r.num_prompt_tokens + [1] * (len(ids) - r.num_prompt_tokens)
-            self._seen[self.key(r)] = (len(ids), ids[-1] if ids else -1)
+            r.counted = _last(ids)
         dev = self.device
-        slots = torch.tensor([s for s, _ in stale], device=dev)
+        vocab = self.output.shape[1]
+        slots = torch.tensor([r.counts_row for r in stale], device=dev)
         self.prompt_seen[slots] = False
         self.output[slots] = 0.0
         if not token_of:

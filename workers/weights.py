@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.workers.config import CheckpointError
+from .config import CheckpointError
 
 if TYPE_CHECKING:
-    from iterserve.workers.checkpoint import Checkpoint
-    from iterserve.workers.model import LlamaModel
+    from .checkpoint import Checkpoint
+    from .model import LlamaModel
 
 FUSED = {"Phi3ForCausalLM"}
 EXPERT_NAMES = {  # architecture -> (block, router, gate, up, down)

@@ -2,5 +2,5 @@
 
 Nothing here knows about Ray Serve: the handlers talk to the engine through the
 small :class:`~iterserve.cluster.openai.generation.EngineClient` interface, which
-``iterserve.cluster.serve_app`` implements over a Serve deployment handle.
+``iterserve.cluster.serve.app`` implements over a Serve deployment handle.
 """

@@ -21,13 +21,13 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from iterserve.cluster.openai.errors import APIError, error_response
-from iterserve.cluster.openai.fields import IGNORED_FIELDS_HEADER
-from iterserve.cluster.openai.gate import APISettings, Gate, request_id, route_path
-from iterserve.cluster.openai.openapi import openapi_schema
-from iterserve.cluster.openai.operations import add_operations_routes
-from iterserve.cluster.openai.serving import OpenAIServing
-from iterserve.cluster.openai.tokenize import detokenize, tokenize
+from .errors import APIError, error_response
+from .fields import IGNORED_FIELDS_HEADER
+from .gate import APISettings, Gate, request_id, route_path
+from .openapi import openapi_schema
+from .operations import add_operations_routes
+from .serving import OpenAIServing
+from .tokenize import detokenize, tokenize
 
 MODEL_INFO_WAIT_S = 2.0  # how long /v1/models waits for the engines' context length
 try:
@@ -122,7 +122,7 @@ def build_api(
     add_model_routes(app, serving)
     add_operations_routes(app, serving, metrics_body)
     if serving.lora is not None:
-        from iterserve.cluster.lora import add_lora_routes
+        from ..lora import add_lora_routes
 
         add_lora_routes(app, serving, settings.max_body_bytes)
     add_error_handlers(app)

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.cluster.openai.errors import bad_request
-from iterserve.cluster.openai.protocol import ChatCompletionRequest, ChatMessage
-from iterserve.cluster.openai.tool_parsers import (
+from .errors import bad_request
+from .protocol import ChatCompletionRequest, ChatMessage
+from .tool_parsers import (
     TOOL_CALL_PARSERS,
     JsonArrayParser,
     NamedParser,

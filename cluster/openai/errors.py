@@ -10,6 +10,8 @@ import json
 
 from starlette.responses import Response
 
+from ..engine.errors import EngineBusyError, EngineRefusal, InvalidRequestError
+
 # Seconds a client should wait before retrying when the engine is busy / down.
 RETRY_AFTER_BUSY_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -51,16 +53,6 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code, request_id)
 
 
-class EngineRefusal(Exception):
-    """The engine refused a request before it started: ``kind`` is invalid,
-    prompt_too_long, queue_full, engine_dead or unavailable."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
 class EngineFailure(Exception):
     """The engine failed a request after accepting it (its workers were lost)."""
 
@@ -97,12 +89,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_refusal(refusal: EngineRefusal) -> APIError:
-    """The HTTP answer to an engine's refusal."""
-    if refusal.kind in ("invalid", "prompt_too_long"):
-        return APIError(400, refusal.message, code=refusal.kind)
+    """The HTTP answer to an engine's refusal, by its kind."""
     if refusal.kind == "model_not_found":  # an adapter unloaded since the ingress checked
         return APIError(404, refusal.message, param="model", code="model_not_found")
-    if refusal.kind == "queue_full":
+    if isinstance(refusal, InvalidRequestError):  # prompt_too_long among them
+        return APIError(400, refusal.message, code=refusal.kind)
+    if isinstance(refusal, EngineBusyError):
         return APIError(
             429,
             f"the engine is at capacity: {refusal.message}; retry later",

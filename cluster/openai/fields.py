@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel
 
-from iterserve.cluster.openai.errors import bad_request
+from .errors import bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
 
-from iterserve.cluster.openai.errors import RETRY_AFTER_BUSY_S, APIError, error_response
+from .errors import RETRY_AFTER_BUSY_S, APIError, error_response
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """One HTTP request's engine requests: open them, merge their streams, end them.
 
 A request with ``n`` choices (or several prompts) becomes that many engine
-requests with distinct ids. Each engine stream yields batches of records
-``(new_token_ids, new_logprobs, finish_reason, error, num_cached_tokens)``; a :class:`Choice` turns
+requests with distinct ids. Each engine stream yields batches of
+:class:`~iterserve.scheduler.messages.EngineOutput`; a :class:`Choice` turns
 them into text deltas (detokenized, stop strings applied). Whatever way the
 request ends — finished, stop string, timeout, client gone — :meth:`Generation.close`
 cancels every engine stream still open, which aborts its engine request.
@@ -15,26 +15,26 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from iterserve.cluster.openai.errors import (
+from ...scheduler.messages import EngineOutput, PromptLogprobs
+from ...scheduler.request import FinishReason
+from ..engine.errors import EngineRefusal
+from .errors import (
     APIError,
     EngineFailure,
-    EngineRefusal,
     from_refusal,
     timed_out,
     unavailable,
 )
-from iterserve.cluster.openai.stream import StopMatcher
-from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.request import FinishReason, split_prompt_logprobs
+from .stream import StopMatcher
 
 # Reasons whose last token is the one that stopped the sequence (EOS or a stop token id).
 STOP_TOKEN_REASONS = frozenset({"eos", "stop_token"})
 
 
 class EngineStream(Protocol):
-    """An accepted engine request: async-iterates batches of records."""
+    """An accepted engine request: async-iterates batches of its outputs."""
 
-    def __aiter__(self) -> AsyncIterator[list[tuple]]: ...
+    def __aiter__(self) -> AsyncIterator[list[EngineOutput]]: ...
 
     def cancel(self) -> None: ...
 
@@ -45,7 +45,8 @@ class EngineClient(Protocol):
     async def open(
         self, request_id: str, prompt_token_ids: list[int], params: dict, priority: int
     ) -> EngineStream:
-        """Queues a request; raises EngineRefusal when the engine refuses it."""
+        """Queues a request (``request_id`` is its label); raises EngineRefusal
+        when the engine refuses it."""
 
     async def info(self) -> dict:
         """``{"max_model_len", "vocab_size"}`` of the engines."""
@@ -97,16 +98,16 @@ class Choice:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def consume(self, records: list[tuple]) -> Delta:
+    def consume(self, outputs: list[EngineOutput]) -> Delta:
         delta = Delta()
-        for token_ids, logprobs, reason, error, cached in records:
+        for out in outputs:
+            token_ids, logprobs, reason = out.token_ids, out.logprobs, out.finish_reason
             if reason == "error":
-                raise EngineFailure(error or "the engine failed this request")
-            if cached is not None:
-                self.num_cached_tokens = cached
-            prompt, logprobs = split_prompt_logprobs(logprobs)  # they lead, once
-            if prompt is not None:
-                delta.prompt_logprobs = self.prompt_logprobs = prompt
+                raise EngineFailure(out.error or "the engine failed this request")
+            if out.num_cached_tokens is not None:
+                self.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None:  # once, with the prompt's last piece
+                delta.prompt_logprobs = self.prompt_logprobs = out.prompt_logprobs
             unwritten = -1  # position of the stopping token, when it is left out of the text
             if reason in STOP_TOKEN_REASONS and not self.include_stop_str:
                 unwritten = len(token_ids) - 1
@@ -175,24 +176,28 @@ class Generation:
         return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
     async def open(self) -> None:
-        """Queues every engine request; on any refusal, cancels the others and raises."""
+        """Queues every engine request; on any refusal, cancels the others and raises.
+        However opening ends early (a refusal, the request timeout, the client going
+        away while it waits), every engine request it opened is cancelled."""
+        loop = asyncio.get_running_loop()
         opens = [
-            self.engine.open(j.request_id, j.prompt_token_ids, j.params, j.priority)
+            loop.create_task(
+                self.engine.open(j.request_id, j.prompt_token_ids, j.params, j.priority)
+            )
             for j in self.jobs
         ]
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*opens, return_exceptions=True), self._remaining()
+            done, pending = await asyncio.wait(
+                opens, timeout=self._remaining(), return_when=asyncio.FIRST_EXCEPTION
             )
-        except asyncio.TimeoutError:
-            raise timed_out(self.timeout_s) from None
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for result in results:
-                if not isinstance(result, BaseException):
-                    result.cancel()
-            raise _as_api_error(errors[0])
-        self.streams = list(results)
+        except BaseException:  # cancelled: the client went away
+            _abandon(opens)
+            raise
+        failed = [t.exception() for t in done if t.exception() is not None]
+        if failed or pending:
+            _abandon(opens)
+            raise _as_api_error(failed[0]) if failed else timed_out(self.timeout_s)
+        self.streams = [t.result() for t in opens]
         self.open_streams = set(range(len(self.streams)))
 
     async def deltas(self) -> AsyncIterator[tuple[Choice, Delta]]:
@@ -205,8 +210,8 @@ class Generation:
         timer = None if self.deadline is None else loop.call_at(self.deadline, self._expire)
         try:
             if len(self.streams) == 1:
-                async for records in self.streams[0]:
-                    delta = self._consume(0, records)
+                async for outputs in self.streams[0]:
+                    delta = self._consume(0, outputs)
                     if delta is not None:
                         yield delta
                 self._ended(0, None)
@@ -222,8 +227,8 @@ class Generation:
 
         async def pump(i: int, stream: EngineStream) -> None:
             try:
-                async for records in stream:
-                    queue.put_nowait((i, records, None))
+                async for outputs in stream:
+                    queue.put_nowait((i, outputs, None))
                 queue.put_nowait((i, None, None))
             except Exception as exc:  # the replica died or the call failed
                 queue.put_nowait((i, None, exc))
@@ -231,20 +236,20 @@ class Generation:
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         while self.open_streams:
-            i, records, exc = await queue.get()
-            if records is None:
+            i, outputs, exc = await queue.get()
+            if outputs is None:
                 self._ended(i, exc)
                 continue
-            delta = self._consume(i, records)
+            delta = self._consume(i, outputs)
             if delta is not None:
                 yield delta
 
-    def _consume(self, i: int, records: list[tuple]) -> tuple[Choice, Delta] | None:
+    def _consume(self, i: int, outputs: list[EngineOutput]) -> tuple[Choice, Delta] | None:
         if i not in self.open_streams:
             return None  # after a stop string: the stream was cancelled
         choice = self.jobs[i].choice
         try:
-            delta = choice.consume(records)
+            delta = choice.consume(outputs)
         except EngineFailure as failure:
             raise unavailable(str(failure)) from None
         if choice.stopped_by_string:
@@ -254,7 +259,7 @@ class Generation:
         return choice, delta
 
     def _ended(self, i: int, exc: BaseException | None) -> None:
-        """Stream ``i`` has no more records; unless its choice finished, that is the
+        """Stream ``i`` has no more outputs; unless its choice finished, that is the
         timeout's doing or a lost engine request."""
         if self.expired:
             raise timed_out(self.timeout_s)
@@ -280,6 +285,17 @@ class Generation:
             self._cancel(i)
         for task in self.tasks:
             task.cancel()
+
+
+def _abandon(opens: list[asyncio.Task]) -> None:
+    """Ends every engine request of ``opens``: an accepted one is cancelled (which
+    aborts it on the engine), an open still waiting is cancelled itself (the
+    engine client then aborts whatever it had queued)."""
+    for task in opens:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled() and task.exception() is None:
+            task.result().cancel()
 
 
 def _as_api_error(exc: BaseException) -> APIError:

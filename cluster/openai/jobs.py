@@ -14,10 +14,10 @@ import re
 import uuid
 from typing import Any
 
-from iterserve.cluster.openai.errors import APIError, bad_request
-from iterserve.cluster.openai.generation import Choice, Job
-from iterserve.scheduler.sampling import MAX_BAD_WORDS as MAX_BAD_WORD_SEQUENCES
-from iterserve.scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
+from ...scheduler.sampling import MAX_BAD_WORDS as MAX_BAD_WORD_SEQUENCES
+from ...scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
+from .errors import APIError, bad_request
+from .generation import Choice, Job
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # Request fields passed to SamplingParams as they are (when set).

@@ -15,8 +15,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from iterserve.cluster.openai.chat import RESERVED_TEMPLATE_VARIABLES
-from iterserve.cluster.openai.openapi_values import (
+from ...scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
+from .chat import RESERVED_TEMPLATE_VARIABLES
+from .openapi_values import (
     UNUSED,
     extension_constraints,
     integer,
@@ -24,15 +25,14 @@ from iterserve.cluster.openai.openapi_values import (
     number,
     structured_outputs_schema,
 )
-from iterserve.cluster.openai.protocol import (
+from .protocol import (
     MAX_PROMPTS,
     PRIORITY_RANGE,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
-from iterserve.cluster.openai.tokenize import DetokenizeRequest, TokenizeRequest
-from iterserve.scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
+from .stream import MAX_STOP_LEN, MAX_STOP_STRINGS
+from .tokenize import DetokenizeRequest, TokenizeRequest
 
 CROSS_FIELD_RULES = (
     "Rules across fields: the prompt's tokens plus max_tokens must fit in the context "

@@ -4,8 +4,8 @@ constrain the output with a grammar."""
 
 from __future__ import annotations
 
-from iterserve.cluster.openai.jobs import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
-from iterserve.scheduler.sampling import LOGIT_BIAS_RANGE, MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
+from ...scheduler.sampling import LOGIT_BIAS_RANGE, MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
+from .jobs import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 
 
 def nullable(schema: dict) -> dict:

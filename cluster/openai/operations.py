@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from iterserve.cluster.metrics_hub import CONTENT_TYPE
-from iterserve.cluster.openai.errors import RETRY_AFTER_UNAVAILABLE_S, APIError, error_body
-from iterserve.cluster.openai.gate import request_id
-from iterserve.cluster.openai.serving import OpenAIServing
+from ..metrics.hub import CONTENT_TYPE
+from .errors import RETRY_AFTER_UNAVAILABLE_S, APIError, error_body
+from .gate import request_id
+from .serving import OpenAIServing
 
 
 def add_operations_routes(

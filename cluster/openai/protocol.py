@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from iterserve.cluster.openai.errors import APIError, bad_request
-from iterserve.cluster.openai.stream import MAX_STOP_LEN, MAX_STOP_STRINGS
+from .errors import APIError, bad_request
+from .stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 
 MAX_PROMPTS = 64  # prompts in one completions request
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from iterserve.cluster.openai.generation import Choice, Delta
-from iterserve.cluster.openai.tool_parsers import Parsed, ToolCall, ToolCallParser
+from .generation import Choice, Delta
+from .tool_parsers import Parsed, ToolCall, ToolCallParser
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -59,8 +59,9 @@ class ChatText:
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
-        # As OpenAI and vLLM answer: a choice that called a tool finished to do so.
-        return "tool_calls" if reason is not None and self.calls else reason
+        # As OpenAI and vLLM answer: a choice that called a tool finished to do so;
+        # unless max_tokens cut it, which the client must know (calls may be missing).
+        return "tool_calls" if reason not in (None, "length") and self.calls else reason
 
 
 @dataclass(frozen=True)

@@ -15,26 +15,26 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from iterserve.cluster.openai import structured
-from iterserve.cluster.openai.chat import render_prompt, tool_plan
-from iterserve.cluster.openai.errors import APIError, bad_request, unavailable
-from iterserve.cluster.openai.fields import (
+from . import structured
+from .chat import render_prompt, tool_plan
+from .errors import APIError, bad_request, unavailable
+from .fields import (
     IGNORED_FIELDS_HEADER,
     FieldPolicy,
     check_refused,
     header_value,
 )
-from iterserve.cluster.openai.generation import EngineClient, Generation
-from iterserve.cluster.openai.jobs import Limits, build_jobs, extension_fields
-from iterserve.cluster.openai.protocol import (
+from .generation import EngineClient, Generation
+from .jobs import Limits, build_jobs, extension_fields
+from .protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     RequestModel,
     validation_error,
 )
-from iterserve.cluster.openai.responses import ChatText, Echo, ResponseBuilder
-from iterserve.cluster.openai.stream import SSE_DONE, sse
+from .responses import ChatText, Echo, ResponseBuilder
+from .stream import SSE_DONE, sse
 
 _LONG_TEXT = 100_000  # characters; longer texts are tokenized off the event loop
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

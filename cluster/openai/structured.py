@@ -35,8 +35,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from iterserve.cluster.openai.errors import RETRY_AFTER_UNAVAILABLE_S, APIError, bad_request
-from iterserve.scheduler.sampling import MAX_GRAMMAR_BYTES, StructuredOutput
+from ...scheduler.sampling import MAX_GRAMMAR_BYTES, StructuredOutput
+from .errors import RETRY_AFTER_UNAVAILABLE_S, APIError, bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import Field
 from starlette.responses import JSONResponse
 
-from iterserve.cluster.openai.errors import bad_request
-from iterserve.cluster.openai.protocol import ChatMessage, RequestModel, Tool
-from iterserve.cluster.openai.serving import OpenAIServing, load_json
+from .errors import bad_request
+from .protocol import ChatMessage, RequestModel, Tool
+from .serving import OpenAIServing, load_json
 
 
 class TokenizeRequest(RequestModel):

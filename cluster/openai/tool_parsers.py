@@ -240,27 +240,62 @@ class Llama3JsonParser:
 
 class JsonArrayParser:
     """A JSON list of ``{"name", "parameters"}``: what ``tool_choice: required``
-    constrains the output to. Parsed at the end; never content."""
+    constrains the output to. Each element is a call the moment its JSON is
+    complete, so calls stream one by one, and an output cut short (``max_tokens``)
+    keeps the calls it completed; the cut one is dropped. Text that turns out not
+    to be such a list is content, from where it stops being one."""
 
     tags = ()
 
     def __init__(self) -> None:
-        self.buffer = ""
+        self.text = ""  # everything fed
+        self.read = 0  # how much of it was read as the list so far
+        self.opened = self.closed = self.broken = False
+        self.made_call = False
+        self._decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> Parsed:
-        self.buffer += text
-        return Parsed()
+        self.text += text
+        return Parsed(calls=self._complete_calls())
+
+    def _complete_calls(self) -> list[ToolCall]:
+        calls: list[ToolCall] = []
+        text = self.text
+        while not (self.broken or self.closed):
+            pos = self.read
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            if pos == len(text):
+                break
+            if not self.opened:
+                self.opened, self.broken = text[pos] == "[", text[pos] != "["
+                self.read = pos + 1
+                continue
+            if text[pos] in ",]":
+                self.closed = text[pos] == "]"
+                self.read = pos + 1
+                continue
+            try:
+                obj, end = self._decoder.raw_decode(text, pos)
+            except ValueError:
+                break  # not complete yet (or never: the end decides)
+            call = call_from_object(obj)
+            if call is None:
+                self.broken = True
+                break
+            calls.append(call)
+            self.made_call = True
+            self.read = end
+        return calls
 
     def finish(self) -> Parsed:
-        text, self.buffer = self.buffer, ""
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return Parsed(text)
-        calls = [call_from_object(item) for item in items] if isinstance(items, list) else [None]
-        if not calls or None in calls:
-            return Parsed(text)
-        return Parsed(calls=calls)
+        text, read = self.text, self.read
+        self.text, self.read = "", 0
+        if not self.made_call and (self.broken or self.closed):
+            return Parsed(text)  # complete JSON, but no call in it ("[]", an object)
+        if self.broken:
+            return Parsed(text[read:].strip())
+        return Parsed()  # a call cut short, or nothing but the list's punctuation
 
 
 class NamedParser:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.policies.base import Policy
-from iterserve.scheduler.policies.batch import DynamicPolicy, StaticPolicy
-from iterserve.scheduler.policies.budget import ChunkedPolicy, ContinuousPolicy
+from .base import Policy
+from .batch import DynamicPolicy, StaticPolicy
+from .budget import ChunkedPolicy, ContinuousPolicy
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.config import SchedulerConfig
+    from ..config import SchedulerConfig
 
 POLICY_CLASSES: dict[str, type[Policy]] = {
     "static": StaticPolicy,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.config import SchedulerConfig
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.step import StepBuilder
+    from ..config import SchedulerConfig
+    from ..core import Scheduler
+    from ..step import StepBuilder
 
 
 class Policy:

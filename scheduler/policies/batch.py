@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.policies.base import Policy
-from iterserve.scheduler.request import RequestStatus
+from ..request import RequestStatus
+from .base import Policy
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.config import SchedulerConfig
-    from iterserve.scheduler.core import Scheduler
-    from iterserve.scheduler.request import Request
-    from iterserve.scheduler.step import StepBuilder
+    from ..config import SchedulerConfig
+    from ..core import Scheduler
+    from ..request import Request
+    from ..step import StepBuilder
 
 
 class StaticPolicy(Policy):
@@ -60,7 +60,7 @@ class StaticPolicy(Policy):
     def reset(self, sched: Scheduler) -> None:
         for member in self.batch:
             if member.status.finished and member.slot_idx >= 0:
-                sched.release_slot(member)
+                sched.release_slot(member, tell_workers=False)  # ended on the worker
         self.batch = []
 
     def next_deadline(self, sched: Scheduler) -> float | None:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from iterserve.scheduler.policies.base import Policy
-from iterserve.scheduler.request import Request
+from ..request import Request
+from .base import Policy
 
 if TYPE_CHECKING:
-    from iterserve.scheduler.step import StepBuilder
+    from ..step import StepBuilder
 
 
 class ContinuousPolicy(Policy):

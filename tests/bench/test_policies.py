@@ -13,7 +13,7 @@ import pytest
 
 from iterserve.bench import policies, workloads
 from iterserve.bench.report import prometheus_values, step_figures
-from iterserve.cluster.metrics import EngineMetrics
+from iterserve.cluster.metrics.engine import EngineMetrics
 from tests.workers.tiny_checkpoints import build_hf_model, save
 
 KEYS = ("throughput_tok_s", "slot_utilization", "padding_fraction", "ttft_p50_s", "ttft_p99_s",

@@ -1,6 +1,6 @@
 """The client against the real Serve app (fake executor): every method, sync and async.
 
-The fake's tokens depend only on the engine request id, ``<X-Request-Id>-<choice>``:
+The fake's tokens depend only on each request's label, ``<X-Request-Id>-<choice>``:
 two requests sent with the same ``X-Request-Id`` produce the same text, so a
 streamed answer can be compared with a whole one.
 """
@@ -14,7 +14,7 @@ import time
 import pytest
 
 pytest.importorskip(
-    "iterserve.cluster.serve_app", reason="the Serve app (cluster/serve_app.py) is not built yet"
+    "iterserve.cluster.serve.app", reason="the Serve app (cluster/serve/app.py) is not built yet"
 )
 
 from iterserve_client import (  # noqa: E402
@@ -29,7 +29,9 @@ from iterserve_client import (  # noqa: E402
     NotFoundError,
 )
 
+from iterserve.scheduler import FakeModel  # noqa: E402
 from tests.client.util import collect, resolve  # noqa: E402
+from tests.conftest import api_key_env  # noqa: E402
 from tests.serve.conftest import build_tokenizer  # noqa: E402
 
 APP = "client-sdk"
@@ -37,9 +39,6 @@ API_KEY = "client-key"
 MODEL = "tiny-client"
 MAX_NUM_SEQS = 4
 ENGINE_CONFIG = {
-    "executor": "fake",
-    # No EOS of its own: a request runs until max_tokens, one token per 20 ms step.
-    "executor_options": {"output_len": None, "max_model_len": 128, "step_sleep_s": 0.02},
     "num_kv_blocks": 128,
     "max_num_seqs": MAX_NUM_SEQS,
     "max_num_batched_tokens": 128,
@@ -62,7 +61,7 @@ def server(ray_session, tmp_path_factory):
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    from iterserve.cluster.serve_app import build_app
+    from iterserve.cluster.serve.app import build_application
     from iterserve.workers.tokenizer import Tokenizer
 
     running = _get_global_client(raise_if_no_controller_running=False)
@@ -72,14 +71,12 @@ def server(ray_session, tmp_path_factory):
     else:
         port = running.http_config.port
     tokenizer_dir = build_tokenizer(tmp_path_factory.mktemp("client") / "tok")
-    config = {**ENGINE_CONFIG}
-    config["executor_options"] = {
-        **config["executor_options"],
-        "vocab_size": Tokenizer(tokenizer_dir).vocab_size,
-    }
-    args = {"model": str(tokenizer_dir), "config": config, "num_engine_replicas": 1,
-            "api_key": API_KEY, "model_name": MODEL}  # fmt: skip
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
+    # No EOS of its own: a request runs until max_tokens, one token per 20 ms step.
+    fake = FakeModel(output_len=None, max_model_len=128, step_sleep_s=0.02,
+                     vocab_size=Tokenizer(tokenizer_dir).vocab_size)  # fmt: skip
+    args = {"model": str(tokenizer_dir), "config": ENGINE_CONFIG, "num_engine_replicas": 1,
+            "api_key_env": api_key_env(API_KEY), "model_name": MODEL}  # fmt: skip
+    serve.run(build_application(args, fake), name=APP, route_prefix=f"/{APP}")
     serve.get_deployment_handle("EngineServer", APP).broadcast("info").results(timeout_s=120)
     yield f"http://127.0.0.1:{port}/{APP}"
     serve.delete(APP)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import pytest
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine import AsyncEngine
-from iterserve.scheduler import Request, SamplingParams, Scheduler
+from iterserve.cluster.engine.api import AsyncEngine
+from iterserve.scheduler import FakeModel, Request, SamplingParams, Scheduler
+from tests.stand_ins import stand_in
 from tests.workers.tiny_checkpoints import build_hf_model, save
 
 
@@ -17,10 +19,16 @@ def tiny_llama(tmp_path_factory):
     return str(save(build_hf_model("llama"), tmp_path_factory.mktemp("ckpt") / "llama"))
 
 
-def fake_config(**overrides) -> EngineConfig:
+class FakeEngine(NamedTuple):
+    """An engine config and the stand-in model its ranks run."""
+
+    config: EngineConfig
+    executor: FakeModel
+
+
+def fake_config(executor: str = "fake", executor_options: dict | None = None, **overrides):
+    """An engine of the fake model (or another stand-in, by name: tests/stand_ins.py)."""
     base = dict(
-        executor="fake",
-        executor_options={"output_len": 6, "max_model_len": 128, "vocab_size": 1000},
         num_kv_blocks=128,
         max_num_seqs=8,
         max_num_batched_tokens=128,
@@ -28,9 +36,13 @@ def fake_config(**overrides) -> EngineConfig:
         batch_timeout_s=0.05,
         batch_wait_s=0.01,
     )
-    options = {**base["executor_options"], **overrides.pop("executor_options", {})}
-    base.update(overrides, executor_options=options)
-    return EngineConfig.from_dict(base)
+    options = {
+        "output_len": 6,
+        "max_model_len": 128,
+        "vocab_size": 1000,
+        **(executor_options or {}),
+    }
+    return FakeEngine(EngineConfig.from_dict({**base, **overrides}), stand_in(executor, **options))
 
 
 def model_config(path: str, **overrides) -> EngineConfig:
@@ -51,8 +63,24 @@ def model_config(path: str, **overrides) -> EngineConfig:
     return EngineConfig.from_dict(base)
 
 
-async def start_engine(config: EngineConfig) -> AsyncEngine:
-    return await AsyncEngine(config).start()
+async def start_engine(engine: EngineConfig | FakeEngine) -> AsyncEngine:
+    if isinstance(engine, FakeEngine):
+        return await AsyncEngine(engine.config, engine.executor).start()
+    return await AsyncEngine(engine).start()
+
+
+async def worker_pids(engine: AsyncEngine) -> list[int]:
+    """The ranks' process ids, in rank order (where they run is the engine's to say)."""
+    return [w["pid"] for w in await engine.actor.worker_nodes.remote()]
+
+
+async def assert_sound(engine: AsyncEngine) -> dict:
+    """Once idle, the engine holds no slot or block and its allocators passed the
+    check it runs on itself whenever it goes idle (a failure would end it)."""
+    stats = await wait_idle(engine)
+    assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0, stats
+    assert await engine.health() == (True, "ok")
+    return stats
 
 
 async def collect(engine: AsyncEngine, prompt, params: SamplingParams, **kw):

@@ -13,7 +13,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine import AsyncEngine
+from iterserve.cluster.engine.api import AsyncEngine
 from iterserve.scheduler import SamplingParams
 
 

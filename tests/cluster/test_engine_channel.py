@@ -7,14 +7,13 @@ import asyncio
 
 import pytest
 
-from iterserve.cluster.engine_channel import (
-    HELLO,
-    EngineConnection,
-    EngineEndpoint,
-    RefusedError,
-    encode,
-)
-from iterserve.cluster.outputs import OutputBuffers
+from iterserve.cluster.engine import channel as engine_channel
+from iterserve.cluster.engine.channel import ADD, EngineEndpoint, encode
+from iterserve.cluster.engine.connection import EngineConnection
+from iterserve.cluster.engine.errors import EngineBusyError, EngineUnavailableError
+from iterserve.cluster.engine.outputs import OutputBuffers
+from iterserve.cluster.framing import hello
+from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 
 
 class StubCore:
@@ -24,21 +23,29 @@ class StubCore:
         self.outputs = OutputBuffers()
         self.added: list[tuple] = []
         self.aborted: list[str] = []
+        self.clients: dict[str, str] = {}  # running request -> its client
 
-    async def add_request(self, consumer, key, prompt, params, priority, label):
+    async def add_request(self, client, key, prompt, params, priority, label):
         if params.get("refuse"):
             return ("queue_full", "the waiting queue is full")
-        self.outputs.own(key, consumer)
+        self.clients[key] = client
         self.added.append((key, label, prompt, priority))
         return None
 
     async def abort(self, key):
         self.aborted.append(key)
-        self.outputs.push((key, [], [], "abort", None))
+        self.publish(EngineOutput.aborted(key))
 
-    def publish(self, *records):
-        for record in records:
-            self.outputs.push(record)
+    def requests_of(self, client):
+        return [key for key, owner in self.clients.items() if owner == client]
+
+    def publish(self, *outputs: EngineOutput):
+        for output in outputs:
+            client = self.clients.get(output.request_id)
+            if output.finished:
+                self.clients.pop(output.request_id, None)
+            if client is not None:
+                self.outputs.push(client, output)
 
 
 async def _connected(local: bool = True):
@@ -56,19 +63,37 @@ async def _batches(stream, count: int) -> list:
     return [await asyncio.wait_for(stream.__anext__(), 5) for _ in range(count)]
 
 
+async def _until(predicate, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
 @pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
-async def test_requests_get_their_own_tokens_in_order(local):
+async def test_requests_get_their_own_outputs_in_order(local):
     core, endpoint, connection, _ = await _connected(local)
     try:
-        a = await connection.add("k1", "client-1", [5, 6], {"max_tokens": 4}, 0)
-        b = await connection.add("k2", "client-2", [7], {"max_tokens": 4}, 1)
-        assert [entry[:2] for entry in core.added] == [("k1", "client-1"), ("k2", "client-2")]
-        core.publish(("k1", [10], [], None, None, 0), ("k2", [20], [], None, None, 0))
-        core.publish(("k1", [11, 12], [], "length", None, None))
-        core.publish(("k2", [21], [], "eos", None, None))
-        first, second = await _batches(a, 1), await _batches(b, 1)
-        assert first == [[[[10], [], None, None, 0], [[11, 12], [], "length", None, None]]]
-        assert second == [[[[20], [], None, None, 0], [[21], [], "eos", None, None]]]
+        a = await connection.open("client-1", [5, 6], {"max_tokens": 4}, 0)
+        b = await connection.open("client-2", [7], {"max_tokens": 4}, 1)
+        assert [entry[1:] for entry in core.added] == [
+            ("client-1", [5, 6], 0),
+            ("client-2", [7], 1),
+        ]
+        assert a.key != b.key and {a.key, b.key} == {key for key, *_ in core.added}
+        prompt = PromptLogprobs(3, [-0.5], [1], [[(6, -0.5)]])
+        first = [
+            EngineOutput(a.key, [10], [(-0.1, [(10, -0.1)])], prompt, num_cached_tokens=0),
+            EngineOutput(a.key, [11, 12], finish_reason="length"),
+        ]
+        core.publish(first[0], EngineOutput(b.key, [20], num_cached_tokens=0))
+        core.publish(first[1])
+        core.publish(EngineOutput(b.key, [21], finish_reason="eos"))
+        assert await _batches(a, 1) == [first]
+        assert await _batches(b, 1) == [
+            [EngineOutput(b.key, [20], num_cached_tokens=0), EngineOutput(b.key, [21], finish_reason="eos")]
+        ]  # fmt: skip
         with pytest.raises(StopAsyncIteration):
             await a.__anext__()
         assert connection.load == 0
@@ -77,48 +102,39 @@ async def test_requests_get_their_own_tokens_in_order(local):
         endpoint.close()
 
 
-async def test_a_refusal_names_its_kind_and_a_cancel_aborts_on_the_engine():
+async def test_a_refusal_raises_its_class_and_a_cancel_aborts_on_the_engine():
     core, endpoint, connection, _ = await _connected()
     try:
-        with pytest.raises(RefusedError) as refused:
-            await connection.add("k1", "c", [1], {"refuse": True}, 0)
-        assert refused.value.kind == "queue_full"
-        stream = await connection.add("k2", "c", [1], {}, 0)
+        with pytest.raises(EngineBusyError) as refused:
+            await connection.open("c", [1], {"refuse": True}, 0)
+        assert refused.value.kind == "queue_full" and "full" in refused.value.message
+        stream = await connection.open("c", [1], {}, 0)
         stream.cancel()
-        for _ in range(50):
-            if core.aborted:
-                break
-            await asyncio.sleep(0.01)
-        assert core.aborted == ["k2"]
+        assert await _until(lambda: core.aborted == [stream.key])
     finally:
         connection.close()
         endpoint.close()
 
 
-async def test_an_ingress_that_goes_away_aborts_its_requests():
+async def test_a_client_that_goes_away_aborts_its_requests():
     core, endpoint, connection, _ = await _connected()
     try:
-        await connection.add("k1", "c", [1], {}, 0)
-        await connection.add("k2", "c", [1], {}, 0)
+        keys = [(await connection.open("c", [1], {}, 0)).key for _ in range(2)]
         connection.writer.close()
-        for _ in range(50):
-            if len(core.aborted) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert sorted(core.aborted) == ["k1", "k2"]
+        assert await _until(lambda: sorted(core.aborted) == sorted(keys))
     finally:
         endpoint.close()
 
 
 async def test_an_engine_that_goes_away_ends_every_stream_with_an_error():
     core, endpoint, connection, gone = await _connected()
-    stream = await connection.add("k1", "c", [1], {}, 0)
+    stream = await connection.open("c", [1], {}, 0)
     endpoint.close()  # as a replica that stops
-    (batch,) = await _batches(stream, 1)
-    assert batch[-1][2] == "error" and "went away" in batch[-1][3]
+    ((output,),) = await _batches(stream, 1)
+    assert output.finish_reason == "error" and "went away" in output.error
     assert gone == [connection]
-    with pytest.raises(Exception, match="closed"):
-        await connection.add("k2", "c", [1], {}, 0)
+    with pytest.raises(EngineUnavailableError, match="closed"):
+        await connection.open("c", [1], {}, 0)
 
 
 async def test_a_connection_without_the_token_is_dropped():
@@ -126,7 +142,91 @@ async def test_a_connection_without_the_token_is_dropped():
     endpoint = EngineEndpoint(core, "127.0.0.1")
     address = await endpoint.start()
     reader, writer = await asyncio.open_unix_connection(address["unix"])
-    writer.write(encode([HELLO, b"x" * 32, "intruder"]))
+    writer.write(hello(b"x" * 32, "intruder"))
     assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unanswered
     assert not core.outputs.sinks
     endpoint.close()
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(monkeypatch):
+    """A client that reads none of its outputs must not grow the engine without
+    bound; once too much waits unsent, its channel is dropped at once (not left
+    closing behind the unsent bytes): its requests are aborted, and it learns the
+    channel is gone, so it never waits on a request the engine no longer reads."""
+    monkeypatch.setattr(engine_channel, "MAX_UNSENT_BYTES", 64 << 10)
+    core = StubCore()
+    endpoint = EngineEndpoint(core, "127.0.0.1")
+    address = await endpoint.start()
+    reader, writer = await asyncio.open_unix_connection(address["unix"])
+    writer.write(hello(bytes.fromhex(address["token"]), "slow-client"))
+    for key in ("k1", "k2"):
+        writer.write(encode(ADD, [key, "label", [1], {}, 0]))
+    try:
+        assert await _until(lambda: len(core.added) == 2)
+        for _ in range(64):  # ~4 MiB of outputs the client never reads
+            core.publish(EngineOutput("k1", list(range(8192))))
+            await asyncio.sleep(0)
+        assert await _until(lambda: sorted(core.aborted) == ["k1", "k2"])
+        assert not core.outputs.sinks and not endpoint.writers
+        # The client's end sees the channel end (after what was sent before the cut).
+        while await asyncio.wait_for(reader.read(1 << 20), 10):
+            pass
+    finally:
+        writer.close()
+        endpoint.close()
+
+
+async def test_one_steps_outputs_past_the_frame_bound_arrive_in_several_frames(monkeypatch):
+    """A step's outputs for one client (long prompt logprobs, many streams) can be
+    more than one frame may hold: they are split, and every stream gets its own."""
+    monkeypatch.setattr(engine_channel, "MAX_FRAME_BYTES", 16 << 10)
+    core, endpoint, connection, _ = await _connected()
+    try:
+        streams = [await connection.open("c", [1], {}, 0) for _ in range(8)]
+        sent = [
+            EngineOutput(s.key, list(range(1000 * i, 1000 * i + 1000)), finish_reason="length")
+            for i, s in enumerate(streams)
+        ]
+        core.publish(*sent)
+        for stream, output in zip(streams, sent):
+            assert await _batches(stream, 1) == [[output]]
+        assert not connection.closed
+    finally:
+        connection.close()
+        endpoint.close()
+
+
+async def test_an_output_past_the_frame_bound_fails_its_request_alone(monkeypatch):
+    monkeypatch.setattr(engine_channel, "MAX_FRAME_BYTES", 16 << 10)
+    core, endpoint, connection, _ = await _connected()
+    try:
+        big = await connection.open("c", [1], {}, 0)
+        small = await connection.open("c", [1], {}, 0)
+        core.publish(EngineOutput(big.key, list(range(10_000))),
+                     EngineOutput(small.key, [7], finish_reason="eos"))  # fmt: skip
+        ((failed,),) = await _batches(big, 1)
+        assert failed.finish_reason == "error" and "frame" in failed.error
+        assert await _batches(small, 1) == [[EngineOutput(small.key, [7], finish_reason="eos")]]
+        assert not connection.closed
+        assert await _until(lambda: big.key in core.aborted)  # the engine stops computing it
+    finally:
+        connection.close()
+        endpoint.close()
+
+
+async def test_an_abort_asked_of_a_stream_ends_it_with_the_engines_abort_output():
+    """AsyncEngine.abort: the request ends on the engine, and its stream still
+    delivers the last output, whose finish reason says so."""
+    core, endpoint, connection, _ = await _connected()
+    try:
+        stream = await connection.open("c", [1], {}, 0)
+        core.publish(EngineOutput(stream.key, [4]))
+        stream.abort()
+        got = [out for batch in await _batches(stream, 1) for out in batch]
+        while not got[-1].finished:
+            got += await stream.__anext__()
+        assert [o.token_ids for o in got] == [[4], []] and got[-1].finish_reason == "abort"
+        assert core.aborted == [stream.key]
+    finally:
+        connection.close()
+        endpoint.close()

@@ -6,15 +6,14 @@ import asyncio
 
 import pytest
 
-from iterserve.cluster.engine import EngineError, InvalidRequestError
-from iterserve.scheduler import (
-    POLICIES,
-    FakeExecutor,
-    PromptTooLongError,
-    QueueFullError,
-    SamplingParams,
+from iterserve.cluster.engine.api import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineError,
+    InvalidRequestError,
 )
-from tests.cluster.conftest import collect, fake_config, start_engine, wait_idle
+from iterserve.scheduler import POLICIES, FakeExecutor, SamplingParams
+from tests.cluster.conftest import assert_sound, collect, fake_config, start_engine, wait_idle
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -34,7 +33,7 @@ async def test_every_policy_streams_exactly_the_expected_tokens(policy):
             assert (tokens, reason) == reference.expected_output(rid, sp)
         stats = await engine.stats()
         assert stats["policy"] == policy and stats["kv_blocks_used"] == 0
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -55,7 +54,7 @@ async def test_leaving_a_stream_early_aborts_and_frees_slot_and_blocks():
         stats = await wait_idle(engine)
         assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
         assert stats["counters"]["finished_abort"] == 1
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -81,7 +80,7 @@ async def test_queue_bound_is_respected():
                     break
                 await asyncio.sleep(0.02)
         assert (await engine.stats())["num_waiting"] == 2
-        with pytest.raises(QueueFullError, match="queue is full"):
+        with pytest.raises(EngineBusyError, match="queue is full"):
             await collect(engine, [1], params)
         for task in tasks:  # cancelling a stream aborts its request
             task.cancel()
@@ -96,7 +95,7 @@ async def test_queue_bound_is_respected():
 async def test_bad_requests_are_refused_with_a_message_and_reach_no_slot():
     engine = await start_engine(fake_config())
     try:
-        with pytest.raises(PromptTooLongError, match="128 tokens"):
+        with pytest.raises(ContextLengthError, match="128 tokens"):
             await collect(engine, [1] * 200, SamplingParams())
         with pytest.raises(InvalidRequestError, match=r"prompt token ids must be in \[0, 999\]"):
             await collect(engine, [5000], SamplingParams())
@@ -133,7 +132,6 @@ async def test_health_and_integrity_checks_while_steps_are_planned_ahead():
         for _ in range(5):
             await asyncio.sleep(0.03)
             assert await engine.health() == (True, "ok")
-            await engine.actor.check_integrity.remote()
         reference = FakeExecutor(vocab_size=1000)
         for rid, result in zip(ids, await streams):
             assert result == reference.expected_output(rid, params)
@@ -150,7 +148,7 @@ async def test_a_bad_result_a_health_check_collects_ends_the_engine_with_its_own
     and never steps again on the scheduler's broken count of steps in flight."""
     engine = await start_engine(
         fake_config(
-            executor="tests.faults:faulty",
+            executor="faulty",
             executor_options={"output_len": None, "step_sleep_s": 0.3,
                               "fault_bad_result_at_step": 5},
         )

@@ -10,11 +10,13 @@ from iterserve.scheduler import POLICIES, SamplingParams
 from tests.cluster.conftest import (
     GREEDY,
     PROMPTS,
+    assert_sound,
     collect_all,
     model_config,
     single_process,
     start_engine,
     wait_idle,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -29,7 +31,7 @@ async def test_every_policy_matches_the_single_process_runner(tiny_llama, refere
         assert all(reason == "length" for _, reason in results)
         stats = await wait_idle(engine)
         assert stats["kv_blocks_used"] == 0 and stats["slots_used"] == 0
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -40,7 +42,7 @@ async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference):
     try:
         results = await collect_all(engine, PROMPTS, GREEDY)
         assert [tokens for tokens, _ in results] == reference
-        assert len(set(await engine.actor.worker_pids.remote())) == 2
+        assert len(set(await worker_pids(engine))) == 2
         assert (await engine.stats())["rank_links"] == ["unix", "unix"]  # on this node
     finally:
         await engine.shutdown()
@@ -59,7 +61,7 @@ async def test_abort_mid_stream_frees_slot_and_blocks(tiny_llama):
         stats = await wait_idle(engine)
         await other
         assert stats["kv_blocks_used"] == 0 and stats["counters"]["finished_abort"] == 1
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -87,6 +89,6 @@ async def test_a_sequence_ending_on_a_stop_token_while_the_next_step_is_planned(
         assert (stats["timing"]["steps_ahead"] > 0) == async_scheduling
         # Continuous batching pads nothing, except those rows of planned-ahead steps.
         assert (stats["counters"]["padding_tokens"] > 0) == async_scheduling
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from iterserve.cluster.engine import EngineDeadError, EngineError
+from iterserve.cluster.engine.api import EngineDeadError, EngineError
 from iterserve.scheduler import FakeExecutor, SamplingParams
 from tests.cluster.conftest import (
     PROMPTS,
@@ -18,10 +18,10 @@ from tests.cluster.conftest import (
     model_config,
     start_engine,
     wait_idle,
+    worker_pids,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-FAULTY = "tests.faults:faulty"
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
@@ -31,7 +31,7 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
     config = model_config(tiny_llama, tensor_parallel_size=2)
     engine = await start_engine(config)
     try:
-        pids = await engine.actor.worker_pids.remote()
+        pids = await worker_pids(engine)
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         tasks = asyncio.ensure_future(collect_all(engine, PROMPTS, params))
         for _ in range(20_000):  # bounded; the kill lands mid-generation
@@ -43,7 +43,7 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
         assert [tokens for tokens, _ in results] == reference
         stats = await wait_idle(engine)
         assert stats["worker_restarts"] == 1 and stats["kv_blocks_used"] == 0
-        assert set(await engine.actor.worker_pids.remote()).isdisjoint(pids)
+        assert set(await worker_pids(engine)).isdisjoint(pids)
         assert await engine.health() == (True, "ok")
     finally:
         await engine.shutdown()
@@ -51,7 +51,7 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
 
 async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
     config = fake_config(
-        executor=FAULTY,
+        executor="faulty",
         executor_options={"output_len": 12, "max_model_len": 128, "fault_crash_at_step": 5},
     )
     engine = await start_engine(config)
@@ -73,7 +73,7 @@ async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
 async def test_hung_worker_is_caught_by_the_step_timeout():
     config = fake_config(
         step_timeout_s=3.0,
-        executor=FAULTY,
+        executor="faulty",
         executor_options={"output_len": 8, "max_model_len": 128, "fault_hang_at_step": 3},
     )
     engine = await start_engine(config)
@@ -97,7 +97,7 @@ async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_
     nothing can be recomputed on trust. Every request ends at once with an error,
     health says why, and new requests are refused rather than left to hang."""
     config = fake_config(
-        executor=FAULTY,
+        executor="faulty",
         executor_options={
             "output_len": None,
             "max_model_len": 128,
@@ -127,7 +127,7 @@ async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_
 async def test_without_restarts_every_in_flight_request_ends_with_a_clear_error():
     config = fake_config(
         max_restarts=0,
-        executor=FAULTY,
+        executor="faulty",
         executor_options={
             "output_len": None,
             "max_model_len": 128,

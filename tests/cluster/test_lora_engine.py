@@ -7,7 +7,14 @@ import asyncio
 
 import pytest
 
-from tests.cluster.conftest import GREEDY, PROMPTS, collect, model_config, start_engine
+from tests.cluster.conftest import (
+    GREEDY,
+    PROMPTS,
+    assert_sound,
+    collect,
+    model_config,
+    start_engine,
+)
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -35,6 +42,6 @@ async def test_two_ranks_split_each_adapter_and_keep_peft_tokens(tiny_llama, tmp
             assert tokens == refs[name].greedy(prompt, GREEDY.max_tokens), (name, prompt)
         stats = await engine.stats()
         assert stats["lora_evictions"] >= 1  # two adapters through one slot
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from iterserve.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
-from tests.cluster.conftest import collect_all, model_config, start_engine, wait_idle
+from tests.cluster.conftest import (
+    assert_sound,
+    collect_all,
+    model_config,
+    start_engine,
+    wait_idle,
+    worker_pids,
+)
 from tests.scheduler.driver import Arrival, arrival_prompt, prompt_for, run
 
 HANG_GUARD_S = 120
@@ -159,7 +166,7 @@ async def test_tensor_parallel_two_ranks_share_prefixes_as_one_process_computes(
         stats = await wait_idle(engine)
         assert stats["prefix_caching"] and stats["prefix_cache_hits"] > 0
         assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_cached"] > 0
-        await engine.actor.check_integrity.remote()
+        await assert_sound(engine)
     finally:
         await engine.shutdown()
 
@@ -173,7 +180,7 @@ async def test_a_killed_worker_recovers_with_a_cleared_cache_and_the_same_output
     expected = single_process_outputs(tiny_llama, prompts, params, enable_prefix_caching=False)
     engine = await start_engine(model_config(tiny_llama, tensor_parallel_size=2))
     try:
-        pids = await engine.actor.worker_pids.remote()
+        pids = await worker_pids(engine)
         tasks = asyncio.ensure_future(collect_all(engine, prompts, params))
         for _ in range(20_000):  # bounded; the kill lands mid-generation, after hits
             stats = await engine.stats()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from iterserve.cluster.engine_client import ChannelEngineClient
-from iterserve.cluster.prefix_router import PrefixRouter
+from iterserve.cluster.serve.replicas import ChannelEngineClient
+from iterserve.cluster.serve.routing import PrefixRouter
 
 BS = 4
 SYSTEM_A = list(range(100, 116))  # four full blocks
@@ -62,10 +62,10 @@ class FakeConnection:
         self.replica, self.load, self.closed = replica, load, False
         self.added: list[str] = []
 
-    async def add(self, key, request_id, prompt_token_ids, params, priority):
-        self.added.append(request_id)
+    async def open(self, label, prompt_token_ids, params, priority):
+        self.added.append(label)
         self.load += 1
-        return request_id
+        return label
 
 
 def client_with(loads: dict[str, int], router: PrefixRouter | None) -> ChannelEngineClient:

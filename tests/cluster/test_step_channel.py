@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from iterserve.cluster.step_channel import (
+from iterserve.cluster.framing import hello
+from iterserve.cluster.ranks.step_channel import (
     TOKEN_BYTES,
     ChannelClosed,
     RankEndpoint,
@@ -53,7 +54,7 @@ async def test_a_connection_without_the_token_is_dropped_and_the_scheduler_still
     rank = echo_rank(local=False)
     _, host, port = rank.address
     intruder = socket.create_connection((host, port))
-    intruder.sendall(b"x" * TOKEN_BYTES + b"\x00\x00\x00\x01z")
+    intruder.sendall(hello(b"x" * TOKEN_BYTES, "intruder"))
     intruder.settimeout(5)
     try:
         assert intruder.recv(16) == b""  # closed unanswered
@@ -95,7 +96,7 @@ async def test_a_rank_that_goes_away_mid_step_ends_the_step_at_once():
     dying = asyncio.get_running_loop().run_in_executor(None, die_after_reading)
     channel = await SchedulerChannel.connect([("tcp", *server.getsockname())], TOKEN)
     try:
-        with pytest.raises(ChannelClosed, match="rank 0 closed its step channel"):
+        with pytest.raises(ChannelClosed, match="rank 0 closed its channel"):
             await one_step(channel, b"plan")
     finally:
         channel.close()

@@ -23,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     tomllib = pytest.importorskip("tomli")
 
-IMPORT_PATH = "iterserve.cluster.serve_app:build_app"
+IMPORT_PATH = "iterserve.cluster.serve.app:build_app"
 APP_ARGS = {
     "model", "config", "num_engine_replicas", "api_key_env", "max_body_bytes", "http_host",
     "http_port", "request_timeout_s",

@@ -159,3 +159,54 @@ def test_the_layers_of_one_batch_share_its_plan_until_its_metadata_changes(monke
     assert len(splits) == 2
     torch.testing.assert_close(changed, ref.paged_attention(*b.args()), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(changed, first, atol=1e-3)
+
+
+# Windows shorter than some rows' context, longer than others', and one of a single
+# position; soft caps that bite (scores here reach ~±4 after scaling) and one that
+# barely does.
+@pytest.mark.parametrize("window", [None, 1, 7, 20, 64])
+@pytest.mark.parametrize("soft_cap", [None, 1.5, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [MIXED, LONG_DECODES], ids=["mixed", "long"])
+def test_windows_and_soft_caps_run_on_the_kernel_as_the_reference_computes_them(
+    monkeypatch, window, soft_cap, dtype, shape
+):
+    """Decode rows and short prefill pieces under a sliding window and a soft cap take
+    the compiled kernel (the reference is not called) and agree with the reference."""
+    b = on_cpu(make_batch(shape, 8, 2, 64, 8, dtype, seed=12))
+    b.query = b.query * 4  # scores large enough for a cap to bite
+    want = ref.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
+    monkeypatch.setattr(ref, "paged_attention", None)  # any call to it fails
+    got = cpu_attention.paged_attention(
+        *b.args(), max_seq_len=int(b.seq_lens.max()), window=window, soft_cap=soft_cap
+    )
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_STEP
+    torch.testing.assert_close(got, want, **tolerance)
+
+
+def test_a_windowed_row_reads_no_block_before_its_window():
+    """The scheduler may hand those blocks on: they are poisoned here, and the
+    output is what it was."""
+    window, block_size = 10, 4
+    b = on_cpu(make_batch(LONG_DECODES, 4, 2, 64, block_size, torch.float32, seed=13))
+    want = ref.paged_attention(*b.args(), window=window)
+    poison = b.k_cache.shape[0] - 1  # one of the spare blocks nobody owns
+    b.k_cache[poison] = float("nan")
+    b.v_cache[poison] = float("nan")
+    for s, n in enumerate(b.seq_lens.tolist()):
+        gone = max(0, n - window) // block_size
+        b.block_tables[s, :gone] = poison
+    got = cpu_attention.paged_attention(*b.args(), max_seq_len=int(b.seq_lens.max()),
+                                        window=window)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_prefill_piece_under_a_cap_takes_the_reference(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.float32, seed=14))
+    calls = []
+    paged = ref.paged_attention
+    monkeypatch.setattr(ref, "paged_attention", lambda *a, **k: calls.append(1) or paged(*a, **k))
+    got = cpu_attention.paged_attention(*b.args(), soft_cap=2.0)
+    assert calls == [1]
+    torch.testing.assert_close(got, paged(*b.args(), soft_cap=2.0))

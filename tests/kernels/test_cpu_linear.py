@@ -69,3 +69,42 @@ def test_a_bf16_runner_keeps_only_the_packed_products_and_the_embedding():
     assert layer.attn.qkv_packed is not None and layer.attn.qkv_weight.numel() == 0
     assert layer.mlp.down_weight.numel() == 0
     assert runner.model.embed.numel() == runner.config.vocab_size * runner.config.hidden_size
+
+
+@packs
+@pytest.mark.parametrize("rows", [17, 24, 32])
+def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
+    """Batches of 17–32 rows on a weight past the cliff's bounds reach oneDNN as
+    33 rows; the caller gets its own rows back, as the unpadded product has them."""
+    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
+    g = torch.Generator().manual_seed(rows)
+    out_features = cpu_linear.CLIFF_MIN_BYTES // (2 * 256)
+    x = torch.randn(rows, 256, generator=g).bfloat16()
+    w = torch.randn(out_features, 256, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    assert cpu_linear.pads_cliff_batches(w.shape, torch.bfloat16)
+    seen = []
+    product = torch.ops.mkldnn._linear_pointwise
+
+    def spy(inputs, *args):
+        seen.append(inputs.shape[0])
+        return product(inputs, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    packed = cpu_linear.pack(w)
+    got = cpu_linear.linear(x, w.new_empty(0), bias, packed)
+    assert seen == [cpu_linear.CLIFF_ROWS[1] + 1]
+    assert got.shape == (rows, out_features)
+    direct = product(x, packed, bias, "none", [], "")
+    torch.testing.assert_close(got, direct, atol=0, rtol=0)
+
+
+def test_the_cliff_applies_only_to_large_bf16_weights_with_short_rows_on_amx(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
+    big = (5632, 1024)
+    assert cpu_linear.pads_cliff_batches(big, torch.bfloat16)
+    assert not cpu_linear.pads_cliff_batches(big, torch.float32)
+    assert not cpu_linear.pads_cliff_batches((256, 128), torch.bfloat16)  # stays in cache
+    assert not cpu_linear.pads_cliff_batches((2048, 8192), torch.bfloat16)  # long rows
+    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: False)
+    assert not cpu_linear.pads_cliff_batches(big, torch.bfloat16)

@@ -153,3 +153,15 @@ def test_an_output_is_placed_apart_from_its_input_on_every_row(dtype, out_width,
     for row in range(32):
         d = (out[row].data_ptr() - x[row].data_ptr()) % 4096
         assert min(d, 4096 - d) >= 64
+
+
+def test_kernels_compile_for_512_bit_vectors_where_the_cpu_has_them():
+    from llvmlite import binding
+
+    from iterserve.kernels import cpu_math
+
+    host = binding.get_host_cpu_features().flatten().split(",")
+    features = (numba.config.CPU_FEATURES or "").split(",")
+    if "+avx512f" in host:
+        assert "-prefer-256-bit" in features
+    assert cpu_math.use_wide_vectors() is False  # set once; a second call changes nothing

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.cluster.metrics import EngineMetrics
+from iterserve.cluster.metrics.engine import EngineMetrics
 
 
 def record_activity(metrics: EngineMetrics) -> EngineMetrics:

@@ -24,13 +24,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from iterserve.cluster.metrics import METRIC_NAMES
+from iterserve.cluster.metrics.engine import METRIC_NAMES
 
 GRAFANA_DIR = Path(__file__).resolve().parents[2] / "grafana"
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 
-# Series-name suffixes Prometheus adds to a family name (see cluster/metrics.py).
+# Series-name suffixes Prometheus adds to a family name (see cluster/metrics/engine.py).
 SERIES_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
 _IDENTIFIER = re.compile(r"\biterserve_[a-zA-Z0-9_]*")
 # Grafana's own variables, fixed to what a 1 s scrape interval supports.

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from iterserve.cluster.metrics import METRIC_NAMES
+from iterserve.cluster.metrics.engine import METRIC_NAMES
 from tests.observability.prom import (
     PROMTOOL,
     all_panel_queries,

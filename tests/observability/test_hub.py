@@ -8,7 +8,7 @@ import uuid
 import pytest
 import ray
 
-from iterserve.cluster.metrics_hub import get_or_create_hub, push_periodically, render
+from iterserve.cluster.metrics.hub import get_or_create_hub, push_periodically, render
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.cluster.metrics import EngineMetrics
-from iterserve.cluster.recorder import MetricsRecorder
+from iterserve.cluster.metrics.engine import EngineMetrics
+from iterserve.cluster.metrics.recorder import MetricsRecorder
 from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 from tests.scheduler.driver import one_step, prompt_for
 

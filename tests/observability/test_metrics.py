@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.cluster.metrics import (
+from iterserve.cluster.metrics.engine import (
     COUNT_BUCKETS,
     FINISH_REASONS,
     LATENCY_BUCKETS,

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from iterserve.cluster.metrics_hub import CONTENT_TYPE, render_local
+from iterserve.cluster.metrics.hub import CONTENT_TYPE, render_local
 from tests.observability.prom import PROMETHEUS, all_panel_queries, query, run_prometheus, wait_for
 
 pytestmark = pytest.mark.skipif(

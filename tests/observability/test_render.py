@@ -7,8 +7,8 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from iterserve.cluster.metrics import METRIC_NAMES, SPECS, EngineMetrics
-from iterserve.cluster.metrics_hub import SnapshotStore, render, render_local
+from iterserve.cluster.metrics.engine import METRIC_NAMES, SPECS, EngineMetrics
+from iterserve.cluster.metrics.hub import SnapshotStore, render, render_local
 from tests.observability.prom import PROMTOOL, promtool_check
 
 needs_promtool = pytest.mark.skipif(

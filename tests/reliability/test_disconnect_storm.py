@@ -1,6 +1,6 @@
 """256 concurrent streams over two engine replicas, half of them abandoned at random
 points (seeded), five rounds. After every round no replica holds a slot, a KV
-block or a waiting request, each replica's allocators pass ``check_integrity``,
+block or a waiting request, each replica's allocators pass the check it runs when idle,
 and every stream that was read to its end carried all of its tokens.
 """
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.reliability.conftest import idle_replicas
-from tests.serve.conftest import MODEL, deploy, engine_replicas, fake_engine, undeploy
+from tests.serve.conftest import MODEL, assert_engines_sound, deploy, fake_engine, undeploy
 
 APP = "storm"
 NUM_STREAMS = 256
@@ -110,7 +110,7 @@ async def test_abandoned_streams_leave_nothing_behind_round_after_round(storm_ur
                 queued = {k: replica[k] for k in ("num_running", "num_waiting")}
                 assert held == {"slots_used": 0, "kv_blocks_used": 0}, (round_no, replica)
                 assert queued == {"num_running": 0, "num_waiting": 0}, (round_no, replica)
-            await engine_replicas(APP, "check_integrity")
+            await assert_engines_sound(APP)
             print(f"\nround {round_no}: {dict(outcomes)}")
     finished = sum(r["counters"].get("finished_length", 0) for r in replicas)
     aborted = sum(r["counters"].get("finished_abort", 0) for r in replicas)

@@ -17,7 +17,15 @@ import pytest
 from iterserve.scheduler import FakeExecutor, SamplingParams
 from iterserve.workers.tokenizer import Tokenizer
 from tests.reliability.conftest import idle_replicas, replica_pids, wait_for
-from tests.serve.conftest import MODEL, deploy, engine_replicas, fake_engine, sse_events, undeploy
+from tests.serve.conftest import (
+    MODEL,
+    assert_engines_sound,
+    deploy,
+    fake_engine,
+    rank_pids,
+    sse_events,
+    undeploy,
+)
 
 HANG_GUARD_S = 180  # a request that never ends fails here instead of blocking the run
 NUM_IN_FLIGHT = 32
@@ -75,7 +83,7 @@ async def test_a_killed_worker_is_replaced_and_32_requests_finish_unchanged(mode
             return [r.json()["choices"][0]["text"] for r in replies]
 
         reference = await run_all()  # fault-free
-        (pids,) = await engine_replicas(app, "worker_pids")
+        (pids,) = await rank_pids(app)
         (replica_pid,) = replica_pids(app, "EngineServer")
         start = await step_of(client)
         run = asyncio.ensure_future(run_all())
@@ -93,9 +101,9 @@ async def test_a_killed_worker_is_replaced_and_32_requests_finish_unchanged(mode
         assert {r.status_code for r in probes} <= {200, 503}
         assert (await client.get("/health")).status_code == 200
     assert replica_pids(app, "EngineServer") == [replica_pid]  # Serve kept the replica
-    (new_pids,) = await engine_replicas(app, "worker_pids")
+    (new_pids,) = await rank_pids(app)
     assert set(new_pids).isdisjoint(pids)
-    await engine_replicas(app, "check_integrity")
+    await assert_engines_sound(app)
 
 
 async def _past(client: httpx.AsyncClient, step: int) -> bool:
@@ -161,7 +169,7 @@ async def test_a_killed_scheduler_fails_its_requests_and_serve_brings_it_back(fa
 def _bug_once(tmp_dir: str) -> dict:
     """A replica whose step 5 result is malformed, once: a ProtocolError in the loop."""
     return {
-        "executor": "tests.faults:faulty",
+        "executor": "faulty",
         "executor_options": {
             "output_len": None,
             "step_sleep_s": 0.02,
@@ -224,7 +232,7 @@ async def test_an_engine_bug_fails_every_request_at_once_and_serve_replaces_the_
 HANG = {
     "step_timeout_s": 2.0,
     "max_restarts": 1,
-    "executor": "tests.faults:faulty",
+    "executor": "faulty",
     "executor_options": {"output_len": None, "step_sleep_s": 0.01, "fault_hang_at_step": 3},
 }
 
@@ -250,7 +258,7 @@ async def test_a_hung_worker_is_replaced_then_a_dead_one_past_the_restarts_fails
         (replica,) = await idle_replicas(client)
         assert replica["worker_restarts"] == 1
 
-        (pids,) = await engine_replicas(app, "worker_pids")
+        (pids,) = await rank_pids(app)
         long = {**body, "max_tokens": 100}
         stream = client.stream("POST", "/v1/completions", json={**long, "stream": True})
         post = asyncio.ensure_future(client.post("/v1/completions", json=long))

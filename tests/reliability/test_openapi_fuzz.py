@@ -27,7 +27,7 @@ from iterserve.cluster.openai.protocol import ChatCompletionRequest
 from iterserve.cluster.openai.serving import load_json
 from iterserve.workers.tokenizer import Tokenizer
 from tests.reliability.conftest import idle_replicas
-from tests.serve.conftest import API_KEY, AUTH, deploy, engine_replicas, fake_engine, undeploy
+from tests.serve.conftest import API_KEY, AUTH, assert_engines_sound, deploy, fake_engine, undeploy
 
 APP = "fuzz"
 MAX_MODEL_LEN = 128  # short: every generation is at most 127 steps
@@ -232,4 +232,4 @@ async def test_fuzzing_left_the_server_healthy_and_idle(fuzz_url):
         assert (await client.get("/health")).status_code == 200
         for replica in await idle_replicas(client):
             assert replica["slots_used"] == 0 and replica["kv_blocks_used"] == 0, replica
-    await engine_replicas(APP, "check_integrity")
+    await assert_engines_sound(APP)

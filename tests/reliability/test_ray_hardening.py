@@ -12,7 +12,8 @@ import pytest
 import ray
 from ray import serve
 
-from iterserve.cluster.serve_cli import run_server
+from iterserve.cluster.serve.cli import run_server
+from iterserve.scheduler import FakeModel
 
 RAY_PUBLIC_PORTS = {8265: "dashboard / Jobs API", 10001: "Ray client server"}
 
@@ -35,7 +36,7 @@ def test_run_server_starts_ray_without_dashboard_and_serve_on_the_given_host(mon
     monkeypatch.setattr(serve, "shutdown", lambda: calls.setdefault("serve_shutdown", True))
     monkeypatch.setattr(ray, "shutdown", lambda: calls.setdefault("ray_shutdown", True))
     with pytest.raises(_Stop):
-        run_server(host=host, port=8123, config={"executor": "fake"})
+        run_server(host=host, port=8123, executor=FakeModel())
     assert calls["ray"]["address"] == "local"  # a fresh single-node Ray, never a cluster's
     assert calls["ray"]["include_dashboard"] is False
     assert calls["ray"]["_system_config"] == {"worker_niceness": 0}

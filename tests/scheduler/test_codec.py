@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 
 from iterserve.scheduler.codec import VERSION, CodecError, decode, encode
 from iterserve.scheduler.messages import (
+    FINISH_REASONS,
     AdapterLoad,
+    EngineOutput,
+    EngineOutputs,
     FinishedSeq,
     NewSequence,
     PromptLogprobs,
@@ -52,7 +55,7 @@ plans = st.builds(
         st.builds(
             NewSequence,
             seq_id=ints,
-            request_id=st.text(max_size=40),
+            label=st.text(max_size=40),
             slot_idx=ints,
             token_ids=st.lists(ints, max_size=50),
             num_prompt_tokens=ints,
@@ -125,9 +128,34 @@ results = st.builds(
         max_size=3,
     ),
 )
+prompt_logprobs = st.builds(
+    PromptLogprobs,
+    seq_id=ints,
+    token_logprobs=st.lists(floats, max_size=4),
+    ranks=st.lists(ints, max_size=4),
+    top_logprobs=st.lists(st.lists(st.tuples(ints, floats), max_size=3), max_size=4),
+)
+engine_outputs = st.builds(
+    EngineOutputs,
+    outputs=st.lists(
+        st.builds(
+            EngineOutput,
+            request_id=st.text(max_size=40),
+            token_ids=st.lists(ints, max_size=8),
+            logprobs=st.lists(
+                st.tuples(floats, st.lists(st.tuples(ints, floats), max_size=3)), max_size=4
+            ),
+            prompt_logprobs=st.one_of(st.none(), prompt_logprobs),
+            finish_reason=st.one_of(st.none(), st.sampled_from(FINISH_REASONS)),
+            error=st.one_of(st.none(), st.text(max_size=40)),
+            num_cached_tokens=st.one_of(st.none(), ints),
+        ),
+        max_size=6,
+    ),
+)
 
 
-ALLOWED = {StepPlan, StepResult, CodecError}
+ALLOWED = {StepPlan, StepResult, EngineOutputs, CodecError}
 
 
 def outcome(data: bytes) -> type:
@@ -148,6 +176,18 @@ def test_step_plan_round_trips(plan):
 @given(results)
 def test_step_result_round_trips(result):
     assert decode(encode(result), StepResult) == result
+
+
+@settings(max_examples=200, deadline=None)
+@given(engine_outputs)
+def test_engine_outputs_round_trip(outputs):
+    assert decode(encode(outputs), EngineOutputs) == outputs
+
+
+def test_an_engine_output_with_an_unknown_finish_reason_is_refused():
+    data = msgpack.packb([3, VERSION, [["r", [1], [], None, "done", None, None]]])
+    with pytest.raises(CodecError, match="finish reason"):
+        decode(data, EngineOutputs)
 
 
 @settings(max_examples=300, deadline=None)

@@ -60,7 +60,7 @@ def tokens(outs) -> list[int]:
 
 
 def new_seq(plans, request_id: str):
-    return next(n for p in plans for n in p.new_seqs if n.request_id == request_id)
+    return next(n for p in plans for n in p.new_seqs if n.label == request_id)
 
 
 def first_entry(plans, new):
@@ -182,7 +182,7 @@ def test_a_preempted_request_resumes_after_its_blocks_still_cached():
     plans: list = []
     outs = drain(sched, executor, plans)
     assert sched.num_preemptions >= 1
-    readmitted = [n for p in plans for n in p.new_seqs if n.request_id == "b"][1:]
+    readmitted = [n for p in plans for n in p.new_seqs if n.label == "b"][1:]
     assert readmitted and readmitted[0].num_cached_tokens > 0
     # Recompute is what the cache no longer held, not everything b had computed.
     assert sched.num_recomputed_tokens < sum(len(n.token_ids) - 1 for n in readmitted)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,10 +66,8 @@ def test_prompt_only_requests_finish_after_their_prefill(policy, ahead):
     prop()
 
 
-def test_prompt_logprobs_come_once_before_the_first_token():
+def test_prompt_logprobs_come_once_with_the_step_completing_the_prompt():
     from iterserve.scheduler import Request, SchedulerConfig
-    from iterserve.scheduler.messages import PromptLogprobs
-    from iterserve.scheduler.request import split_prompt_logprobs
 
     config = SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=4, max_model_len=32, block_size=4, num_kv_blocks=16
@@ -79,15 +76,13 @@ def test_prompt_logprobs_come_once_before_the_first_token():
     executor = FakeExecutor(vocab_size=64, output_len=3, block_size=4)
     params = SamplingParams(max_tokens=3, prompt_logprobs=1, logprobs=0)
     sched.add_request(Request("r", [5, 6, 7, 8, 9, 10], params))
-    logprobs = []
+    outputs = []
     while sched.has_work:
         step = sched.schedule(0.0)
-        for out in sched.update(step, executor.execute(step.plan)):
-            logprobs += out.new_logprobs
-    prompt, rest = split_prompt_logprobs(logprobs)  # a prompt of 6, in pieces of 4
-    assert isinstance(prompt, PromptLogprobs) and prompt.token_logprobs == [-0.5] * 5
+        outputs += sched.update(step, executor.execute(step.plan))
+    prompts = [out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None]
+    (prompt,) = prompts  # a prompt of 6, in pieces of 4: once, with its first token
+    assert outputs[0].prompt_logprobs is prompt and outputs[0].new_token_ids
+    assert prompt.token_logprobs == [-0.5] * 5
     assert prompt.top_logprobs == [[(t, -0.5)] for t in [6, 7, 8, 9, 10]]
-    assert len(rest) == 3 and split_prompt_logprobs(rest)[0] is None  # one per token, once
-    # Plain types only: the entry crosses msgpack as it is.
-    assert msgpack.unpackb(msgpack.packb(logprobs[0])) == logprobs[0]
-    assert split_prompt_logprobs(msgpack.unpackb(msgpack.packb(logprobs)))[0] == prompt
+    assert sum(len(out.new_logprobs) for out in outputs) == 3  # one per token

@@ -37,7 +37,7 @@ def test_a_reused_id_never_receives_the_aborted_requests_token():
     fresh = _req("x", [9, 9, 9, 9, 9])
     sched.add_request(fresh)
     ahead = sched.schedule(0.0)  # built while the first step runs: admits the new x
-    assert ahead is not None and [n.request_id for n in ahead.plan.new_seqs] == ["x"]
+    assert ahead is not None and [n.label for n in ahead.plan.new_seqs] == ["x"]
     outputs = sched.update(first, in_flight)
     assert all(not out.new_token_ids for out in outputs if out.request_id == "x")
     assert fresh.output_token_ids == []

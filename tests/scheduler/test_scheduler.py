@@ -183,7 +183,7 @@ def test_continuous_frees_a_finished_slot_for_a_waiting_request_next_step():
     step(sched, executor)  # a: prefill + first token
     step(sched, executor)  # a: EOS
     plan, _ = step(sched, executor)
-    assert [n.request_id for n in plan.new_seqs] == ["b"]
+    assert [n.label for n in plan.new_seqs] == ["b"]
 
 
 def test_chunked_cuts_a_long_prompt_and_never_stalls_running_decodes():
@@ -242,7 +242,7 @@ def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahea
     later = executor.execute(ahead.plan)
     # Built while a's last token is still being sampled: a retires, b takes the slot.
     third = sched.schedule(0.0)
-    assert "a" in retiring_ids(sched) and [n.request_id for n in third.plan.new_seqs] == ["b"]
+    assert "a" in retiring_ids(sched) and [n.label for n in third.plan.new_seqs] == ["b"]
     assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
     sched.check_integrity()
     outputs = {o.request_id: o for o in sched.update(ahead, later)}
@@ -328,3 +328,22 @@ def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
         expected, _ = fresh.expected_output(request_id, SamplingParams(max_tokens=max_tokens))
         assert tokens[request_id] == expected
     assert sched.blocks.num_used == 0 and sched.slots.num_used == 0
+
+
+@pytest.mark.parametrize("priority", ["high", None, 1.5, True])
+def test_a_request_refused_for_its_priority_leaves_no_trace(priority):
+    """A priority the queue cannot order is refused before anything is registered:
+    the requests before and after it are served as if it had never come."""
+    sched = make()
+    sched.add_request(req("a"))
+    with pytest.raises(ValueError, match="priority"):
+        sched.add_request(req("bad", priority=priority))
+    assert "bad" not in sched.requests and sched.stats()["num_waiting"] == 1
+    sched.add_request(req("b", priority=-3))
+    fake = FakeExecutor(vocab_size=100, output_len=3, block_size=4)
+    finished = []
+    while sched.has_work:
+        _, outputs = step(sched, fake)
+        finished += [out.request_id for out in outputs if out.finished]
+        sched.check_integrity()
+    assert finished == ["b", "a"]  # b's priority value is lower: served first

@@ -84,16 +84,24 @@ def fake_engine(vocab_size: int, **overrides) -> dict:
 def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> str:
     """Runs the app; returns its base URL once the engines answer. As ``iterserve
     serve`` runs it, the ingress answers HTTP itself, on a port of its own;
-    ``behind_proxy`` puts it under /<name> of Serve's proxy instead."""
+    ``behind_proxy`` puts it under /<name> of Serve's proxy instead. The config's
+    ``executor``/``executor_options`` (test helpers' keys) become the stand-in
+    model handed to the app in code; ``api_key`` becomes the name of the
+    environment variable the session set it in (tests/conftest.py)."""
     from ray import serve
 
-    from iterserve.cluster.serve_app import build_app
+    from iterserve.cluster.serve.app import build_application
+    from tests.conftest import api_key_env
+    from tests.stand_ins import split
 
     url = f"{serve_url}/{name}"
     if not behind_proxy:
         args.setdefault("http_port", _free_port())
         url = f"http://127.0.0.1:{args['http_port']}"
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    args["config"], executor = split(args.get("config", {}))
+    if "api_key" in args:
+        args["api_key_env"] = api_key_env(args.pop("api_key"))
+    serve.run(build_application(args, executor), name=name, route_prefix=f"/{name}")
     engine = serve.get_deployment_handle("EngineServer", name)
     engine.broadcast("info").results(timeout_s=120)
     _wait_answering(url)
@@ -139,6 +147,19 @@ async def engine_replicas(name: str, method: str) -> list:
 
     engine = serve.get_deployment_handle("EngineServer", name)
     return await engine.broadcast(method).results_async(timeout_s=60)
+
+
+async def assert_engines_sound(name: str) -> None:
+    """Every engine replica of app ``name`` is healthy: each checks its allocators
+    itself whenever it goes idle (every slot and block free, no request lost) and
+    would have ended, unhealthy, on a failure. Call it once they are idle."""
+    for status in await engine_replicas(name, "health"):
+        assert status["healthy"], status
+
+
+async def rank_pids(name: str) -> list[list[int]]:
+    """Per engine replica of app ``name``, its ranks' process ids in rank order."""
+    return [[w["pid"] for w in p["workers"]] for p in await engine_replicas(name, "placement")]
 
 
 async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 20.0) -> dict:

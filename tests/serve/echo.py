@@ -2,9 +2,9 @@
 
 Tests of tool calling need output they choose: the user writes the reply
 (``<tool_call>{...}</tool_call>``, a Llama-style JSON call, plain text) and the
-stand-in "generates" exactly those tokens, then EOS. It exists twice over: as an
-executor for the real server (``executor: "tests.serve.echo:echo_executor"``)
-and as an in-process :class:`EchoEngine` for the HTTP layer without Ray.
+stand-in "generates" exactly those tokens, then EOS. It exists twice over: as a
+stand-in model for the real server (:class:`Echo`, handed to ``build_app`` in
+code) and as an in-process :class:`EchoEngine` for the HTTP layer without Ray.
 
 The tokenizer (:func:`build_tools_tokenizer`) marks turns with special tokens
 (``<|user|>`` ... ``<|end|>``), so the tokens of a message's content are exactly
@@ -15,12 +15,13 @@ results the way Hermes-style templates do.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from iterserve.scheduler import SamplingParams
-from iterserve.scheduler.fake_executor import FakeExecutor
-from iterserve.scheduler.messages import PromptLogprobs
-from iterserve.scheduler.request import prompt_logprobs_entry
+from iterserve.scheduler.fake_executor import FakeExecutor, FakeModel
+from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
 from iterserve.scheduler.seq_table import stop_reason
 
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -95,7 +96,7 @@ class EchoExecutor(FakeExecutor):
     def execute(self, plan):
         for new in plan.new_seqs:
             prompt = new.token_ids[: new.num_prompt_tokens]
-            self.replies[new.request_id] = echo_reply(prompt, self.user_id, self.end_id)
+            self.replies[new.label] = echo_reply(prompt, self.user_id, self.end_id)
         return super().execute(plan)
 
     def _next_token(self, request_id: str, output_pos: int, params: SamplingParams) -> int:
@@ -109,16 +110,23 @@ class EchoExecutor(FakeExecutor):
         return self.eos_token_id
 
 
-def echo_executor(config, rank, world_size, all_reduce):
-    options = dict(config.executor_options)
-    options.pop("max_model_len", None)
-    return EchoExecutor(block_size=config.scheduler.block_size, **options)
+@dataclass(frozen=True)
+class Echo(FakeModel):
+    """The fake model answering each request with its last user message: the ids
+    of ``<|user|>`` and ``<|end|>`` in the tokenizer say where that is."""
+
+    user_id: int = -1
+    end_id: int = -1
+
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
+        options = self.executor_options(config)
+        return EchoExecutor(user_id=self.user_id, end_id=self.end_id, **options)
 
 
 class EchoStream:
-    """One request of :class:`EchoEngine`: a record per token, as an engine replica
-    sends; the first leads with the prompt's logprobs when they are asked for
-    (every prompt token at -0.5, as the fake executor has them)."""
+    """One request of :class:`EchoEngine`: an output per token, as an engine replica
+    sends; the first brings the prompt's logprobs when they are asked for (every
+    prompt token at -0.5, as the fake executor has them)."""
 
     def __init__(self, tokens: list[int], params: dict, prompt: list[int]):
         self.tokens, self.params = tokens, SamplingParams(**params)
@@ -126,15 +134,13 @@ class EchoStream:
         self.cancelled = False
 
     async def __aiter__(self):
-        lead = []
+        prompt = None
         if self.params.prompt_logprobs is not None:
             rest = self.prompt[1:]
             top = [[(t, -0.5)][: self.params.prompt_logprobs] for t in rest]
-            lead = [
-                prompt_logprobs_entry(PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top))
-            ]
+            prompt = PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top)
         if not self.tokens:  # max_tokens 0: the prompt alone
-            yield [([], lead, "length", None, 0)]
+            yield [EngineOutput("echo", [], [], prompt, "length", None, 0)]
             return
         for n, token in enumerate(self.tokens, start=1):
             if self.cancelled:
@@ -144,8 +150,9 @@ class EchoStream:
             if self.params.logprobs is not None:
                 logprobs = [(-0.5, [(token, -0.5)][: self.params.logprobs])]
             cached = 0 if n == 1 else None
-            yield [([token], lead + logprobs, reason.value if reason else None, None, cached)]
-            lead = []
+            finish = reason.value if reason else None
+            yield [EngineOutput("echo", [token], logprobs, prompt, finish, None, cached)]
+            prompt = None
             if reason is not None:
                 return
 

@@ -16,8 +16,8 @@ from iterserve.scheduler import FakeExecutor, SamplingParams
 from iterserve.workers.tokenizer import Tokenizer
 from tests.serve.conftest import (
     MODEL,
+    assert_engines_sound,
     deploy,
-    engine_replicas,
     fake_engine,
     sse_events,
     undeploy,
@@ -143,7 +143,7 @@ async def test_a_client_that_leaves_frees_its_slot_and_blocks(slow_url):
         assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
         after = stats["replicas"][0]["counters"]
         assert after.get("finished_abort", 0) == before.get("finished_abort", 0) + 1
-        await engine_replicas(APP, "check_integrity")
+        await assert_engines_sound(APP)
 
 
 async def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(slow_url):

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from iterserve.workers.tokenizer import Tokenizer
-from tests.serve.conftest import API_KEY, AUTH, deploy, engine_replicas, fake_engine, undeploy
+from tests.serve.conftest import API_KEY, AUTH, assert_engines_sound, deploy, fake_engine, undeploy
 from tests.serve.conftest import wait_idle as _wait_idle
 
 APP = "clients"
@@ -46,7 +46,7 @@ def url(serve_url, tools_tokenizer_dir):
     }
     config = fake_engine(
         tok.vocab_size,
-        executor="tests.serve.echo:echo_executor",
+        executor="echo",
         executor_options=options,
         num_kv_blocks=2048,
     )
@@ -262,4 +262,4 @@ async def test_no_request_left_anything_behind(url):
     async with httpx.AsyncClient(base_url=url, headers=AUTH) as client:
         stats = await _wait_idle(client)
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
-    await engine_replicas(APP, "check_integrity")
+    await assert_engines_sound(APP)

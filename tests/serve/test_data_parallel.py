@@ -16,7 +16,15 @@ import pytest
 
 from iterserve.scheduler import FakeExecutor, SamplingParams
 from iterserve.workers.tokenizer import Tokenizer
-from tests.serve.conftest import MODEL, deploy, engine_replicas, fake_engine, undeploy, wait_idle
+from tests.serve.conftest import (
+    MODEL,
+    assert_engines_sound,
+    deploy,
+    engine_replicas,
+    fake_engine,
+    undeploy,
+    wait_idle,
+)
 
 APP = "dp"
 NUM_STREAMS = 64
@@ -75,7 +83,7 @@ async def test_abandoned_streams_leak_nothing_and_both_replicas_serve(
         assert replica["slots_used"] == 0 and replica["kv_blocks_used"] == 0, replica
         assert replica["num_running"] == 0 and replica["num_waiting"] == 0
         assert replica["counters"].get("prompt_tokens", 0) > 0, "a replica got no traffic"
-    await engine_replicas(APP, "check_integrity")
+    await assert_engines_sound(APP)
 
     # Every finished stream has exactly its request's tokens.
     tok = Tokenizer(tokenizer_dir)

@@ -22,7 +22,7 @@ def dead_url(serve_url, tokenizer_dir, vocab_size):
         vocab_size,
         max_restarts=0,
         step_timeout_s=10.0,
-        executor="tests.faults:faulty",
+        executor="faulty",
         executor_options={"output_len": None, "fault_crash_at_step": 3},
     )
     yield deploy(serve_url, APP, model=str(tokenizer_dir), config=config, health_check_period_s=600)

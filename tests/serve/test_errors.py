@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serve.conftest import AUTH, MODEL, engine_replicas, wait_idle
+from tests.serve.conftest import AUTH, MODEL, assert_engines_sound, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -181,4 +181,4 @@ async def test_no_request_left_anything_behind(api_url):
         stats = await wait_idle(client)
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    await engine_replicas("api", "check_integrity")
+    await assert_engines_sound("api")

@@ -8,7 +8,7 @@ import pytest
 
 from iterserve.cluster.config import EngineConfig
 from iterserve.cluster.lora import lora_config_from_args
-from iterserve.cluster.serve_cli import add_serve_arguments
+from iterserve.cluster.serve.cli import add_serve_arguments
 
 
 def parse(*argv: str) -> dict:

@@ -10,16 +10,17 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from iterserve.cluster.serve_app import ServeArgs, build_app
-from iterserve.cluster.serve_cli import add_serve_arguments, load_config_file, run_server
+from iterserve.cluster.serve.app import ServeArgs, build_app
+from iterserve.cluster.serve.cli import add_serve_arguments, load_config_file, run_server
 from tests.serve.conftest import fake_engine
+from tests.stand_ins import split
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "serve-config.example.yaml"
 
 
 def test_the_example_config_names_the_builder_and_valid_args():
     (app,) = yaml.safe_load(EXAMPLE.read_text())["applications"]
-    assert app["import_path"] == "iterserve.cluster.serve_app:build_app"
+    assert app["import_path"] == "iterserve.cluster.serve.app:build_app"
     args = ServeArgs.model_validate(app["args"])
     config = args.engine_config()
     assert config.scheduler.policy == "chunked" and args.num_engine_replicas == 1
@@ -98,11 +99,13 @@ def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, t
     from ray import serve
 
     config = tmp_path / "engine.yaml"
-    config.write_text(yaml.safe_dump(fake_engine(vocab_size)))
+    engine, fake = split(fake_engine(vocab_size))
+    config.write_text(yaml.safe_dump(engine))
     port = int(serve_url.rsplit(":", 1)[1])  # Serve is already up on the session's Ray
     url = run_server(
-        model=str(tokenizer_dir), config_file=str(config), port=port, model_name="m", block=False
-    )
+        model=str(tokenizer_dir), config_file=str(config), port=port, model_name="m",
+        block=False, executor=fake,
+    )  # fmt: skip
     try:
         assert url == serve_url
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "m"
@@ -114,10 +117,25 @@ def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, t
         serve.delete("iterserve")
 
 
-def test_fault_injection_is_not_a_setting_a_deployment_can_reach():
-    for key in ("fault_crash_at_step", "fault_hang_at_step"):
-        config = {"executor": "fake", "executor_options": {key: 3}}
-        with pytest.raises(ValueError, match=f"unknown keys {key}"):
+def test_no_stand_in_model_and_no_key_in_clear_is_a_setting_a_deployment_can_reach():
+    """What runs on the ranks is code handed to build_app, never a config's word:
+    the fake model, fault injection and executors by import path are out of reach
+    of a Serve config, a Helm value or a CLI file. The API key comes from the
+    environment of the ingress's node only."""
+    for config in (
+        {"executor": "fake"},
+        {"executor": "tests.faults:faulty"},
+        {"executor_options": {"output_len": 3, "fault_crash_at_step": 3}},
+    ):
+        with pytest.raises(ValueError, match="unknown engine config keys: executor"):
             build_app({"config": config})
-    with pytest.raises(ValueError, match="model executor: unknown keys output_len"):
-        build_app({"config": {"executor_options": {"output_len": 3}}})
+    with pytest.raises(ValueError, match="api_key"):
+        build_app({"api_key": "in-clear"})
+
+
+def test_the_builder_a_serve_config_names_takes_its_args_alone():
+    """Serve refuses a builder with any other parameter (it passes the config's
+    args, nothing else); code hands a stand-in model to build_application."""
+    import inspect
+
+    assert list(inspect.signature(build_app).parameters) == ["args"]

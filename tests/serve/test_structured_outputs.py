@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from iterserve.models import DEMO_MODEL_PATH
 from iterserve.workers.tokenizer import Tokenizer
-from tests.serve.conftest import deploy, engine_replicas, undeploy, wait_idle
+from tests.serve.conftest import assert_engines_sound, deploy, undeploy, wait_idle
 
 APP = "structured"
 MODEL = "demo"
@@ -272,4 +272,4 @@ async def test_nothing_is_left_behind(http):
     stats = await wait_idle(http, timeout_s=60)
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0, stats
     assert (await http.get("/health")).status_code == 200
-    await engine_replicas(APP, "check_integrity")
+    await assert_engines_sound(APP)

@@ -153,3 +153,25 @@ def test_any_split_of_the_text_streams_what_the_whole_text_parses_to(data):
     assert [(c.name, c.arguments) for c in pieces.calls] == [
         (c.name, c.arguments) for c in whole.calls
     ]
+
+
+def test_a_required_list_cut_short_keeps_the_calls_it_completed():
+    """``tool_choice: required`` output cut by max_tokens: the calls whose JSON was
+    complete are calls; the cut one is dropped, and nothing is content."""
+    cut = '[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "param'
+    parsed = parse_whole(JsonArrayParser(), cut)
+    assert calls(parsed) == [("f", {"x": 1})] and parsed.content == ""
+    assert parse_whole(JsonArrayParser(), '[{"name": "f", "par') == Parsed()
+
+
+def test_a_required_list_streams_each_call_once_its_json_is_complete():
+    parser = JsonArrayParser()
+    pieces = [
+        '[{"name": "f", ',
+        '"parameters": {"x": [1, "]"]}}',
+        ', {"name"',
+        ': "g", "parameters": {}}]',
+    ]
+    got = [calls(parser.feed(piece)) for piece in pieces]
+    assert got == [[], [("f", {"x": [1, "]"]})], [], [("g", {})]]
+    assert parser.finish() == Parsed()

@@ -285,3 +285,34 @@ def test_the_demo_models_template_takes_a_tool_history():
     assert r.status_code == 200, r.text
     prompt = Tokenizer(DEMO_MODEL_PATH).decode(engine.opened[-1][0], skip_special_tokens=False)
     assert prompt.endswith("<|assistant|>\n\n<|tool|>\nsunny\n<|assistant|>\n")
+
+
+def _cut_inside_the_second_call(tok, reply: str) -> int:
+    """A max_tokens that ends the reply inside its second call's JSON."""
+    ids = tok.encode(reply, add_special_tokens=False)
+    first_end = reply.index("}}") + 2
+    for n in range(1, len(ids)):
+        text = tok.decode(ids[:n])
+        if len(text) > first_end + 12:
+            return n
+    raise AssertionError("reply too short")
+
+
+def test_required_calls_cut_by_max_tokens_are_kept_and_the_answer_says_length(app, tok):
+    http, _ = app
+    reply = json.dumps([{"name": "get_weather", "parameters": {"city": "Paris"}},
+                        {"name": "get_time", "parameters": {"zone": "UTC"}}])  # fmt: skip
+    max_tokens = _cut_inside_the_second_call(tok, reply)
+    fields = dict(tools=(WEATHER, TIME), tool_choice="required", max_tokens=max_tokens)
+    r = ask(http, reply, **fields)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    events = stream(http, reply, **fields)
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    streamed = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert [c["function"]["name"] for c in streamed] == ["get_weather"]
+    assert not any(d["delta"].get("content") for d in deltas)
+    assert deltas[-1]["finish_reason"] == "length"

@@ -14,6 +14,7 @@ from plan_driver import PlanDriver
 from iterserve.models import DEMO_MODEL_PATH
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
 from iterserve.scheduler.sampling import SamplingParams, StructuredOutput
+from iterserve.scheduler.seq_table import SeqState
 from iterserve.workers import ModelRunner
 from iterserve.workers.grammar import (
     GrammarChecker,
@@ -75,11 +76,19 @@ def test_the_bitmask_bans_every_token_whose_bit_is_zero_in_the_rows_it_names():
             assert got[i, t] == (logits[i, t] if allowed else float("-inf"))
 
 
+def _seq(seq_id: int, spec: StructuredOutput | None, output: list[int]) -> SeqState:
+    params = SamplingParams(structured_output=spec)
+    return SeqState(seq_id, f"s{seq_id}", seq_id, [1, *output], 1, params)
+
+
 def test_a_steps_mask_has_a_row_per_sampled_sequence(tok):
     grammars = Grammars(DEMO_MODEL_PATH, 4096, sorted(tok.eos_token_ids))
-    grammars.add(7, StructuredOutput("regex", "ab"), [])
-    grammars.add(8, StructuredOutput("regex", "ab"), tok.encode("a", add_special_tokens=False))
-    mask = grammars.fill([None, 7, 3, 8])
+    seven = _seq(7, StructuredOutput("regex", "ab"), [])
+    eight = _seq(8, StructuredOutput("regex", "ab"), tok.encode("a", add_special_tokens=False))
+    grammars.add(seven)
+    grammars.add(eight)
+    assert seven.grammar is not None and eight.grammar is not None  # kept on the sequence
+    mask = grammars.fill([None, seven, _seq(3, None, []), eight])
     assert mask.rows == [1, 3] and mask.bitmask.shape == (4, 128)
     assert bool((mask.bitmask[[0, 2]] == -1).all())  # rows without a grammar allow all
     logits = torch.zeros(4, 4096)
@@ -87,7 +96,7 @@ def test_a_steps_mask_has_a_row_per_sampled_sequence(tok):
     allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
     assert allowed[1] == [t for t in range(4096) if tok.decode([t]) in ("a", "ab")]
     assert allowed[3] == [t for t in range(4096) if tok.decode([t]) == "b"]
-    assert grammars.accept(8, allowed[3][0]) and not grammars.accept(7, allowed[3][0])
+    assert grammars.accept(eight, allowed[3][0]) and not grammars.accept(seven, allowed[3][0])
 
 
 def test_the_vocabulary_is_the_tokenizers_and_special_tokens_are_never_text(tok):

@@ -114,3 +114,47 @@ def test_dtype_bf16_runs_close_to_fp32(checkpoint_dir):
         outs.append(driver.run()["r"])
     # bf16 rounding may flip a late token, but the first comes from well-separated logits.
     assert outs[0][0] == outs[1][0]
+
+
+def _serve(path, requests: dict, num_kv_blocks: int, restart_at_step: int | None = None):
+    """Runs ``requests`` (id -> (prompt, params)) through the real scheduler and a
+    runner; ``restart_at_step``: the runner is replaced there, as after a worker
+    failure (every running sequence is recomputed on the fresh one)."""
+    from iterserve.scheduler import Request, Scheduler, SchedulerConfig
+
+    sched = Scheduler(
+        SchedulerConfig(
+            policy="chunked", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+            block_size=8, num_kv_blocks=num_kv_blocks,
+        )
+    )  # fmt: skip
+    runner = make_runner(path, num_kv_blocks=num_kv_blocks)
+    for request_id, (prompt, params) in requests.items():
+        sched.add_request(Request(request_id, list(prompt), params))
+    outputs = {request_id: [] for request_id in requests}
+    while sched.has_work:
+        if sched.step == restart_at_step:
+            sched.requeue_running()
+            runner = make_runner(path, num_kv_blocks=num_kv_blocks)
+        step = sched.schedule(0.0)
+        for out in sched.update(step, runner.execute(step.plan)):
+            outputs[out.request_id] += out.new_token_ids
+    return outputs, sched.num_preemptions
+
+
+def test_seeded_requests_draw_the_same_tokens_under_preemption_and_restart(checkpoint_dir):
+    """The same seed gives the same text whatever happens to the request: shared
+    batches, preemption for want of KV blocks, a worker restart. Each seeded
+    request's draws continue where they stopped when it is recomputed."""
+    path = checkpoint_dir("llama")
+    ps = prompts(6)
+    requests = {
+        f"s{i}": (ps[i], SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24, ignore_eos=True))
+        for i in range(4)
+    }  # fmt: skip
+    alone = {rid: _serve(path, {rid: request}, num_kv_blocks=64)[0][rid] for rid, request in requests.items()}  # fmt: skip
+    scarce, num_preemptions = _serve(path, requests, num_kv_blocks=13)
+    assert num_preemptions > 0
+    assert scarce == alone
+    restarted, _ = _serve(path, requests, num_kv_blocks=64, restart_at_step=6)
+    assert restarted == alone

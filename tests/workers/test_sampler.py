@@ -19,6 +19,8 @@ class Row:
     token_ids: list[int]
     num_prompt_tokens: int
     seq_id: int = 0
+    counts_row: int = -1
+    counted: tuple[int, int] = (0, -1)
 
 
 def rows_of(params: SamplingParams, n: int, prompt=(1, 2), output=()) -> list[Row]:
@@ -85,7 +87,9 @@ def test_one_row_that_changes_its_logits_takes_the_whole_batch_down_the_full_pat
 
     built = []
     step_params = sampler_module.StepParams
-    monkeypatch.setattr(sampler_module, "StepParams", lambda *a: built.append(1) or step_params(*a))
+    monkeypatch.setattr(
+        sampler_module, "StepParams", lambda *a, **k: built.append(1) or step_params(*a, **k)
+    )
     plain = SamplingParams(temperature=0.0)
     special = SamplingParams(temperature=0.0, **extra)
     assert plain.takes_argmax and not special.takes_argmax
@@ -198,11 +202,14 @@ def test_seeded_rows_ignore_their_batch_neighbours():
     s_alone, s_batched = sampler(), sampler()
     alone = []
     batched = []
+    row_alone, row_batched = Row(seeded, [1], 1, 201), Row(seeded, [1], 1, 201)
     for _ in range(20):
-        alone.append(s_alone(logits[:1], [Row(seeded, [1], 1, 201)]).token_ids[0])
+        alone.append(s_alone(logits[:1], [row_alone]).token_ids[0])
         others = [Row(SamplingParams(temperature=1.0), [1], 1, 100 + i) for i in range(3)]
-        mixed = [others[0], Row(seeded, [1], 1, 201), *others[1:], Row(seeded, [1], 1, 202)]
+        mixed = [others[0], row_batched, *others[1:], Row(seeded, [1], 1, 202)]
         batched.append(s_batched(logits, mixed).token_ids[1])
+        row_alone.token_ids.append(alone[-1])
+        row_batched.token_ids.append(batched[-1])
     assert alone == batched
     assert len(set(alone)) > 1
 
@@ -233,23 +240,22 @@ def test_device_token_counts_follow_the_sequence():
         logits = random_logits(1, seed=step)
         torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
         row.token_ids.append(s(logits, [row]).token_ids[0])
-    s.forget("p")
+    s.release(row)
     row = Row(params, [9, 9, 1, 2, 2], 3, "p")
     torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
-    # The same request id, other tokens of the same length: rebuilt, not trusted.
+    # Other tokens of the same length under the same row: rebuilt, not trusted.
     row.token_ids[-1] = 7
     torch.testing.assert_close(s.process(logits, [row]), naive_penalties(logits, row))
 
 
 def test_top_k_without_a_sort_keeps_what_the_sort_keeps():
     from iterserve.workers.sampler import _filter
-    from iterserve.workers.step_params import StepParams
 
     logits = random_logits(5, seed=4)
     params = [SamplingParams(top_k=k) for k in (1, 3, 0, 31, 40)]
     rows = [Row(p, [1], 1, f"k{i}") for i, p in enumerate(params)]
     s = sampler()
-    got = _filter(logits, params, StepParams(s, rows, VOCAB, None))
+    got = _filter(logits, params, s.step_params(rows, VOCAB, None))
     for i, k in enumerate((1, 3, 0, 31, 40)):
         if not 0 < k < VOCAB:
             assert torch.equal(got[i], logits[i])
@@ -310,3 +316,31 @@ def test_a_grammar_mask_bans_every_token_its_bits_leave_out():
     assert torch.equal(got[1:], logits[1:])
     out = sampler()(logits, rows, GrammarMask(bitmask, [0, 2]))
     assert out.token_ids[0] == (4 if logits[0, 4] > logits[0, 6] else 6)
+
+
+def _seeded_tokens(s: Sampler, logits, row: Row, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        token = s(logits, [row]).token_ids[0]
+        row.token_ids.append(token)
+        out.append(token)
+    return out
+
+
+def test_a_seeded_row_resumes_its_random_stream_after_being_forgotten():
+    """A preempted (or restarted) sequence comes back with the tokens it produced:
+    its next draws continue its random stream where they stopped, instead of
+    restarting it and drawing its first tokens' numbers again."""
+    logits = torch.zeros(1, VOCAB)  # every token equally likely: the draws alone decide
+    params = SamplingParams(temperature=1.0, seed=42)
+    straight = _seeded_tokens(sampler(), logits, Row(params, [1], 1, 7), 8)
+
+    s = sampler()
+    row = Row(params, [1], 1, 7)
+    first = _seeded_tokens(s, logits, row, 4)
+    s.release(row)  # preempted: the rank drops the sequence; it comes back with its tokens
+    again = _seeded_tokens(s, logits, Row(params, list(row.token_ids), 1, 7), 4)
+    restarted = Row(params, [1, *first], 1, 7)  # a fresh rank after a worker restart
+    assert first + again == straight
+    assert _seeded_tokens(sampler(), logits, restarted, 4) == straight[4:]
+    assert len(set(straight)) > 2

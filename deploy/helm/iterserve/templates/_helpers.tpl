@@ -197,7 +197,7 @@ The Serve config (serveConfigV2) as YAML.
 {{- $app := dict
   "name" .Values.serve.appName
   "route_prefix" .Values.serve.routePrefix
-  "import_path" "iterserve.cluster.serve_app:build_app"
+  "import_path" "iterserve.cluster.serve.app:build_app"
   "args" $args
 }}
 {{- $serve := dict

@@ -3,7 +3,7 @@
 Each ``EngineServer`` replica runs an ``EngineCore`` on its own event loop and
 owns that core's worker actors. Serve starts, places, health-checks and
 replaces the replicas; requests and their tokens reach a replica over the
-engine channels its ingresses open (:mod:`engine_channel`), never through
+engine channels its ingresses open (:mod:`~iterserve.cluster.engine.channel`), never through
 Serve's request path.
 """
 
@@ -16,10 +16,10 @@ import uuid
 import ray
 from ray import serve
 
-from iterserve.cluster import resources
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_channel import EngineEndpoint
-from iterserve.cluster.engine_core import EngineCore
+from ..config import EngineConfig
+from ..ranks.executors import ExecutorFactory
+from ..serve import resources
+from .core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +46,27 @@ def _replica_rank() -> int:
 class EngineServer:
     """One data-parallel engine copy: an ``EngineCore`` running in this replica."""
 
-    def __init__(self, config: EngineConfig, model_name: str, metrics_hub: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str,
+        metrics_hub: str,
+        executor: ExecutorFactory | None = None,
+    ):
         self.core = EngineCore(
-            config, model_name=model_name, engine_index=_replica_rank(), metrics_hub=metrics_hub
+            config,
+            model_name=model_name,
+            engine_index=_replica_rank(),
+            metrics_hub=metrics_hub,
+            executor=executor,
         )
         self.replica = _replica_name()
-        self.channels: EngineEndpoint | None = None
         # Start-up (worker placement, model load) runs in the background so the
         # replica answers health checks while loading; every call awaits it.
         self.started = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> dict:
-        info = await self.core.start()
-        self.channels = EngineEndpoint(self.core, ray.util.get_node_ip_address())
-        await self.channels.start()
-        return info
+        return await self.core.start()
 
     async def _ready(self) -> dict:
         return await asyncio.shield(self.started)
@@ -68,13 +74,14 @@ class EngineServer:
     def endpoint(self) -> dict | None:
         """Where ingresses connect (and the token they present), once the engine is
         up; None while it loads."""
-        if self.channels is None or not self.started.done():
+        if not self.started.done() or self.started.exception() is not None:
             return None
-        context = ray.get_runtime_context()
-        return {**self.channels.address, "replica": self.replica, "node_id": context.get_node_id()}
+        return {**self.started.result()["endpoint"], "replica": self.replica}
 
     async def info(self) -> dict:
-        return {**await self._ready(), "replica": self.replica}
+        info = dict(await self._ready())
+        del info["endpoint"]  # each ingress asks for it by itself (endpoint)
+        return {**info, "replica": self.replica}
 
     def _start_failure(self) -> str | None:
         if self.started.done() and self.started.exception() is not None:
@@ -113,17 +120,8 @@ class EngineServer:
         await self._ready()
         return await self.core.lora_adapters()
 
-    async def check_integrity(self) -> None:
-        await self._ready()
-        await self.core.check_integrity()
-
-    async def worker_pids(self) -> list[int]:
-        """The worker actors' process ids, in rank order (fault-injection tests)."""
-        await self._ready()
-        return await self.core.worker_pids()
-
     async def placement(self) -> dict:
-        """Where this replica and its ranks run: node and placement group ids."""
+        """Where this replica and its ranks run: node, placement group and process ids."""
         await self._ready()
         context = ray.get_runtime_context()
         return {
@@ -139,8 +137,6 @@ class EngineServer:
             raise RuntimeError(status["message"])
 
     async def __del__(self) -> None:
-        if self.channels is not None:
-            self.channels.close()
         if self.started.done() and self.started.exception() is None:
             await self.core.shutdown()
         else:

@@ -3,38 +3,36 @@
 The scheduler actor calls this once per step and once per published output;
 every timestamp is ``time.monotonic()`` taken in the scheduler actor, so queue,
 prefill and decode times are measured on the iteration clock's own process.
+The times of a request are kept on the request itself (``Request.arrival_time``,
+``scheduled_time``, ``first_token_time``, ``last_token_time``): the engine's
+one table of its requests is the scheduler's.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from iterserve.cluster.metrics import EngineMetrics
-from iterserve.scheduler import FinishReason, RequestOutput, Scheduler, StepPlan, StepResult
-
-
-@dataclass(slots=True)
-class _Times:
-    arrival: float
-    scheduled: float = 0.0  # start of the first step that computed any of its tokens
-    first_token: float = 0.0
-    last_token: float = 0.0
-    num_tokens: int = 0
+from ...scheduler import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    ScheduledStep,
+    Scheduler,
+    StepResult,
+)
+from .engine import EngineMetrics
 
 
 class MetricsRecorder:
     def __init__(self, metrics: EngineMetrics):
         self.metrics = metrics
-        self.times: dict[str, _Times] = {}
         self._num_preemptions = 0
         self._num_recomputed = 0
         self._prefix = (0, 0, 0)  # queries, hits, evictions recorded so far
         self._lora = (0, 0)  # adapter loads and evictions recorded so far
 
-    def admitted(self, request_id: str, num_prompt_tokens: int) -> None:
-        self.times[request_id] = _Times(arrival=time.monotonic())
-        self.metrics.on_prompt(num_prompt_tokens)
+    def admitted(self, request: Request) -> None:
+        self.metrics.on_prompt(request.num_prompt_tokens)
 
     def rejected(self, reason: str) -> None:
         self.metrics.on_rejected(reason)
@@ -42,12 +40,10 @@ class MetricsRecorder:
     def worker_restart(self) -> None:
         self.metrics.on_worker_restart()
 
-    def step(self, plan: StepPlan, result: StepResult, step_s: float, sched: Scheduler) -> None:
-        started = time.monotonic() - step_s
-        for new in plan.new_seqs:
-            times = self.times.get(new.request_id)
-            if times is not None and not times.scheduled:
-                times.scheduled = started
+    def step(
+        self, step: ScheduledStep, result: StepResult, step_s: float, sched: Scheduler
+    ) -> None:
+        plan = step.plan
         # The workers' counts: a plan built ahead may name sequences the step before
         # it ended, whose decodes the workers computed as padding.
         ended = plan.num_tokens - result.num_tokens
@@ -109,35 +105,32 @@ class MetricsRecorder:
     def outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
-            times = self.times.get(out.request_id)
-            if times is None:
+            request = out.request
+            if request is None:
                 continue
             n = len(out.new_token_ids)
             if n:
                 itl = []
-                if times.num_tokens == 0:
-                    scheduled = times.scheduled or times.arrival
+                if request.first_token_time is None:
+                    arrival = request.arrival_time
+                    scheduled = request.scheduled_time or arrival
                     self.metrics.on_first_token(
-                        queue_s=scheduled - times.arrival,
-                        prefill_s=now - scheduled,
-                        ttft_s=now - times.arrival,
+                        queue_s=scheduled - arrival, prefill_s=now - scheduled, ttft_s=now - arrival
                     )
-                    times.first_token = now
+                    request.first_token_time = now
                 else:
-                    itl = [(now - times.last_token) / n] * n
-                times.last_token = now
-                times.num_tokens += n
+                    itl = [(now - request.last_token_time) / n] * n
+                request.last_token_time = now
                 self.metrics.on_tokens(n, itl)
             if out.finish_reason is not None:
-                self.finished(out.request_id, out.finish_reason)
+                self.finished(request, out.finish_reason)
 
-    def finished(self, request_id: str, reason: FinishReason) -> None:
-        times = self.times.pop(request_id, None)
-        if times is None:
-            return
+    def finished(self, request: Request, reason: FinishReason) -> None:
         now = time.monotonic()
-        decode_s = now - times.first_token if times.num_tokens else 0.0
-        tpot = decode_s / (times.num_tokens - 1) if times.num_tokens > 1 else None
+        num_tokens = request.num_output_tokens
+        first = request.first_token_time
+        decode_s = now - first if first is not None else 0.0
+        tpot = decode_s / (num_tokens - 1) if num_tokens > 1 and first is not None else None
         self.metrics.on_finish(
-            reason=reason.category, e2e_s=now - times.arrival, decode_s=decode_s, tpot_s=tpot
+            reason=reason.category, e2e_s=now - request.arrival_time, decode_s=decode_s, tpot_s=tpot
         )

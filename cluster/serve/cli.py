@@ -2,7 +2,7 @@
 
 ``run_server`` starts Ray on this machine, sized by the machine itself (no
 dashboard; Ray listens on loopback, see docs/reliability.md), starts Serve's
-HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve_app.build_app`
+HTTP proxy on ``host:port``, deploys :func:`~iterserve.cluster.serve.app.build_app`
 at ``/``, waits until every engine replica has loaded its model, prints the URL
 and serves until Ctrl-C or SIGTERM, then stops Serve and Ray within seconds.
 
@@ -21,10 +21,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
-from iterserve.cluster.prefix_router import ROUTINGS
+from ..openai.tool_parsers import TOOL_CALL_PARSERS
+from .routing import ROUTINGS
+
+if TYPE_CHECKING:
+    from ..ranks.executors import ExecutorFactory
 
 APP_NAME = "iterserve"
 WORKER_NICENESS = 0  # Ray's default is 15: see the module docstring
@@ -67,6 +70,7 @@ def run_server(
     cors_allow_credentials: bool = False,
     metrics_require_api_key: bool = True,
     routing: str = "prefix",
+    executor: ExecutorFactory | None = None,
 ) -> str:
     """Serves the OpenAI-compatible API; returns the base URL.
 
@@ -88,8 +92,9 @@ def run_server(
     metrics_require_api_key: whether /metrics needs the API key too.
     routing: how the ingress spreads requests over engine replicas: ``prefix``
         (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
+    executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
     """
-    from iterserve.cluster.serve_app import ServeArgs, build_app
+    from .app import ServeArgs, build_application
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
@@ -130,7 +135,7 @@ def run_server(
                 signal.signal(signal.SIGTERM, _interrupt)
         # The ingress answers HTTP on host:port itself: no proxy in the token path.
         serve.start(proxy_location="Disabled")
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(args, executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         infos = engines.broadcast("info").results(timeout_s=ready_timeout_s)
         print(f"iterserve: serving {name} at {url}/v1{_dtype_note(infos)}", flush=True)
@@ -149,7 +154,7 @@ def run_server(
 def _check_before_starting(args) -> str:
     """Refuses a bad config, or one this machine cannot place, before anything
     starts; returns the served model's name."""
-    from iterserve.cluster import resources
+    from . import resources
 
     replicas = args.num_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
@@ -245,7 +250,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="how requests spread over engine replicas: to the one likely to hold the "
         "prompt's prefix, load as the bound (prefix, the default), or by load alone",
     )
-    from iterserve.cluster.lora import add_lora_arguments
+    from ..lora import add_lora_arguments
 
     add_lora_arguments(parser)
     parser.set_defaults(func=serve_from_args)
@@ -257,7 +262,7 @@ def _origins(text: str) -> list[str]:
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
-    from iterserve.cluster.lora import lora_config_from_args
+    from ..lora import lora_config_from_args
 
     run_server(
         model=args.model,

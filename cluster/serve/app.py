@@ -9,9 +9,9 @@
                         tick(): schedule → submit → collect → update → publish
 
 Serve runs, places, health-checks and replaces both deployments; requests and
-tokens travel on the engine channels (:mod:`engine_channel`), not on Serve's
+tokens travel on the engine channels (:mod:`~iterserve.cluster.engine.channel`), not on Serve's
 request path, and with ``http_port`` set the ingress answers HTTP itself
-(:mod:`ingress`), without Serve's proxy. The ingress routes each request to the
+(:mod:`~iterserve.cluster.serve.ingress`), without Serve's proxy. The ingress routes each request to the
 replica with the fewest of its requests in flight. It takes at most what its
 engines can hold (``num_engine_replicas × (max_queue_len + max_num_seqs + 64)``)
 and answers 503 beyond; each engine's own bounded queue answers 429.
@@ -27,11 +27,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from iterserve.cluster import resources
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_server import EngineServer
-from iterserve.cluster.ingress import OpenAIIngress
-from iterserve.cluster.metrics_hub import HUB_NAME
+from ..config import EngineConfig
+from ..engine.server import EngineServer
+from ..metrics.hub import HUB_NAME
+from ..ranks.executors import ExecutorFactory
+from . import resources
+from .ingress import OpenAIIngress
 
 ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (to refuse them)
 # How often a stopping replica checks whether its last request has ended (Serve's
@@ -59,7 +60,6 @@ class ServeArgs(BaseModel):
     api_key_env: str | None = Field(
         None, description="Environment variable holding the API key; unset: no auth."
     )
-    api_key: str | None = Field(None, description="The API key itself (tests); prefer api_key_env.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body in bytes.")
     model_name: str | None = Field(
         None, description="Name clients use in `model`; default: the checkpoint's directory name."
@@ -105,7 +105,7 @@ class ServeArgs(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _known_parser(cls, value):
-        from iterserve.cluster.openai.tool_parsers import TOOL_CALL_PARSERS
+        from ..openai.tool_parsers import TOOL_CALL_PARSERS
 
         if value is not None and value not in TOOL_CALL_PARSERS:
             raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")
@@ -129,7 +129,17 @@ class ServeArgs(BaseModel):
 
 
 def build_app(args: dict[str, Any] | ServeArgs) -> Application:
-    """The Serve application: ``import_path: iterserve.cluster.serve_app:build_app``."""
+    """The Serve application: ``import_path: iterserve.cluster.serve.app:build_app``
+    (Serve hands a builder the config's ``args``, and nothing else)."""
+    return build_application(args)
+
+
+def build_application(
+    args: dict[str, Any] | ServeArgs, executor: ExecutorFactory | None = None
+) -> Application:
+    """The Serve application, for code: ``executor`` builds what the ranks run
+    instead of the model (:mod:`~iterserve.cluster.ranks.executors`), which no
+    config can ask for."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = resources.resolve(args.engine_config(), num_engine_replicas=args.num_engine_replicas)
     name = args.served_model_name(config)
@@ -143,7 +153,7 @@ def build_app(args: dict[str, Any] | ServeArgs) -> Application:
         # and steps reach the ranks over Unix sockets.
         placement_group_bundles=resources.engine_bundles(config),
         placement_group_strategy=config.placement_strategy,
-    ).bind(config, name, metrics_hub_name(name))
+    ).bind(config, name, metrics_hub_name(name), executor)
     # Behind Serve's proxy, the proxy bounds what the ingress holds and queues; an
     # ingress answering HTTP itself bounds it in its own gate (503 beyond).
     bound = args.max_ongoing_requests(config)

@@ -18,14 +18,14 @@ import socket
 
 from ray import serve
 
-from iterserve.cluster import resources
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.engine_client import ChannelEngineClient
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.metrics_hub import get_or_create_hub, render
-from iterserve.cluster.openai.app import APISettings, build_api
-from iterserve.cluster.openai.serving import OpenAIServing
-from iterserve.cluster.prefix_router import PrefixRouter
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from ..metrics.hub import get_or_create_hub, render
+from ..openai.app import APISettings, build_api
+from ..openai.serving import OpenAIServing
+from . import resources
+from .replicas import ChannelEngineClient
+from .routing import PrefixRouter
 
 logger = logging.getLogger(__name__)
 LISTEN_BACKLOG = 2048
@@ -49,12 +49,12 @@ class OpenAIIngress:
     """The HTTP front: every route of the OpenAI-compatible API."""
 
     def __init__(self, engine, config: EngineConfig, args):
-        from iterserve.cluster.serve_app import metrics_hub_name
-        from iterserve.workers.tokenizer import Tokenizer
+        from ...workers.tokenizer import Tokenizer
+        from .app import metrics_hub_name
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
-        api_key = args.api_key
-        if api_key is None and args.api_key_env is not None:
+        api_key = None
+        if args.api_key_env is not None:
             # The key is read here, on the ingress's node, and never travels in configs.
             api_key = os.environ.get(args.api_key_env) or None
             if api_key is None:
@@ -96,7 +96,7 @@ class OpenAIIngress:
             },
         )
         if config.enable_lora:
-            from iterserve.cluster.lora import AdapterDirectory
+            from ..lora import AdapterDirectory
 
             self.serving.lora = AdapterDirectory(self.engines, args.served_model_name(config))
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)

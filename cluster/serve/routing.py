@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from iterserve.scheduler.block_hash import prompt_block_hashes
+from ...scheduler.block_hash import prompt_block_hashes
 
 ROUTINGS = ("prefix", "load")  # the ingress's choices: this router, or load alone
 MAX_BLOCKS = 64  # a prompt's first blocks that are hashed: its shared head, not its tail

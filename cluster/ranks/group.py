@@ -1,7 +1,7 @@
 """The worker group: placement, start-up, and the per-step broadcast.
 
 Each step's plan is encoded once and written to every rank over the step
-channel (:mod:`step_channel`: one stream socket per rank, Unix on the
+channel (:mod:`~iterserve.cluster.ranks.step_channel`: one stream socket per rank, Unix on the
 scheduler's node, TCP beyond it). ``submit`` writes a plan; ``collect`` reads
 the next reply of every rank. Ranks answer in order, so a second plan may be
 submitted before the first is collected: the scheduler builds the next step
@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.resources import rank_bundle
-from iterserve.cluster.step_channel import TOKEN_BYTES, SchedulerChannel
-from iterserve.cluster.worker import PING_STEP, EngineWorker
-from iterserve.scheduler import codec
-from iterserve.scheduler.messages import StepPlan, StepResult
+from ...scheduler import codec
+from ...scheduler.messages import StepPlan, StepResult
+from ..config import EngineConfig
+from ..framing import new_token
+from ..serve.resources import rank_bundle
+from .executors import ExecutorFactory
+from .step_channel import SchedulerChannel
+from .worker import PING_STEP, EngineWorker
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
@@ -41,12 +42,13 @@ class WorkerFailure(RuntimeError):
 
 class WorkerGroup:
     """The ranks of one engine. Inside a placement group laid out by
-    :func:`~iterserve.cluster.resources.engine_bundles` (a Serve replica's), the
+    :func:`~iterserve.cluster.serve.resources.engine_bundles` (a Serve replica's), the
     ranks take bundles 1..tp; otherwise the group reserves a placement group of
     its own."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executors: ExecutorFactory | None = None):
         self.config = config
+        self.executors = executors  # what each rank runs (None: the model)
         self.workers: list = []
         self.pg = None
         self.owns_pg = True
@@ -85,7 +87,7 @@ class WorkerGroup:
                     placement_group=self.pg,
                     placement_group_bundle_index=self.first_bundle + rank,
                 ),
-            ).remote(self.config, rank)
+            ).remote(self.config, rank, self.executors)
             for rank in range(tp)
         ]
         host, port = await self.workers[0].address.remote()
@@ -102,7 +104,7 @@ class WorkerGroup:
     async def _open_channel(self) -> None:
         """Each rank listens (a Unix socket when it shares the scheduler's node, TCP
         otherwise) and takes the first connection presenting a fresh token."""
-        token = secrets.token_bytes(TOKEN_BYTES)
+        token = new_token()
         here = ray.get_runtime_context().get_node_id()
         placements = await self.placement()
         addresses = await asyncio.gather(*(
@@ -147,9 +149,6 @@ class WorkerGroup:
     async def placement(self) -> list[dict]:
         """Node id and pid of every rank, in rank order."""
         return list(await asyncio.gather(*(w.placement.remote() for w in self.workers)))
-
-    async def pids(self) -> list[int]:
-        return list(await asyncio.gather(*(w.pid.remote() for w in self.workers)))
 
     async def stop(self) -> None:
         """Kills the ranks (a hung or dead one included); the placement stays reserved.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 
-from iterserve.cluster.config import EngineConfig
+from ..config import EngineConfig
 
 SCHEDULER_CPUS = 0.01
 INGRESS_CPUS = 0.1

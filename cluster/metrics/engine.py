@@ -28,8 +28,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from iterserve.cluster.ray_metrics import RayMirror
-from iterserve.scheduler.config import POLICIES
+from ...scheduler.config import POLICIES
+from .ray_export import RayMirror
 
 # `_created` series double the sample count and no dashboard reads them. The switch is
 # process-wide in prometheus_client; snapshot() also filters them, so the merged

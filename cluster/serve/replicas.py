@@ -18,10 +18,9 @@ import uuid
 
 import ray
 
-from iterserve.cluster.engine_channel import EngineConnection, RefusedError, RequestStream
-from iterserve.cluster.openai.errors import EngineRefusal
-from iterserve.cluster.prefix_router import PrefixRouter, choose_replica
-from iterserve.cluster.step_channel import ChannelClosed
+from ..engine.connection import EngineConnection, RequestStream
+from ..engine.errors import EngineUnavailableError
+from .routing import PrefixRouter, choose_replica
 
 logger = logging.getLogger(__name__)
 REFRESH_S = 5.0  # how often the ingress looks for replicas Serve started or replaced
@@ -35,7 +34,7 @@ class ChannelEngineClient:
         self.handle = handle  # the EngineServer deployment: control-plane calls
         self.router = router  # None: by load alone
         self.ingress_id = uuid.uuid4().hex[:12]
-        self.keys = itertools.count()
+        self.num_connections = itertools.count()  # each connection's own name: its keys' prefix
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.connections: dict[str, EngineConnection] = {}
         self._refreshing: asyncio.Task | None = None
@@ -44,20 +43,17 @@ class ChannelEngineClient:
     # -- routing ------------------------------------------------------------------------
 
     async def open(self, request_id, prompt_token_ids, params, priority) -> RequestStream:
-        """Queues a request on the replica chosen for it; raises EngineRefusal."""
+        """Queues a request on the replica chosen for it; raises the EngineRefusal
+        that says why it was refused (``request_id`` is the client's: its label)."""
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        key = f"{self.ingress_id}.{next(self.keys)}"
         for attempt in range(2):  # once more after a refresh, if the first replica was gone
             connection = await self._pick(prompt_token_ids, params.get("lora_name"))
             try:
-                return await connection.add(key, request_id, prompt_token_ids, params, priority)
-            except RefusedError as exc:
-                if exc.kind != "unavailable" or attempt == 1:
-                    raise EngineRefusal(exc.kind, exc.message) from None
-            except ChannelClosed:
-                if attempt == 1:
-                    raise EngineRefusal("unavailable", "no engine replica answers") from None
+                return await connection.open(request_id, prompt_token_ids, params, priority)
+            except EngineUnavailableError as exc:
+                if type(exc) is not EngineUnavailableError or attempt == 1:
+                    raise
             await self._refresh()
         raise AssertionError("unreachable")
 
@@ -67,7 +63,7 @@ class ChannelEngineClient:
             await self._refresh()
             live = {r: c for r, c in self.connections.items() if not c.closed}
             if not live:
-                raise EngineRefusal("unavailable", "no engine replica is ready")
+                raise EngineUnavailableError("no engine replica is ready")
         loads = {replica: c.load for replica, c in live.items()}
         return live[choose_replica(self.router, prompt_token_ids, loads, adapter)]
 
@@ -94,7 +90,7 @@ class ChannelEngineClient:
             local = endpoint["node_id"] == self.node_id
             try:
                 self.connections[endpoint["replica"]] = await EngineConnection.connect(
-                    endpoint, self.ingress_id, local, self._forget
+                    endpoint, f"{self.ingress_id}-{next(self.num_connections)}", local, self._forget
                 )
             except OSError as exc:
                 logger.warning("connecting to engine replica %s: %s", endpoint["replica"], exc)

@@ -26,7 +26,7 @@ class RayMirror:
         from ray.util import metrics as ray_metrics  # only engines that ask pay for Ray
 
         self._metrics: dict[str, tuple[object, tuple[str, ...]]] = {}
-        from iterserve.cluster.metrics import BASE_LABELS, SPECS
+        from .engine import BASE_LABELS, SPECS
 
         for spec in SPECS:
             keys = spec.label_names

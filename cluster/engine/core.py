@@ -1,20 +1,19 @@
 """The scheduler actor: owns the iteration clock, the slot table and the workers.
 
-Its loop is one tick after another; the steps handed to the ranks and not yet
-taken back are one queue, ``in_flight`` (at most two: the one running and the
-one built ahead of it)::
+Its loop is one tick after another. The steps handed to the ranks and not yet
+taken back are one queue, the scheduler's ``in_flight``: it holds at most two
+(the one running and the one built ahead of it) with ``async_scheduling``,
+else one, and ``schedule`` builds nothing while it is full::
 
     tick():
-        in_flight.append(submit(scheduler.schedule(now)))   # when the queue has room
-        if in_flight has room and there is work: return     # build the next one ahead
-        step = in_flight.popleft()
-        outputs = scheduler.update(step, await collect())   # tokens, finishes, freed KV
+        submit(scheduler.schedule(now))             # when the queue has room
+        submit(scheduler.schedule(now))             # built ahead, while the one before runs
+        outputs = scheduler.update(oldest, await collect())   # tokens, finishes, freed KV
         publish(outputs)
 
-With ``async_scheduling`` the queue holds two steps, so the ranks start step
-N+1 the moment N ends and the scheduler's own work for a step (update,
-publish, schedule, encode) overlaps the next step's forward; without it, one.
-It sleeps while there is no work and wakes on arrival.
+With two in flight the ranks start step N+1 the moment N ends, and the
+scheduler's own work for a step (update, publish, schedule, encode) overlaps
+the next step's forward. It sleeps while there is no work and wakes on arrival.
 """
 
 from __future__ import annotations
@@ -23,30 +22,38 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.gc_pauses import freeze_startup_objects
-from iterserve.cluster.intake import checked_request
-from iterserve.cluster.lora import EngineAdapters
-from iterserve.cluster.metrics import EngineMetrics
-from iterserve.cluster.outputs import OutputBuffers, Record
-from iterserve.cluster.recorder import MetricsRecorder
-from iterserve.cluster.worker_group import WorkerFailure, WorkerGroup
-from iterserve.scheduler import (
+from ...scheduler import (
     FinishReason,
     PromptTooLongError,
     QueueFullError,
     RequestOutput,
     SamplingParamsError,
-    ScheduledStep,
     Scheduler,
 )
-from iterserve.scheduler.adapters import AdapterNotFoundError
+from ...scheduler.adapters import AdapterNotFoundError
+from ...scheduler.messages import EngineOutput
+from ..config import EngineConfig
+from ..gc_pauses import freeze_startup_objects
+from ..lora import EngineAdapters
+from ..metrics.engine import EngineMetrics
+from ..metrics.recorder import MetricsRecorder
+from ..ranks.executors import ExecutorFactory
+from ..ranks.group import WorkerFailure, WorkerGroup
+from .channel import EngineEndpoint
+from .errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
+from .intake import checked_request
+from .outputs import OutputBuffers
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -56,7 +63,10 @@ METRICS_PUSH_INTERVAL_S = 5.0
 
 class EngineCore:
     """``model_name`` and ``engine_index`` label this engine's metrics; with
-    ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress."""
+    ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress.
+    ``executor`` builds what its ranks run (:mod:`~iterserve.cluster.ranks.executors`; None: the model);
+    ``workers`` stands in for the ranks themselves (tests run an engine in one
+    process so), else they are Ray actors (:class:`WorkerGroup`)."""
 
     def __init__(
         self,
@@ -65,6 +75,8 @@ class EngineCore:
         model_name: str | None = None,
         engine_index: int = 0,
         metrics_hub: str | None = None,
+        executor: ExecutorFactory | None = None,
+        workers: WorkerGroup | None = None,
     ):
         self.config = config
         self.metrics = EngineMetrics(
@@ -77,18 +89,16 @@ class EngineCore:
         self.metrics_hub = metrics_hub
         self.engine_key = f"{self.metrics.model_name}/{engine_index}"
         self.push_task: asyncio.Task | None = None
-        self.workers = WorkerGroup(config)
+        self.workers = workers or WorkerGroup(config, executor)
+        self.runs_model = executor is None  # a stand-in executor has no weights to check
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
         self.vocab_size = 0
         self.outputs = OutputBuffers()
+        self.endpoint: EngineEndpoint | None = None  # where clients connect, once started
         self.wake = asyncio.Event()
         self.loop_task: asyncio.Task | None = None
         self.step_lock = asyncio.Lock()
-        # The steps handed to the ranks and not yet collected, oldest first, each with
-        # when its scheduling began.
-        self.in_flight: deque[tuple[ScheduledStep, float]] = deque()
-        self.depth = 2 if config.async_scheduling else 1
         self.last_result_at = 0.0
         self.dead_reason: str | None = None
         self.num_restarts = 0
@@ -96,7 +106,13 @@ class EngineCore:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> dict:
-        await self.workers.start()
+        try:
+            await self.workers.start()
+        except BaseException:
+            # A start that fails (a checkpoint the loader refuses, no room to place the
+            # ranks) must not keep ranks or their reservation for nobody.
+            await self.workers.shutdown()
+            raise
         info = self.workers.model_info
         self.max_model_len = self.config.scheduler.context_for(info["max_model_len"])
         self.vocab_size = info["vocab_size"]
@@ -106,25 +122,33 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 device=info["device"],
             ),
+            max_in_flight=2 if self.config.async_scheduling else 1,
             kv_window=info.get("kv_window"),
         )
-        self.adapters = EngineAdapters(self.config, self.scheduler, self.metrics.model_name)
+        self.adapters = EngineAdapters(
+            self.config, self.scheduler, self.metrics.model_name, check_weights=self.runs_model
+        )
         self.adapters.load_configured()
         self.recorder.state(self.scheduler)
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.endpoint = EngineEndpoint(self, host)
+        address = await self.endpoint.start()
         freeze_startup_objects()
         loop = asyncio.get_running_loop()
         self.loop_task = loop.create_task(self._loop())
         if self.metrics_hub:
-            from iterserve.cluster.metrics_hub import push_periodically
+            from ..metrics.hub import push_periodically
 
             self.push_task = loop.create_task(
                 push_periodically(self.metrics, self.engine_key, hub_name=self.metrics_hub,
                                   interval_s=METRICS_PUSH_INTERVAL_S)
             )  # fmt: skip
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
+            "endpoint": {**address, "node_id": node_id},
             # What the ranks compute in and why ("auto" is decided on their device).
             **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
         }
@@ -133,6 +157,8 @@ class EngineCore:
         for task in (self.loop_task, self.push_task):
             if task is not None:
                 task.cancel()
+        if self.endpoint is not None:
+            self.endpoint.close()
         await self.workers.shutdown()
 
     # -- the loop ---------------------------------------------------------------------
@@ -140,7 +166,11 @@ class EngineCore:
     async def _loop(self) -> None:
         try:
             while self.dead_reason is None:
-                if not self.scheduler.has_work and not self.in_flight:
+                if not self.scheduler.has_work and not self.scheduler.in_flight:
+                    # The allocators check themselves each time the engine goes idle:
+                    # every slot and block free again, no request lost. A failure is a
+                    # bug, and ends the engine as any other.
+                    self.scheduler.check_integrity()
                     self.wake.clear()
                     await self.wake.wait()
                     continue
@@ -158,41 +188,36 @@ class EngineCore:
         """One iteration (see the module docstring). False when nothing ran."""
         async with self.step_lock:
             await self._submit_next()
-            if not self.in_flight:
+            if not self.scheduler.in_flight:
                 return False
-            if len(self.in_flight) < self.depth and self.scheduler.has_work:
+            if self.scheduler.has_work:
                 await self._submit_next()  # built ahead, while the one before runs
             outputs = await self._collect()
         self.publish(outputs)
         return True
 
     async def _submit_next(self) -> None:
-        if len(self.in_flight) >= self.depth:
-            return
-        started = time.perf_counter()
-        step = self.scheduler.schedule(time.monotonic())
-        if step is None:
-            return
-        await self.workers.submit(step.plan)
-        self.in_flight.append((step, started))
+        step = self.scheduler.schedule(time.monotonic())  # None: the queue is full, or no work
+        if step is not None:
+            await self.workers.submit(step.plan)
 
     async def _collect(self) -> list[RequestOutput]:
-        step, started = self.in_flight.popleft()
+        step = self.scheduler.in_flight[0]
         result = await self.workers.collect()
         outputs = self.scheduler.update(step, result)
-        now = time.perf_counter()
+        now = time.monotonic()
         # The step's time on the critical path: from the previous result when it was
         # built ahead, else from the start of its scheduling.
-        step_s = now - max(started, self.last_result_at)
+        step_s = now - max(step.scheduled_at, self.last_result_at)
         self.last_result_at = now
-        self.recorder.step(step.plan, result, step_s, self.scheduler)
+        self.recorder.step(step, result, step_s, self.scheduler)
         return outputs
 
     async def _drain(self) -> None:
         """Collects every step in flight (under ``step_lock``), so that nothing runs
         behind a health check or an integrity check. A result that breaks the
         scheduler here ends the engine as it would in the loop."""
-        while self.in_flight:
+        while self.scheduler.in_flight:
             try:
                 outputs = await self._collect()
             except WorkerFailure:
@@ -219,8 +244,7 @@ class EngineCore:
         async with self.step_lock:
             if exc.generation != self.workers.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
-            self.in_flight.clear()  # lost with the workers
-            self.scheduler.requeue_running()
+            self.scheduler.requeue_running()  # the steps in flight were lost with the workers
             if self.num_restarts >= self.config.max_restarts:
                 self._fail_all(f"the engine's workers failed and could not be restarted: {exc}")
                 await self.workers.stop()
@@ -236,7 +260,7 @@ class EngineCore:
         """Fails every request at once and reports unhealthy from now on, so that
         nobody waits on an engine that no longer steps; under Serve the health
         check then replaces this replica."""
-        self.in_flight.clear()
+        self.scheduler.in_flight.clear()  # nothing will collect them
         self._fail_all(message)
         try:
             await self.workers.stop()
@@ -244,18 +268,18 @@ class EngineCore:
             logger.exception("stopping the workers failed")
 
     def _fail_all(self, message: str) -> None:
-        """Ends every request with an error; works from the consumers' side too, so
-        that a scheduler whose state is broken cannot keep a request from ending.
-        The first reason is the one the engine keeps reporting."""
+        """Ends every request with an error, each ended in the scheduler and its
+        failure sent on its own: a scheduler whose state is broken cannot keep the
+        others from ending. The first reason is the one the engine keeps reporting."""
         if self.dead_reason is None:
             self.dead_reason = message
-        for request_id in {*self.scheduler.requests, *self.outputs.owner}:
+        for request in list(self.scheduler.requests.values()):
             try:
-                self.scheduler.finish_with_error(request_id)
+                self.scheduler.finish_with_error(request.request_id)
             except Exception:
-                logger.exception("%s: ending it in the scheduler failed", request_id)
-            self.outputs.push((request_id, [], [], FinishReason.ERROR.value, message, None))
-            self.recorder.finished(request_id, FinishReason.ERROR)
+                logger.exception("%s: ending it in the scheduler failed", request.request_id)
+            self.outputs.push(request.client, EngineOutput.failed(request.request_id, message))
+            self.recorder.finished(request, FinishReason.ERROR)
         with contextlib.suppress(Exception):
             self.recorder.state(self.scheduler)
 
@@ -263,40 +287,38 @@ class EngineCore:
 
     def publish(self, outputs: list[RequestOutput]) -> None:
         self.recorder.outputs(outputs)
+        push = self.outputs.push
         for out in outputs:
-            reason = out.finish_reason.value if out.finish_reason else None
-            self.outputs.push(
-                (
+            push(
+                out.request.client,
+                EngineOutput(
                     out.request_id,
                     out.new_token_ids,
                     out.new_logprobs,
-                    reason,
+                    out.prompt_logprobs,
+                    out.finish_reason.value if out.finish_reason else None,
                     None,
                     out.num_cached_tokens,
-                )
+                ),
             )
-
-    async def poll(self, consumer_id: str, timeout_s: float = 1.0) -> list[Record]:
-        """Everything published for ``consumer_id`` since its last poll."""
-        return await self.outputs.poll(consumer_id, timeout_s)
 
     async def add_request(
         self,
-        consumer_id: str,
+        client: str,
         request_id: str,
         prompt_token_ids: list[int],
         params: dict[str, Any],
         priority: int = 0,
         label: str = "",
     ) -> tuple[str, str] | None:
-        """Queues a request. Returns None, or ``(kind, message)`` when refused:
-        kind is ``invalid``, ``prompt_too_long``, ``queue_full`` or ``engine_dead``.
+        """Queues a request. Returns None, or ``(kind, message)`` when refused, the
+        kind of a refusal class of :mod:`~iterserve.cluster.engine.errors`.
 
-        ``request_id`` must be unique among the engine's requests: consumers make
-        it so themselves (never from what a client sends). ``label`` is the
-        client's own name for the request, for logs; it may repeat."""
+        ``request_id`` must be unique among the engine's requests: clients make
+        it so themselves (never from what a user sends). ``label`` is the user's
+        own name for the request, for logs; it may repeat."""
         if self.dead_reason is not None:
-            return ("engine_dead", self.dead_reason)
+            return (EngineDeadError.kind, self.dead_reason)
         try:
             request = checked_request(
                 request_id,
@@ -307,18 +329,18 @@ class EngineCore:
                 limits=self.config.scheduler,
                 vocab_size=self.vocab_size,
             )
+            request.client = client
             self.scheduler.add_request(request)
         except QueueFullError as exc:
             self.recorder.rejected("queue_full")
-            return ("queue_full", str(exc))
+            return (EngineBusyError.kind, str(exc))
         except PromptTooLongError as exc:
-            return ("prompt_too_long", str(exc))
+            return (ContextLengthError.kind, str(exc))
         except AdapterNotFoundError as exc:
-            return ("model_not_found", f"The model '{exc.args[0]}' does not exist")
+            return (ModelNotFoundError.kind, f"The model '{exc.args[0]}' does not exist")
         except (SamplingParamsError, ValueError, TypeError) as exc:
-            return ("invalid", str(exc))
-        self.outputs.own(request_id, consumer_id)
-        self.recorder.admitted(request_id, len(prompt_token_ids))
+            return (InvalidRequestError.kind, str(exc))
+        self.recorder.admitted(request)
         self.wake.set()
         return None
 
@@ -328,9 +350,13 @@ class EngineCore:
         out = self.scheduler.abort(request_id)
         if out is None:
             return False
-        self.recorder.finished(request_id, FinishReason.ABORT)
-        self.outputs.push((request_id, [], [], FinishReason.ABORT.value, None, None))
+        self.recorder.finished(out.request, FinishReason.ABORT)
+        self.outputs.push(out.request.client, EngineOutput.aborted(request_id))
         return True
+
+    def requests_of(self, client: str) -> list[str]:
+        """The requests ``client`` added that have not ended."""
+        return [r.request_id for r in self.scheduler.requests.values() if r.client == client]
 
     # -- LoRA adapters (cluster/lora.py) -------------------------------------------------
 
@@ -362,13 +388,6 @@ class EngineCore:
         """This engine's metrics in the Prometheus text format."""
         return self.metrics.exposition()
 
-    async def check_integrity(self) -> None:
-        async with self.step_lock:
-            await self._drain()
-            if self.dead_reason is not None:
-                raise RuntimeError(self.dead_reason)
-            self.scheduler.check_integrity()
-
     async def health(self) -> tuple[bool, str]:
         """Healthy when a ping travels through every worker and back."""
         if self.dead_reason is not None:
@@ -386,9 +405,6 @@ class EngineCore:
             # down this replica and the requests it is recomputing.
             return self.dead_reason is None, self.dead_reason or "ok"
         return True, "ok"
-
-    async def worker_pids(self) -> list[int]:
-        return await self.workers.pids()
 
     async def worker_nodes(self) -> list[dict]:
         return await self.workers.placement()

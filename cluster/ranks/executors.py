@@ -1,0 +1,140 @@
+"""What runs a rank's steps: the checkpoint's model, unless code hands the engine
+something else.
+
+An engine builds one executor per rank (``execute(plan) -> result``) through an
+:class:`ExecutorFactory`. The factory is an object given in Python
+(``AsyncEngine(config, executor=...)``, ``build_application(args, executor)``), never
+a configuration key: a deployment config is data and cannot name code, so the
+stand-ins that tests and control-plane benchmarks run
+(:class:`~iterserve.scheduler.fake_executor.FakeModel`) are out of its reach.
+The factory crosses to the ranks through Ray, so it is a small picklable object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ...scheduler.messages import StepPlan, StepResult
+    from ..config import EngineConfig
+
+CPU_KV_CACHE_MAX_BYTES = 1 << 30
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class ExecutorFactory(Protocol):
+    def model_info(self, config: EngineConfig, device: str) -> dict:
+        """``{"max_model_len", "vocab_size"}`` of what the executors run on ``device``;
+        optionally ``kv_window`` (the window every layer reads within; None when a layer
+        reads everything) and ``dtype``, ``dtype_reason`` (what the ranks compute in, why)."""
+
+    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
+        """KV blocks one rank can hold, when the config does not say."""
+
+    def build(
+        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
+    ) -> Executor:
+        """One rank's executor, with ``config.scheduler.num_kv_blocks`` agreed on."""
+
+
+def _available_memory_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+class ModelExecutors:
+    """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
+
+    def model_info(self, config: EngineConfig, device: str) -> dict:
+        from ...workers.checkpoint import load_checkpoint
+        from ...workers.dtype import choose_dtype
+
+        ckpt = load_checkpoint(config.model_path)
+        choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
+        info = {
+            "max_model_len": ckpt.config.max_model_len,
+            "vocab_size": ckpt.config.vocab_size,
+            "dtype": choice.name,
+            "dtype_reason": choice.reason,
+            "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
+        }
+        ckpt.close()
+        return info
+
+    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
+        """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory.
+
+        Free memory is read before the weights load, so on a GPU the budget is
+        also capped by what the weights and the largest step's activations leave.
+        """
+        from ...workers.checkpoint import load_checkpoint, resolve_dtype
+        from ...workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
+        from ...workers.model import weight_bytes
+
+        ckpt = load_checkpoint(config.model_path)
+        c = ckpt.config
+        dtype = resolve_dtype(config.dtype, c, device, config.kernel_backend)
+        ckpt.close()
+        free = _available_memory_bytes(device)
+        kv_heads = max(1, c.num_kv_heads // world_size)
+        if device.startswith("cuda"):
+            heads = c.num_heads // world_size
+            workspace = workspace_bytes(
+                hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size // world_size,
+                q_size=heads * c.head_dim,
+                kv_size=kv_heads * c.head_dim,
+                vocab_size=c.vocab_size,
+                # The budget the engine will derive, with the context it will pick.
+                max_num_batched_tokens=config.scheduler.step_budget(
+                    device, config.scheduler.context_for(c.max_model_len)
+                ),
+                max_num_seqs=config.scheduler.max_num_seqs,
+                dtype=dtype,
+            )
+            weights = weight_bytes(c, dtype, rank, world_size)
+            budget = kv_budget_bytes(free, weights, workspace, config.kv_memory_fraction)
+        else:
+            # Host memory is shared with everything else on the machine: cap the cache.
+            budget = min(int(free * config.kv_memory_fraction), CPU_KV_CACHE_MAX_BYTES)
+        return blocks_for_budget(
+            budget, c.num_layers, config.scheduler.block_size, kv_heads, c.head_dim, dtype
+        )
+
+    def build(
+        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
+    ) -> Executor:
+        from ...workers.graphs import graph_buckets
+        from ...workers.runner import ModelRunner
+
+        runner = ModelRunner(
+            config.model_path,
+            dtype=config.dtype,
+            num_kv_blocks=config.scheduler.num_kv_blocks,
+            block_size=config.scheduler.block_size,
+            device=device,
+            tp_rank=rank,
+            tp_size=world_size,
+            all_reduce=all_reduce,
+            kernel_backend=config.kernel_backend,
+            # Decode graphs for every batch the scheduler can run, over the
+            # longest context it allows (the checkpoint's, when it leaves it).
+            graph_batch_sizes=graph_buckets(config.scheduler.max_num_seqs),
+            max_model_len=config.scheduler.max_model_len,
+            max_loras=config.rank_max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
+        )
+        runner.warm_up()  # compiled kernels built before the engine reports ready
+        return runner
