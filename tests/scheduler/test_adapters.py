@@ -66,7 +66,7 @@ def test_the_first_step_of_an_adapter_carries_its_load_and_its_rows_name_the_slo
     plan, _ = one_step(sched, executor)
     (load,) = plan.adapter_loads
     assert (load.slot, load.name, load.path) == (1, "a", "/adapters/a")
-    by_id = {n.request_id: n.lora_slot for n in plan.new_seqs}
+    by_id = {n.label: n.lora_slot for n in plan.new_seqs}
     assert by_id == {"r1": 1, "r2": 0}
     plan, _ = one_step(sched, executor)
     assert plan.adapter_loads == []  # resident now
@@ -81,7 +81,7 @@ def test_a_step_mixes_at_most_max_loras_adapters_and_the_third_waits():
     plans = run(sched, executor)
     first = plans[0]
     # c's request waited; the base request and a's second one went ahead of it.
-    assert {n.request_id for n in first.new_seqs} == {"r0", "r1", "r3", "r4"}
+    assert {n.label for n in first.new_seqs} == {"r0", "r1", "r3", "r4"}
     for plan in plans:
         assert len(adapters_in(plan, slots)) <= 2
     loads = [load.name for plan in plans for load in plan.adapter_loads]
