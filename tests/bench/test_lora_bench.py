@@ -10,3 +10,11 @@ def test_the_step_bench_reports_each_way_against_the_base_step():
     for mode in ("batched", "segments", "gather"):
         assert out[f"{mode}_tok_s"] > 0 and out[f"{mode}_vs_base"] > 0
     assert out["adapters"] == 2 and out["rows"] == 8
+
+
+def test_the_serving_bench_runs_requests_over_adapters_through_the_engine(ray_session):
+    from iterserve.bench.lora import bench_lora_serving
+
+    out = bench_lora_serving(num_requests=4, num_adapters=2, max_loras=1, rank=4,
+                             max_tokens=4, rounds=1)  # fmt: skip
+    assert out["base_tok_s"] > 0 and out["lora_tok_s"] > 0 and out["lora_vs_base"] > 0
