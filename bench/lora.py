@@ -259,8 +259,9 @@ def bench_lora_serving(model: str | None = None, *, num_requests: int = 64,
     ensure_ray()
     block_size = 16
     config = EngineConfig.from_dict(dict(
-        model=model, num_kv_blocks=num_requests * (blocks_for(prompt_len + max_tokens,
-                                                               block_size) + 1),
+        model=model, num_kv_blocks=max(num_requests * (blocks_for(prompt_len + max_tokens,
+                                                                   block_size) + 1),
+                                       blocks_for(512, block_size)),
         max_num_seqs=num_requests, max_num_batched_tokens=max(512, num_requests),
         max_model_len=512, torch_threads=torch_threads, num_cpus_per_worker=1.0,
         enable_lora=True, max_loras=max_loras, max_lora_rank=max(16, rank),
