@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from iterserve.scheduler.blocks import blocks_for
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
-from iterserve.scheduler.sampling import SamplingParams
-from iterserve.workers.host_memory import keep_freed_memory
-from iterserve.workers.runner import ModelRunner
+from ..scheduler.blocks import blocks_for
+from ..scheduler.messages import NewSequence, ScheduledSeq, StepPlan
+from ..scheduler.sampling import SamplingParams
+from ..workers.host_memory import keep_freed_memory
+from ..workers.runner import ModelRunner
 
 # Used when no demo checkpoint is installed: small enough for a laptop CPU,
 # shaped like a real Llama (GQA, SwiGLU MLP of ~2.7x hidden).
@@ -137,7 +137,7 @@ def bench_forward(
 def _bench(model_path, device, batch_sizes, context, prefill_len, steps, block_size):
     with tempfile.TemporaryDirectory() as tmp:
         if model_path is None:
-            from iterserve.models import DEMO_MODEL_PATH
+            from ..models import DEMO_MODEL_PATH
 
             if (DEMO_MODEL_PATH / "config.json").exists():
                 model_path, model_name = DEMO_MODEL_PATH, "demo"

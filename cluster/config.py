@@ -104,9 +104,42 @@ class EngineConfig:
         "the ingress's /metrics; the mirror costs the scheduler CPU on every token)",
         helm=False,
     )
+    enable_lora: bool = knob(
+        False,
+        "serve LoRA adapters: `lora_modules` at start, `POST /v1/load_lora_adapter` at "
+        "runtime; a request's `model` names one (docs/serving.md, LoRA adapters)",
+    )
+    lora_modules: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "adapters loaded at start: `{name: path}` or `{name: {path, "
+            "base_model_name}}` (PEFT checkpoint directories; implies `enable_lora`)",
+            "helm": False,
+        },
+    )
+    max_lora_rank: int = knob(
+        16, "largest rank an adapter may have (with `enable_lora`)", minimum=1, maximum=64
+    )
+    max_cpu_loras: int | None = knob(
+        None,
+        "adapters each rank keeps read in host memory, so an evicted one reloads without "
+        "reading its files; unset: `max_loras`",
+        minimum=1,
+        shown_default="max_loras",
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)
+        from .lora import normalize_lora_modules
+
+        object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
+        if self.lora_modules and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)
+
+    @property
+    def rank_max_loras(self) -> int:
+        """Adapter slots each rank holds: ``max_loras`` with LoRA enabled, else none."""
+        return self.scheduler.max_loras if self.enable_lora else 0
 
     @property
     def model_path(self) -> str:

@@ -118,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import agreement, compare, loadgen, policies, prefix, ramp, shapes
+    from iterserve.bench import agreement, compare, loadgen, lora, policies, prefix, ramp, shapes
 
     loadgen.register(benches)
+    lora.register(benches)
     policies.register(benches)
     prefix.register(benches)
     compare.register(benches)

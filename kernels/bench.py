@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_for
-
+from ..scheduler.blocks import blocks_for
 from .registry import get_ops
 
 

@@ -34,8 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iterserve.scheduler.blocks import blocks_for
-
+from ..scheduler.blocks import blocks_for
 from . import checks, reference
 from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from iterserve.scheduler.blocks import blocks_before_window, blocks_for
-
+from ..scheduler.blocks import blocks_before_window, blocks_for
 from . import checks
 
 # Paged attention materialises [num_heads, rows, kv_len] fp32 scores; longer

@@ -49,3 +49,6 @@ def retire(sched: Scheduler, finishing: list[Request]) -> None:
         sched.retiring[request.seq_id] = (request, sched.prefix.release(request, known))
         sched.release_slot(request, tell_workers=False)
         del sched.running[request.request_id]
+        # The step in flight computes its last row with its adapter; a load that
+        # reuses the slot travels in a later plan, applied after that step.
+        sched.unpin_adapter(request)

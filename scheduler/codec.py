@@ -17,6 +17,7 @@ import msgpack
 
 from .messages import (
     FINISH_REASONS,
+    AdapterLoad,
     EngineOutput,
     EngineOutputs,
     FinishedSeq,
@@ -36,8 +37,9 @@ from .sampling import (
 
 # 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
-# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs
-VERSION = 6
+# StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
+# 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads)
+VERSION = 7
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -152,7 +154,17 @@ _SCHEMAS[SamplingParams] = (
     _optional(_record(StructuredOutput)),
 )
 _SCHEMAS[StructuredOutput] = (_str, _str)
-_SCHEMAS[NewSequence] = (_int, _str, _int, _list(_int), _int, _record(SamplingParams), _int)
+_SCHEMAS[NewSequence] = (
+    _int,
+    _str,
+    _int,
+    _list(_int),
+    _int,
+    _record(SamplingParams),
+    _int,
+    _int,
+)
+_SCHEMAS[AdapterLoad] = (_int, _int, _str, _str)
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
 _SCHEMAS[StepPlan] = (
     _int,
@@ -161,6 +173,7 @@ _SCHEMAS[StepPlan] = (
     _list(_int),
     _list(_int),
     _bool,
+    _list(_record(AdapterLoad)),
 )
 _SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
@@ -249,6 +262,7 @@ def _encode_plan(m: StepPlan) -> list:
                 n.num_prompt_tokens,
                 _encode_params(n.params),
                 n.num_cached_tokens,
+                n.lora_slot,
             ]
             for n in m.new_seqs
         ],
@@ -259,6 +273,7 @@ def _encode_plan(m: StepPlan) -> list:
         m.released_slots,
         m.padding_slots,
         m.lookahead,
+        [[a.slot, a.adapter_id, a.name, a.path] for a in m.adapter_loads],
     ]
 
 

@@ -115,6 +115,12 @@ class SchedulerConfig:
     )
     max_n: int = knob(16, "largest `n` (choices per prompt) a request may ask for", minimum=1)
     max_logprobs: int = knob(20, "largest `logprobs` a request may ask for", minimum=0)
+    max_loras: int = knob(
+        1,
+        "LoRA adapters the ranks hold at once, so the most distinct adapters one step mixes "
+        "(with `enable_lora`); the least recently used idle one makes room for another",
+        minimum=1,
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)

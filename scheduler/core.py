@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from .adapters import AdapterResidency
 from .ahead import finishing_if_ahead_fits, retire
 from .blocks import BlockManager
 from .config import SchedulerConfig
@@ -65,6 +66,8 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.policy = make_policy(config)
+        # LoRA adapters: the registry and which the ranks hold (a resource like slots).
+        self.adapters = AdapterResidency(config.max_loras)
         self.step = 0
         # The steps handed out whose results have not come back, oldest first: the
         # one queue of them (the engine keeps none); update() takes the oldest.
@@ -98,6 +101,9 @@ class Scheduler:
         if request.num_prompt_tokens >= self.max_model_len:
             raise PromptTooLongError(request.num_prompt_tokens, self.max_model_len)
         request.params.check_limits(max_n=self.config.max_n, max_logprobs=self.config.max_logprobs)
+        if request.lora_name is not None:  # raises AdapterNotFoundError
+            request.adapter = self.adapters.get(request.lora_name)
+            request.cache_salt = request.adapter.cache_salt + request.cache_salt
         if self.waiting.full:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_queue_len} requests)"
@@ -142,6 +148,7 @@ class Scheduler:
         for request in sorted([*self.running.values(), *retiring], key=Request.sort_key):
             self.preempt(request, kv_lost=True)
         self.blocks.clear_cache()  # the KV every hash named died with the workers
+        self.adapters.forget_resident()  # and so did the adapters they held
 
     # -- the step --------------------------------------------------------------
 
@@ -263,6 +270,10 @@ class Scheduler:
             self.num_prefix_queries += request.num_tokens
             self.num_prefix_hits += num_cached_tokens
         request.slot_idx = self.slots.acquire(request.request_id)
+        if request.adapter is not None:
+            slot = self.adapters.pin(request.adapter)
+            assert slot is not None, "admitted without room for its adapter (StepBuilder checks)"
+            request.lora_slot = slot
         request.status = RequestStatus.RUNNING
         self.running[request.request_id] = request
         self._by_seq[request.seq_id] = request
@@ -274,7 +285,14 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             params=request.params,
             num_cached_tokens=num_cached_tokens,
+            lora_slot=request.lora_slot,
         )
+
+    def unpin_adapter(self, request: Request) -> None:
+        """A request leaves the running set: its adapter's slot may be reused."""
+        if request.adapter is not None and request.lora_slot:
+            self.adapters.unpin(request.adapter.adapter_id)
+            request.lora_slot = 0
 
     def preempt(self, request: Request, *, kv_lost: bool = False) -> None:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
@@ -289,6 +307,7 @@ class Scheduler:
         if request.slot_idx >= 0:  # a retiring request has handed its slot on
             self.release_slot(request, tell_workers=True)
             del self.running[request.request_id]
+            self.unpin_adapter(request)
         request.num_dropped_tokens = request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_pending = 0
@@ -330,6 +349,7 @@ class Scheduler:
         if was != RequestStatus.RUNNING:
             return
         del self.running[request.request_id]
+        self.unpin_adapter(request)
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
             self.release_slot(request, tell_workers=True)  # the workers still hold it
         elif not self.policy.holds_finished_slots:
@@ -387,6 +407,13 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
         live = [*self.running.values(), *(request for request, _ in self.retiring.values())]
         assert {r.seq_id: r for r in live} == self._by_seq, "live sequences mismatch"
+        pins: dict[int, int] = {}
+        for request in self.running.values():
+            if request.adapter is not None:
+                aid = request.adapter.adapter_id
+                pins[aid] = pins.get(aid, 0) + 1
+                assert self.adapters.slot_of[aid] == request.lora_slot, "adapter slot mismatch"
+        self.adapters.check_integrity(pins)
         counted = len(self.waiting) + len(self.running) + len(self.retiring)
         assert counted == len(self.requests), "requests lost"
         preempted = sum(r.status == RequestStatus.PREEMPTED for r in self.requests.values())

@@ -8,6 +8,8 @@ pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
 
 A worker applies a :class:`StepPlan` in this order:
 
+0. load every :class:`AdapterLoad` into its adapter slot (no sequence running
+   in this plan uses the adapter the slot held before);
 1. drop the state of every slot in ``released_slots`` (finished, aborted,
    preempted since the last plan) — a slot may be reused by step 2;
 2. register every :class:`NewSequence` (full data, sent once);
@@ -52,6 +54,8 @@ class NewSequence:
     first ``num_prompt_tokens`` are prompt. The first ``num_cached_tokens`` (whole
     blocks, fewer than ``len(token_ids)``) are in the KV cache already, in the
     first blocks of its first entry's ``new_block_ids``: its computation starts there.
+    ``lora_slot`` is the adapter slot its rows compute with (0: the base model
+    alone); the adapter stays in that slot while the sequence holds its slot.
     """
 
     seq_id: int
@@ -61,6 +65,20 @@ class NewSequence:
     num_prompt_tokens: int
     params: SamplingParams
     num_cached_tokens: int = 0
+    lora_slot: int = 0
+
+
+@dataclass(slots=True)
+class AdapterLoad:
+    """Puts a LoRA adapter into one of the ranks' adapter slots (1..max_loras),
+    replacing whatever the slot held, before any row of the plan is computed.
+    ``adapter_id`` names one registration of the adapter (a reload under the
+    same name gets a new one); ``path`` is its PEFT checkpoint directory."""
+
+    slot: int
+    adapter_id: int
+    name: str
+    path: str
 
 
 @dataclass(slots=True)
@@ -94,6 +112,7 @@ class StepPlan:
     released_slots: list[int] = field(default_factory=list)
     padding_slots: list[int] = field(default_factory=list)
     lookahead: bool = False
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

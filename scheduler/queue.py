@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 
 from .request import Request
 
@@ -42,6 +43,14 @@ class WaitingQueue:
     def peek(self) -> Request | None:
         self._drop_dead()
         return self._heap[0][2] if self._heap else None
+
+    def first(self, accept: Callable[[Request], bool]) -> Request | None:
+        """The first request in service order that ``accept`` takes (a full scan:
+        only for when the head cannot go, e.g. its adapter has no slot)."""
+        for entry in sorted(self._entries.values(), key=lambda e: (e[0], e[1])):
+            if accept(entry[2]):
+                return entry[2]
+        return None
 
     def pop(self) -> Request:
         self._drop_dead()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .adapters import Adapter
 from .block_hash import chain_block_hashes
 from .messages import PromptLogprobs
 from .sampling import SamplingParams
@@ -116,6 +117,11 @@ class Request:
     num_cached_tokens: int | None = None
     # Tokens computed before its last preemption: what recompute may have to redo.
     num_dropped_tokens: int = 0
+    # The LoRA adapter its tokens compute with (None: the base model), named by the
+    # client as ``lora_name``; the scheduler resolves the name when it queues it.
+    lora_name: str | None = None
+    adapter: Adapter | None = None
+    lora_slot: int = 0  # the ranks' slot of that adapter while it runs; 0: none
     # What the engine around the scheduler keeps of a request lives here too, so
     # that a request is in one table (Scheduler.requests): the client that reads
     # its outputs, and the times its metrics are measured from (``now`` of the

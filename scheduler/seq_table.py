@@ -49,6 +49,7 @@ class SeqState:
     # Leading entries of block_ids out of every layer's window: the scheduler has
     # handed them on, and they are never read again (see BlockManager).
     num_freed_blocks: int = 0
+    lora_slot: int = 0  # the adapter slot its rows compute with; 0: the base model
     # Its row in the rank's token-count tables (penalties; -1: none), and the
     # (length, last token) of the tokens that row counts.
     counts_row: int = -1
@@ -166,6 +167,7 @@ class SequenceTable:
             num_prompt_tokens=new.num_prompt_tokens,
             params=new.params,
             num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
+            lora_slot=new.lora_slot,
         )
 
     def forget(self, slot_idx: int) -> SeqState | None:

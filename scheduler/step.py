@@ -97,6 +97,12 @@ class StepBuilder:
         """New blocks ``request`` needs so that ``num_tokens`` of its tokens fit."""
         return self.sched.blocks.num_needed(request.request_id, num_tokens)
 
+    def adapter_fits(self, request: Request) -> bool:
+        """Whether a waiting request's adapter (if any) can be resident for it now:
+        it is, or a slot is free, or an idle adapter can give up its slot."""
+        adapter = request.adapter
+        return adapter is None or request.slot_idx >= 0 or self.sched.adapters.can_pin(adapter)
+
     def is_scheduled(self, request: Request) -> bool:
         return self.requests.get(request.slot_idx) is request
 
@@ -113,6 +119,8 @@ class StepBuilder:
         request's window, as it would have anyway."""
         sched = self.sched
         admitting = request.slot_idx < 0
+        if admitting and not self.adapter_fits(request):
+            return False
         hit = sched.prefix.hit(request) if admitting else []
         start = len(hit) * sched.config.block_size if admitting else request.num_computed_tokens
         target = start + num_tokens
@@ -204,6 +212,7 @@ class StepBuilder:
             released_slots=released_slots,
             padding_slots=self.padding_slots,
             lookahead=self.lookahead,
+            adapter_loads=self.sched.adapters.take_loads(),
         )
         blocks = self.sched.blocks
         num_blocks = {r.seq_id: len(blocks.tables[r.request_id]) for r in self.requests.values()}

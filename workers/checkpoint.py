@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
-from iterserve.workers.config import CheckpointError, ModelConfig, token_id_list
-from iterserve.workers.dtype import choose_dtype
+from .architectures import SUPPORTED_ARCHITECTURES
+from .config import CheckpointError, ModelConfig, token_id_list
+from .dtype import choose_dtype
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

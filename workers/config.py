@@ -105,7 +105,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        from iterserve.workers.architectures import parse_architecture
+        from .architectures import parse_architecture
 
         return parse_architecture(raw)
 

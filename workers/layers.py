@@ -95,6 +95,8 @@ class Attention(nn.Module):
         # The same weights laid out for oneDNN, once loaded (LlamaModel.pack_weights).
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
+        # Adds the step's LoRA deltas to a product (LlamaModel.enable_lora); None: none.
+        self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -107,6 +109,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n, hd = x.shape[0], self.tp.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 kv]
+        if self.lora is not None:
+            self.lora("qkv", x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.tp.num_heads, hd)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(n, self.tp.num_kv_heads, hd)  # [num_tokens, num_kv_heads, head_dim]
@@ -129,9 +133,13 @@ class Attention(nn.Module):
             window=self.window,
             soft_cap=self.soft_cap,
         )  # [num_tokens, num_heads, head_dim]
-        out = self.all_reduce(
-            linear(out.reshape(n, self.q_size), self.o_weight, None, self.o_packed)
-        )
+        out = out.reshape(n, self.q_size)
+        o = linear(
+            out, self.o_weight, None, self.o_packed
+        )  # [num_tokens, hidden], this rank's part
+        if self.lora is not None:  # a partial sum too: the all-reduce adds the ranks' deltas
+            self.lora("o", out, o)
+        out = self.all_reduce(o)
         if self.o_bias is not None:
             # Added once, after the reduction, not once per rank.
             out = out + self.o_bias
@@ -159,11 +167,17 @@ class MLP(nn.Module):
         self.down_bias = weight(config.hidden_size, **kw) if config.mlp_bias else None
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
+        self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
+        if self.lora is not None:
+            self.lora("gate_up", x, h)
         h = getattr(self.ops, self.act)(h)  # [num_tokens, inter]
-        out = self.all_reduce(linear(h, self.down_weight, None, self.down_packed))
+        down = linear(h, self.down_weight, None, self.down_packed)
+        if self.lora is not None:
+            self.lora("down", h, down)
+        out = self.all_reduce(down)
         if self.down_bias is not None:
             out = out + self.down_bias
         return out

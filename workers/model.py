@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.kernels import build_cos_sin_cache
-from iterserve.kernels.cpu_linear import linear, packs_every_batch
-from iterserve.kernels.cpu_linear import pack as pack_weight
-from iterserve.workers.config import ModelConfig
-from iterserve.workers.kv_cache import KVCache
-from iterserve.workers.layers import (
+from ..kernels import build_cos_sin_cache
+from ..kernels.cpu_linear import linear, packs_every_batch
+from ..kernels.cpu_linear import pack as pack_weight
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import (
     MLP,
     AllReduce,
     Attention,
@@ -41,10 +41,11 @@ from iterserve.workers.layers import (
     identity,
     weight,
 )
-from iterserve.workers.moe import SparseMoE
+from .moe import SparseMoE
 
 if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model does not
-    from iterserve.workers.checkpoint import Checkpoint
+    from .checkpoint import Checkpoint
+    from .lora_batch import LoraContext
 
 __all__ = ["AllReduce", "AttentionInputs", "DecoderLayer", "LlamaModel", "weight_bytes"]
 
@@ -185,6 +186,18 @@ class LlamaModel(nn.Module):
                 self.lm_head.data = self.lm_head.data.new_empty(0)
         return True
 
+    def enable_lora(self) -> LoraContext:
+        """Gives every attention and dense MLP a LoRA site reading one shared
+        context, which the runner points at each step's adapters (:mod:`.lora`)."""
+        from .lora_batch import LoraContext, LoraSite
+
+        context = LoraContext()
+        for i, layer in enumerate(self.layers):
+            layer.attn.lora = LoraSite(context, i)
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.lora = LoraSite(context, i)
+        return context
+
     def set_ops(self, ops: Any) -> None:
         """Runs the same weights on another kernel backend (for comparisons)."""
         self.ops = ops
@@ -204,7 +217,7 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, ckpt: Checkpoint) -> None:
         """Copies this rank's shard of every tensor of the checkpoint into place."""
-        from iterserve.workers.weights import load_weights
+        from .weights import load_weights
 
         load_weights(self, ckpt)
 

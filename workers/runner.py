@@ -31,6 +31,7 @@ from .sampler import Sampler
 
 if TYPE_CHECKING:
     from .grammar import Grammars
+    from .lora_batch import LoraSlots
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from .checkpoint import load_checkpoint
@@ -91,6 +95,7 @@ class ModelRunner:
             num_kv_blocks, block_size, ckpt.eos_token_ids, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
+        self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -109,6 +114,9 @@ class ModelRunner:
         graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
         tokenizer_path: str | Path | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> ModelRunner:
         """A runner of ``config``'s shape with random weights drawn on the device:
         for benchmarks and device checks, where a checkpoint would only cost load time.
@@ -119,6 +127,7 @@ class ModelRunner:
         eos = frozenset(config.eos_token_ids)
         runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
+        runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
@@ -168,6 +177,23 @@ class ModelRunner:
         pad = c.pad_token_id
         self.pad_token_id = pad if pad is not None and pad < c.vocab_size else 0
 
+    def enable_lora(self, max_loras: int, max_lora_rank: int = 16,
+                    max_cpu_loras: int | None = None) -> None:  # fmt: skip
+        """Gives the runner ``max_loras`` adapter slots (0: none, adapters refused);
+        plans load adapters into them and name each sequence's (:mod:`.lora`)."""
+        self.lora_slots: LoraSlots | None = None
+        self.lora_context = None
+        if max_loras <= 0:
+            return
+        from .lora_batch import LoraSlots
+
+        self.lora_context = self.model.enable_lora()
+        self.lora_slots = LoraSlots(
+            self.config, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras or max_loras, tp_rank=self.tp_rank,
+            tp_size=self.tp_size, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
         # Each sequence's state on this rank is its SeqState (tokens, blocks, its
@@ -188,8 +214,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(self.device) if on_gpu else None
         self.timer = ForwardTimer(self.device)
-        if cuda_graphs is None:
-            cuda_graphs = on_gpu and self.ops.name == "triton" and self.tp_size == 1
+        if cuda_graphs is None:  # graphs replay the base model only
+            cuda_graphs = (on_gpu and self.ops.name == "triton" and self.tp_size == 1
+                           and self.lora_slots is None)  # fmt: skip
         self.graphs = None
         if cuda_graphs:
             positions = self.model.cos_sin.shape[0]
@@ -219,9 +246,17 @@ class ModelRunner:
                 raise PlanMismatchError(
                     f"{new.label}: token id {bad[0]} outside the vocabulary of {self.vocab_size}"
                 )
+        if plan.adapter_loads:
+            if self.lora_slots is None:
+                raise PlanMismatchError("the plan loads LoRA adapters; this runner has no slots")
+            for load in plan.adapter_loads:
+                self.lora_slots.load(load.slot, load.adapter_id, load.path)
         plan = self.table.apply(plan)
         for new in plan.new_seqs:
             self._register(self.table.get(new.slot_idx))
+        segments: list[tuple[int, int, int]] = []
+        if self.lora_slots is not None:
+            plan, segments = self._by_adapter(plan)
         result = StepResult(
             step=plan.step,
             num_tokens=plan.num_tokens,
@@ -243,8 +278,14 @@ class ModelRunner:
             extra = torch.tensor(prompt_rows.rows, dtype=host.logits_indices.dtype)
             host.logits_indices = torch.cat([host.logits_indices, extra])
         self.timer.start()
-        # A graph's logits rows are the sampled and padding rows: prompt rows run eagerly.
-        logits = self.forward(host, replay=prompt_rows is None)  # [num_logits, vocab]
+        if segments:
+            self.lora_context.batch = self.lora_slots.batch(segments)
+        try:
+            # A graph's logits rows are the sampled and padding rows: prompt rows run eagerly.
+            logits = self.forward(host, replay=prompt_rows is None)  # [num_logits, vocab]
+        finally:
+            if segments:
+                self.lora_context.batch = None
         self.timer.stop()
 
         for entry in plan.scheduled:
@@ -255,6 +296,11 @@ class ModelRunner:
         self._sample(logits, rows, result)
         result.forward_s = self.timer.seconds()
         return result
+
+    def _by_adapter(self, plan: StepPlan) -> tuple[StepPlan, list[tuple[int, int, int]]]:
+        from .lora_batch import order_by_adapter
+
+        return order_by_adapter(plan, self.table)
 
     def _register(self, seq: SeqState) -> None:
         if seq.params.structured_output is not None:

@@ -76,6 +76,19 @@ class AsyncClient:
         body = json_body(await self._send("GET", "/v1/models"))
         return [Model.from_dict(m) for m in body.get("data", [])]
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """``POST /v1/load_lora_adapter``: serves the PEFT adapter at ``lora_path`` (a
+        directory on the server) as model ``lora_name``; returns the server's message.
+        A bad adapter raises the 400's error, naming the problem."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return (await self._send("POST", "/v1/load_lora_adapter", json=body)).text
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        """``POST /v1/unload_lora_adapter``: stops serving adapter ``lora_name``
+        (requests on it already running finish on it)."""
+        body = {"lora_name": lora_name}
+        return (await self._send("POST", "/v1/unload_lora_adapter", json=body)).text
+
     async def health(self) -> Health:
         """``GET /health``: truthy when healthy; a 503 is an unhealthy answer, not an error."""
         response = await self._send("GET", "/health", accept=(503,))

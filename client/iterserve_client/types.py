@@ -279,6 +279,9 @@ class Model:
     object: str = "model"
     created: int = 0
     owned_by: str = ""
+    # A LoRA adapter: the model it adapts (``parent``) and where it was read (``root``).
+    parent: str | None = None
+    root: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any) -> Model:

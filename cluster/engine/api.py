@@ -94,6 +94,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Streams a request's outputs. Leaving the loop early aborts the request.
 
@@ -102,10 +103,14 @@ class AsyncEngine:
         :class:`EngineRefusal` before the first output when the request is refused
         (``InvalidRequestError``, ``ContextLengthError``, ``EngineBusyError``,
         ``EngineDeadError``), and ``EngineError`` when the engine fails it later.
+        ``lora_name`` names a loaded LoRA adapter to generate with.
         """
         params = params or SamplingParams()
         label = request_id or uuid.uuid4().hex
-        stream = await self.connection.open(label, list(prompt_token_ids), asdict(params), priority)
+        wire = asdict(params)
+        if lora_name is not None:
+            wire["lora_name"] = lora_name
+        stream = await self.connection.open(label, list(prompt_token_ids), wire, priority)
         self.labels.setdefault(label, set()).add(stream)
         try:
             async for batch in stream:

@@ -36,9 +36,11 @@ from ...scheduler import (
     SamplingParamsError,
     Scheduler,
 )
+from ...scheduler.adapters import AdapterNotFoundError
 from ...scheduler.messages import EngineOutput
 from ..config import EngineConfig
 from ..gc_pauses import freeze_startup_objects
+from ..lora import EngineAdapters
 from ..metrics.engine import EngineMetrics
 from ..metrics.recorder import MetricsRecorder
 from ..ranks.executors import ExecutorFactory
@@ -50,6 +52,7 @@ from .errors import (
     EngineDeadError,
     EngineDrainingError,
     InvalidRequestError,
+    ModelNotFoundError,
 )
 from .intake import checked_request
 from .outputs import OutputBuffers
@@ -113,6 +116,7 @@ class EngineCore:
         self.engine_key = f"{self.metrics.model_name}/{engine_index}"
         self.push_task: asyncio.Task | None = None
         self.workers = workers or WorkerGroup(config, executor)
+        self.runs_model = executor is None  # a stand-in executor has no weights to check
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
         self.vocab_size = 0
@@ -149,6 +153,10 @@ class EngineCore:
             max_in_flight=2 if self.config.async_scheduling else 1,
             kv_window=info.get("kv_window"),
         )
+        self.adapters = EngineAdapters(
+            self.config, self.scheduler, self.metrics.model_name, check_weights=self.runs_model
+        )
+        self.adapters.load_configured()
         self.recorder.state(self.scheduler)
         host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         self.endpoint = EngineEndpoint(self, host)
@@ -413,6 +421,8 @@ class EngineCore:
             return (EngineBusyError.kind, str(exc))
         except PromptTooLongError as exc:
             return (ContextLengthError.kind, str(exc))
+        except AdapterNotFoundError as exc:
+            return (ModelNotFoundError.kind, f"The model '{exc.args[0]}' does not exist")
         except (SamplingParamsError, ValueError, TypeError) as exc:
             return (InvalidRequestError.kind, str(exc))
         self.recorder.admitted(request)
@@ -433,6 +443,17 @@ class EngineCore:
         """The requests ``client`` added that have not ended."""
         return [r.request_id for r in self.scheduler.requests.values() if r.client == client]
 
+    # -- LoRA adapters (cluster/lora.py) -------------------------------------------------
+
+    async def load_lora_adapter(self, name, path, base_model_name=None) -> tuple | None:
+        return self.adapters.load(name, path, base_model_name)
+
+    async def unload_lora_adapter(self, name) -> tuple | None:
+        return self.adapters.unload(name)
+
+    async def lora_adapters(self) -> list[dict]:
+        return self.adapters.listing()
+
     # -- introspection ----------------------------------------------------------------------
 
     async def stats(self) -> dict:
@@ -446,6 +467,7 @@ class EngineCore:
             "worker_restarts": self.num_restarts,
             "rank_links": self.workers.links,
             "max_model_len": self.max_model_len,
+            **self.adapters.stats(),
         }
 
     def autoscaling_stats(self, window_s: float = 10.0) -> dict[str, float]:

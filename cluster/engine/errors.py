@@ -37,6 +37,12 @@ class ContextLengthError(InvalidRequestError):
     kind = "prompt_too_long"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model (a LoRA adapter) the engine does not serve."""
+
+    kind = "model_not_found"
+
+
 class EngineBusyError(EngineRefusal):
     """The engine's waiting queue is full; retry later."""
 
@@ -66,6 +72,7 @@ _BY_KIND = {
     for cls in (
         InvalidRequestError,
         ContextLengthError,
+        ModelNotFoundError,
         EngineBusyError,
         EngineUnavailableError,
         EngineDeadError,

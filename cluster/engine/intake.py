@@ -28,7 +28,8 @@ def checked_request(
     vocab_size: int,
 ) -> Request:
     """The scheduler's ``Request`` for these wire values; raises
-    ``SamplingParamsError``, ``ValueError`` or ``TypeError`` naming what is wrong."""
+    ``SamplingParamsError``, ``ValueError`` or ``TypeError`` naming what is wrong.
+    ``params`` may name a LoRA adapter as ``lora_name``."""
     if type(request_id) is not str or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id: must be a string of 1 to {MAX_REQUEST_ID_LEN} characters")
     if type(label) is not str or len(label) > MAX_LABEL_LEN:
@@ -40,6 +41,10 @@ def checked_request(
         raise TypeError(f"params: must be a mapping, got {type(params).__name__}")
     if not isinstance(prompt_token_ids, list):
         raise TypeError(f"prompt_token_ids: must be a list, got {type(prompt_token_ids).__name__}")
+    params = dict(params)
+    lora_name = params.pop("lora_name", None)
+    if lora_name is not None and (type(lora_name) is not str or not lora_name):
+        raise ValueError(f"lora_name must be an adapter's name, got {lora_name!r}")
     sampling = SamplingParams(**params)
     sampling.check_limits(
         max_n=limits.max_n, max_logprobs=limits.max_logprobs, vocab_size=vocab_size
@@ -54,4 +59,5 @@ def checked_request(
         arrival_time=time.monotonic(),
         priority=priority,
         label=label,
+        lora_name=lora_name,
     )

@@ -121,6 +121,19 @@ class EngineServer:
             status.update(healthy=healthy, ready=healthy, message=message)
         return status
 
+    async def load_lora_adapter(self, name, path, base_model_name=None) -> tuple | None:
+        """``None``, or the refusal ``(kind, message)`` (cluster/lora.py)."""
+        await self._ready()
+        return await self.core.load_lora_adapter(name, path, base_model_name)
+
+    async def unload_lora_adapter(self, name) -> tuple | None:
+        await self._ready()
+        return await self.core.unload_lora_adapter(name)
+
+    async def lora_adapters(self) -> list[dict]:
+        await self._ready()
+        return await self.core.lora_adapters()
+
     async def placement(self) -> dict:
         """Where this replica and its ranks run: node, placement group and process ids."""
         await self._ready()

@@ -115,7 +115,18 @@ SPECS: tuple[MetricSpec, ...] = (
                (("kind", STEP_KINDS),)),
     _histogram("iterserve_step_running_sequences", "Live sequences computing in one step.", COUNT_BUCKETS),
     _histogram("iterserve_step_slot_utilization_ratio", "Live sequences / slots, per step (0..1).", RATIO_BUCKETS),
+    # LoRA adapters: the adapter label's values are the names an operator loaded.
+    _gauge("iterserve_lora_requests_running", "Requests running on each loaded LoRA adapter.",
+           (("adapter", ()),)),
+    _gauge("iterserve_lora_requests_waiting", "Requests waiting for each loaded LoRA adapter.",
+           (("adapter", ()),)),
+    _gauge("iterserve_lora_adapters_resident", "LoRA adapters the ranks hold now (at most max_loras)."),
+    _counter("iterserve_lora_loads", "LoRA adapters loaded into a rank slot."),
+    _counter("iterserve_lora_evictions", "LoRA adapters that left a rank slot (least recently used, or unloaded)."),
 )  # fmt: skip
+# Families whose label values are not a fixed enum: their series are made and
+# dropped as the label values come and go (set_lora).
+DYNAMIC_LABELS = ("iterserve_lora_requests_running", "iterserve_lora_requests_waiting")
 
 METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in SPECS)
 _TYPES = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
@@ -138,6 +149,8 @@ class EngineMetrics:
         # dict lookup, and counters of every reason exist at 0 from the start, so
         # rate() over them returns 0 rather than nothing.
         self._children: dict[tuple, object] = {}
+        self._families: dict[str, object] = {}
+        self._adapters: set[str] = set()  # the adapter label values with series now
         # Running totals of every counter and histogram, recorded with them: what
         # ``totals()`` (the engine's stats) reads, so stats and metrics never disagree.
         self._totals: dict[tuple, float] = {}
@@ -146,7 +159,10 @@ class EngineMetrics:
             family = _TYPES[spec.kind](
                 spec.name, spec.help, spec.label_names, registry=self.registry, **kwargs
             )
+            self._families[spec.name] = family
             values = [allowed for _, allowed in spec.labels]
+            if spec.name in DYNAMIC_LABELS:
+                continue
             if spec.name == "iterserve_policy_info":
                 values = [(policy,)]  # an info gauge carries only the active value
             for extra in product(*values):
@@ -223,6 +239,25 @@ class EngineMetrics:
     def on_preemptions(self, n: int, recomputed_tokens: int) -> None:
         self._inc("iterserve_preemptions", n)
         self._inc("iterserve_recomputed_tokens", recomputed_tokens)
+
+    def set_lora(self, *, resident: int, loads: int, evictions: int,
+                 running: dict[str, int], waiting: dict[str, int]) -> None:  # fmt: skip
+        """LoRA adapters now: resident, new loads and evictions since the last call,
+        and requests running and waiting per loaded adapter (``running`` names every
+        loaded one; an unloaded adapter's series go)."""
+        self._set("iterserve_lora_adapters_resident", resident)
+        self._inc("iterserve_lora_loads", loads)
+        self._inc("iterserve_lora_evictions", evictions)
+        base = (self.model_name, self.engine)
+        names = set(running)
+        for name in ("iterserve_lora_requests_running", "iterserve_lora_requests_waiting"):
+            family = self._families[name]
+            for gone in self._adapters - names:
+                family.remove(*base, gone)  # type: ignore[attr-defined]
+            counts = running if name.endswith("running") else waiting
+            for adapter in names:
+                family.labels(*base, adapter).set(counts.get(adapter, 0))  # type: ignore[attr-defined]
+        self._adapters = names
 
     def on_worker_restart(self) -> None:
         self._inc("iterserve_worker_restarts", 1)

@@ -34,6 +34,7 @@ class MetricsRecorder:
         self._prefix = (0, 0, 0)  # queries, hits, evictions recorded so far
         # (when, seconds) of recent first tokens: the autoscaler's TTFT signal
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)
+        self._lora = (0, 0)  # adapter loads and evictions recorded so far
 
     def admitted(self, request: Request) -> None:
         self.metrics.on_prompt(request.num_prompt_tokens)
@@ -75,7 +76,25 @@ class MetricsRecorder:
             self.metrics.on_prefix_cache(queries=queries, hits=hits, evictions=evictions)
             self._prefix = prefix
 
+    def adapters(self, sched: Scheduler) -> None:
+        """LoRA adapters' residency and their requests (a no-op with none loaded)."""
+        residency = sched.adapters
+        if not residency.registered and not residency.num_loads:
+            return
+        running = dict.fromkeys(residency.registered, 0)
+        waiting: dict[str, int] = {}
+        for request in sched.requests.values():
+            if request.lora_name in running:
+                counts = running if request.slot_idx >= 0 else waiting
+                counts[request.lora_name] = counts.get(request.lora_name, 0) + 1
+        loads, evictions = residency.num_loads, residency.num_evictions
+        self.metrics.set_lora(resident=residency.num_resident, loads=loads - self._lora[0],
+                              evictions=evictions - self._lora[1], running=running,
+                              waiting=waiting)  # fmt: skip
+        self._lora = (loads, evictions)
+
     def state(self, sched: Scheduler) -> None:
+        self.adapters(sched)
         stats = sched.stats()
         self.metrics.set_state(
             num_running=stats["num_running"],

@@ -121,6 +121,10 @@ def build_api(
     add_generation_routes(app, serving, settings.max_body_bytes)
     add_model_routes(app, serving)
     add_operations_routes(app, serving, metrics_body)
+    if serving.lora is not None:
+        from ..lora import add_lora_routes
+
+        add_lora_routes(app, serving, settings.max_body_bytes)
     add_error_handlers(app)
     app.add_middleware(Gate, settings=settings)
     if settings.cors_allowed_origins:
@@ -196,14 +200,26 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
             card["max_model_len"] = serving._info["max_model_len"]
         return card
 
+    async def adapter_cards() -> list[dict]:
+        if serving.lora is None:
+            return []
+        with contextlib.suppress(Exception):  # engines still loading: none listed yet
+            await asyncio.wait_for(serving.lora.refresh(), MODEL_INFO_WAIT_S)
+        return serving.lora.cards(created)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [await model_card()]}
+        return {"object": "list", "data": [await model_card(), *await adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != serving.model_name:
-            raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found")
+            card = next((c for c in await adapter_cards() if c["id"] == model_id), None)
+            if card is None:
+                raise APIError(
+                    404, f"The model '{model_id}' does not exist", code="model_not_found"
+                )
+            return card
         return await model_card()
 
     @app.get("/openapi.json")

@@ -90,6 +90,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_refusal(refusal: EngineRefusal) -> APIError:
     """The HTTP answer to an engine's refusal, by its kind."""
+    if refusal.kind == "model_not_found":  # an adapter unloaded since the ingress checked
+        return APIError(404, refusal.message, param="model", code="model_not_found")
     if isinstance(refusal, InvalidRequestError):  # prompt_too_long among them
         return APIError(400, refusal.message, code=refusal.kind)
     if isinstance(refusal, EngineBusyError):

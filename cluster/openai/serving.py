@@ -86,6 +86,8 @@ class OpenAIServing:
         self.tool_call_parser = tool_call_parser
         self.grammars = structured.GrammarValidator(getattr(tokenizer, "path", ""))
         self._info: dict | None = None
+        # The LoRA adapters a request's model may name (cluster/lora.py); None: none.
+        self.lora: Any = None
 
     async def engine_info(self) -> dict:
         if self._info is None:
@@ -109,6 +111,22 @@ class OpenAIServing:
     def parse(self, model_cls: type[RequestModel], body: bytes):
         return self.validate(model_cls, load_json(body))
 
+    async def parse_request(self, model_cls: type[RequestModel], body: bytes):
+        """``parse``, asking the engines for their adapters once when ``model`` names
+        one this ingress has not seen (loaded through another ingress, or at start)."""
+        data = load_json(body)
+        try:
+            return self.validate(model_cls, data)
+        except APIError as exc:
+            if exc.code != "model_not_found" or self.lora is None:
+                raise
+        await self.lora.refresh()
+        return self.validate(model_cls, data)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's ``model`` names, or None for the base model."""
+        return model if self.lora is not None and model in self.lora else None
+
     def validate(self, model_cls: type[RequestModel], data: dict):
         """The validated request and the headers its answer carries (the names it
         sent that this server ignored)."""
@@ -128,7 +146,7 @@ class OpenAIServing:
     def check_model(self, model: str | None, required: bool = True) -> None:
         if model is None and not required:
             return
-        if model != self.model_name:
+        if model != self.model_name and self.lora_name(model) is None:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -181,7 +199,7 @@ class OpenAIServing:
     # -- endpoints --------------------------------------------------------------------
 
     async def completions(self, body: bytes, request_id: str) -> Response:
-        request, headers = self.parse(CompletionRequest, body)
+        request, headers = await self.parse_request(CompletionRequest, body)
         if request.best_of not in (None, request.n):
             raise bad_request("best_of: only null or a value equal to n is supported", "best_of")
         info = await self.engine_info()
@@ -209,7 +227,7 @@ class OpenAIServing:
         )
 
     async def chat(self, body: bytes, request_id: str) -> Response:
-        request, headers = self.parse(ChatCompletionRequest, body)
+        request, headers = await self.parse_request(ChatCompletionRequest, body)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         tools = tool_plan(request, self.tool_call_parser)
@@ -265,7 +283,7 @@ class OpenAIServing:
         return ResponseBuilder(
             chat=chat,
             request_id=request_id,
-            model=self.model_name,
+            model=self.lora_name(request.model) or self.model_name,
             tokenizer=self.tokenizer,
             tokens_as_ids=request.return_tokens_as_token_ids,
             echoes=echoes,
@@ -277,6 +295,10 @@ class OpenAIServing:
     async def _respond(
         self, request, jobs, prompt_tokens, builder, request_id, headers, texts=None
     ) -> Response:
+        lora_name = self.lora_name(request.model)
+        if lora_name is not None:
+            for job in jobs:
+                job.params["lora_name"] = lora_name
         generation = Generation(self.engine, jobs, self.request_timeout_s)
         await generation.open()  # refusals raise here, before any byte is sent
         if request.stream:

@@ -132,6 +132,9 @@ class ModelExecutors:
             # longest context it allows (the checkpoint's, when it leaves it).
             graph_batch_sizes=graph_buckets(config.scheduler.max_num_seqs),
             max_model_len=config.scheduler.max_model_len,
+            max_loras=config.rank_max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready
         return runner

@@ -273,6 +273,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="how requests spread over engine replicas: to the one likely to hold the "
         "prompt's prefix, load as the bound (prefix, the default), or by load alone",
     )
+    from ..lora import add_lora_arguments
+
+    add_lora_arguments(parser)
     parser.set_defaults(func=serve_from_args)
     return parser
 
@@ -282,6 +285,8 @@ def _origins(text: str) -> list[str]:
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
+    from ..lora import lora_config_from_args
+
     run_server(
         model=args.model,
         config_file=args.config,
@@ -296,6 +301,7 @@ def serve_from_args(args: argparse.Namespace) -> None:
         cors_allow_credentials=args.cors_allow_credentials,
         metrics_require_api_key=args.metrics_require_api_key,
         routing=args.routing,
+        config=lora_config_from_args(args),
     )
 
 

@@ -122,6 +122,10 @@ class OpenAIIngress:
                 "routing": args.routing if router is not None else "load",
             },
         )
+        if config.enable_lora:
+            from ..lora import AdapterDirectory
+
+            self.serving.lora = AdapterDirectory(self.engines, args.served_model_name(config))
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)
         if direct:
             sock = listening_socket(args.http_host, args.http_port)

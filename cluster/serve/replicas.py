@@ -73,7 +73,7 @@ class ChannelEngineClient:
     async def _open(self, request_id, prompt_token_ids, params, priority, tried) -> RequestStream:
         refused: EngineRefusal | None = None
         while True:
-            connection = await self._pick(prompt_token_ids, tried, refused)
+            connection = await self._pick(prompt_token_ids, tried, refused, params.get("lora_name"))
             tried.add(connection.replica)
             try:
                 return await connection.open(request_id, prompt_token_ids, params, priority)
@@ -82,10 +82,15 @@ class ChannelEngineClient:
                 self._unusable(connection)
 
     async def _pick(
-        self, prompt_token_ids: list[int], tried: set[str], refused: EngineRefusal | None
+        self,
+        prompt_token_ids: list[int],
+        tried: set[str],
+        refused: EngineRefusal | None,
+        adapter: str | None = None,
     ) -> EngineConnection:
         """The replica for a prompt among those that take requests and were not
-        tried for it; raises the last refusal (or ``unavailable``) when none is left."""
+        tried for it (preferring one where its LoRA ``adapter`` is resident); raises
+        the last refusal (or ``unavailable``) when none is left."""
         live = self._usable(tried)
         if not live:
             await self._refresh()
@@ -98,7 +103,7 @@ class ChannelEngineClient:
             if not live:
                 raise refused or self._none_left()
         loads = {replica: c.load for replica, c in live.items()}
-        return live[choose_replica(self.router, prompt_token_ids, loads)]
+        return live[choose_replica(self.router, prompt_token_ids, loads, adapter)]
 
     def _usable(self, tried: set[str]) -> dict[str, EngineConnection]:
         return {r: c for r, c in self.connections.items() if c.usable and r not in tried}
@@ -176,6 +181,12 @@ class ChannelEngineClient:
 
     async def stats(self) -> list[dict]:
         return [r for r in await self._broadcast("stats", 30) if isinstance(r, dict)]
+
+    async def call_all(self, method: str, *args) -> list:
+        """``method(*args)`` on every engine replica (LoRA adapters' loads): each
+        one's answer, or the exception it raised."""
+        response = self.handle.broadcast(method, *args)
+        return await response.results_async(timeout_s=120, return_exceptions=True)
 
     async def health(self) -> list[dict]:
         return [

@@ -10,6 +10,12 @@ unless that replica is busier than the least loaded one by more than the slack
 (then, and when nothing matches, the least loaded replica takes it). Either
 way the prompt's blocks are recorded as the chosen replica's.
 
+A request on a LoRA adapter hashes its blocks with the adapter's name mixed in
+(an engine never shares KV across adapters either), and when none of its blocks
+is known it goes to the replica that last took that adapter, within the same
+bound: that replica likely holds the adapter in a slot, and loading it on
+another would evict one there.
+
 The map is a guess: a replica may have evicted a block since, and another
 ingress's requests are not seen. A wrong guess costs only the recompute that
 load-only routing would have paid anyway.
@@ -30,13 +36,17 @@ REL_SLACK = 0.5  # ... or this fraction of the least loaded's load, whichever is
 
 
 def choose_replica(
-    router: PrefixRouter | None, token_ids: Sequence[int], loads: Mapping[str, int]
+    router: PrefixRouter | None,
+    token_ids: Sequence[int],
+    loads: Mapping[str, int],
+    adapter: str | None = None,
 ) -> str:
     """The replica (a key of ``loads``: requests in flight per live replica) for a
-    prompt: by ``router``, or with None by load alone (the fewest in flight)."""
+    prompt (on LoRA ``adapter``, if any): by ``router``, or with None by load alone
+    (the fewest in flight)."""
     if router is None:
         return min(loads, key=loads.__getitem__)
-    return router.pick(token_ids, loads)
+    return router.pick(token_ids, loads, adapter=adapter)
 
 
 class PrefixRouter:
@@ -57,30 +67,47 @@ class PrefixRouter:
         self.abs_slack = abs_slack
         self.rel_slack = rel_slack
         self.owners: OrderedDict[bytes, str] = OrderedDict()  # block hash -> replica, LRU
+        self.adapter_owners: OrderedDict[str, str] = OrderedDict()  # adapter -> last replica
         self.num_routed = 0
         self.num_prefix_routed = 0  # sent to the replica holding their prefix
+        self.num_adapter_routed = 0  # sent to the replica that last took their adapter
 
-    def pick(self, token_ids: Sequence[int], loads: Mapping[str, int], salt: str = "") -> str:
+    def pick(self, token_ids: Sequence[int], loads: Mapping[str, int], salt: str = "",
+             adapter: str | None = None) -> str:  # fmt: skip
         """The replica (a key of ``loads``, which maps each live replica to its
-        requests in flight) that should take a prompt of ``token_ids``."""
+        requests in flight) that should take a prompt of ``token_ids`` (on LoRA
+        ``adapter``, if any)."""
         least = min(loads, key=loads.__getitem__)
         if len(loads) == 1:
             return least
+        if adapter is not None:
+            salt = f"lora:{adapter}:{salt}"
         hashes = prompt_block_hashes(
             token_ids, self.block_size, salt=salt, max_blocks=self.max_blocks
         )
-        choice = least
+        bound = loads[least] + max(self.abs_slack, self.rel_slack * loads[least])
+        choice, matched = least, False
         for h in reversed(hashes):  # a block's hash covers every block before it
             owner = self.owners.get(h)
             if owner is None or owner not in loads:
                 continue
-            bound = loads[least] + max(self.abs_slack, self.rel_slack * loads[least])
+            matched = True
             if loads[owner] <= bound:
                 choice = owner
                 self.num_prefix_routed += 1
             break
+        if adapter is not None and not matched:
+            owner = self.adapter_owners.get(adapter)
+            if owner in loads and loads[owner] <= bound:
+                choice = owner
+                self.num_adapter_routed += 1
         self.num_routed += 1
         self._record(hashes, choice)
+        if adapter is not None:
+            self.adapter_owners[adapter] = choice
+            self.adapter_owners.move_to_end(adapter)
+            while len(self.adapter_owners) > self.capacity:
+                self.adapter_owners.popitem(last=False)
         return choice
 
     def forget(self, replica: str) -> int:

@@ -70,6 +70,11 @@ class ContinuousPolicy(Policy):
             request = step.waiting.peek()
             if request is None:
                 return
+            if not step.adapter_fits(request):
+                # Its adapter waits for a slot; one whose adapter has one goes first.
+                request = step.waiting.first(step.adapter_fits)
+                if request is None:
+                    return
             remaining = step.num_to_compute(request)
             num_tokens = self.piece(remaining, step.budget_left)
             if num_tokens == 0:

@@ -86,3 +86,17 @@ async def test_the_ingress_routes_by_prefix_or_by_load_alone():
         await client.open("a3", SYSTEM_A + [4], {}, 0)
     assert by_prefix.connections["r0"].added == ["a1", "a2", "a3"]
     assert by_load.connections["r0"].added == ["a1", "a2"]  # alternates with the load
+
+
+def test_a_lora_request_goes_to_the_replica_that_last_took_its_adapter():
+    """No block of its prompt known: the replica likely holding the adapter in a
+    slot takes it, load permitting; the base model's blocks are not its own."""
+    router = PrefixRouter(BS, abs_slack=2)
+    router.pick(SYSTEM_A + [1], {"r0": 0, "r1": 0})  # base model on r0
+    assert router.pick([9, 9, 9], {"r0": 1, "r1": 0}, adapter="sql") == "r1"
+    # Same prompt head as the base request, but on the adapter: r1, not r0.
+    assert router.pick(SYSTEM_A + [2], {"r0": 0, "r1": 1}, adapter="sql") == "r1"
+    assert router.num_adapter_routed == 1 and router.num_prefix_routed == 0
+    # Beyond the slack, by load after all.
+    assert router.pick([5, 6, 7, 8, 1], {"r0": 0, "r1": 3}, adapter="sql") == "r0"
+    assert router.pick([4, 4, 4], {"r0": 0, "r1": 0}, adapter="chat") == "r0"  # unknown adapter

@@ -203,3 +203,32 @@ def test_upgrade_strategy_values_reach_the_rayservice(render) -> None:
         "intervalSeconds": 60,
         "maxSurgePercent": 25,
     }
+
+
+def test_lora_modules_come_from_the_adapters_volume(render) -> None:
+    rendered = render(
+        {
+            "lora": {
+                "volume": {"persistentVolumeClaim": {"claimName": "adapters", "readOnly": True}},
+                "mountPath": "/adapters/",
+                "modules": {"sql": "sql-lora", "chat": "/chat/"},
+            },
+            "engine": {"maxLoras": 4, "maxLoraRank": 64},
+        }
+    )
+    config = rendered.app_args["config"]
+    assert config["enable_lora"] is True
+    assert config["lora_modules"] == {"sql": "/adapters/sql-lora", "chat": "/adapters/chat"}
+    assert config["max_loras"] == 4 and config["max_lora_rank"] == 64
+    _check_engine_config(config)
+    (service,) = rendered.of_kind("RayService")
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in head["volumes"]}
+    assert volumes["lora-adapters"]["persistentVolumeClaim"]["claimName"] == "adapters"
+    mounts = {m["name"]: m for m in head["containers"][0]["volumeMounts"]}
+    assert mounts["lora-adapters"]["readOnly"] is True
+
+
+def test_without_adapters_lora_stays_off(renders) -> None:
+    config = renders["defaults"].app_args["config"]
+    assert config["enable_lora"] is False and "lora_modules" not in config

@@ -4,6 +4,7 @@ of every dashboard returns data through Prometheus' HTTP API."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -16,15 +17,16 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binar
 APP = "observed"
 
 
-async def _load(base_url: str, model: str, seconds: float) -> None:
-    """Streams and plain requests, some abandoned part-way (aborts), for ``seconds``."""
+async def _load(base_url: str, models: list[str], seconds: float) -> None:
+    """Streams and plain requests, some abandoned part-way (aborts), for ``seconds``,
+    each on one of ``models`` (the base model, a LoRA adapter)."""
     rng = random.Random(0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
 
     async def one(client: httpx.AsyncClient) -> None:
         body = {
-            "model": model,
+            "model": rng.choice(models),
             "prompt": [5, 6, 7, 8],
             "max_tokens": rng.randint(4, 24),
             "stream": True,
@@ -47,15 +49,23 @@ async def _enumerate(ait):
         i += 1
 
 
-def test_every_panel_query_returns_data_from_a_live_server(serve_url, tokenizer_dir, vocab_size):
-    config = fake_engine(vocab_size, executor_options={"step_sleep_s": 0.005})
+def test_every_panel_query_returns_data_from_a_live_server(
+    serve_url, tokenizer_dir, vocab_size, tmp_path
+):
+    # A LoRA adapter too, so that the adapter panels have series (the stand-in model
+    # reads only its config).
+    adapter = tmp_path / "observed-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    config = fake_engine(vocab_size, executor_options={"step_sleep_s": 0.005},
+                         lora_modules={"observed-lora": str(adapter)})  # fmt: skip
     base_url = deploy(
         serve_url, APP, model=str(tokenizer_dir), config=config, model_name="observed-model"
     )
     try:
         host_port = serve_url.removeprefix("http://")
         with run_prometheus(host_port, metrics_path=f"/{APP}/metrics") as prom:
-            asyncio.run(_load(base_url, "observed-model", seconds=12.0))
+            asyncio.run(_load(base_url, ["observed-model", "observed-lora"], seconds=12.0))
             # Two scrapes after the load so every rate() window holds an increase.
             assert wait_for(lambda: query(prom, "iterserve_generation_tokens_total"), 30)
             queries = all_panel_queries()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from iterserve.scheduler.codec import VERSION, CodecError, decode, encode
 from iterserve.scheduler.messages import (
     FINISH_REASONS,
+    AdapterLoad,
     EngineOutput,
     EngineOutputs,
     FinishedSeq,
@@ -60,6 +61,7 @@ plans = st.builds(
             num_prompt_tokens=ints,
             params=params,
             num_cached_tokens=ints,
+            lora_slot=ints,
         ),
         max_size=4,
     ),
@@ -78,6 +80,16 @@ plans = st.builds(
     released_slots=st.lists(ints, max_size=8),
     padding_slots=st.lists(ints, max_size=8),
     lookahead=st.booleans(),
+    adapter_loads=st.lists(
+        st.builds(
+            AdapterLoad,
+            slot=ints,
+            adapter_id=ints,
+            name=st.text(max_size=20),
+            path=st.text(max_size=60),
+        ),
+        max_size=3,
+    ),  # fmt: skip
 )
 floats = st.floats(allow_nan=False)
 results = st.builds(

@@ -10,7 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from iterserve.scheduler.blocks import blocks_before_window
-from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan, StepResult
+from iterserve.scheduler.messages import (
+    AdapterLoad,
+    NewSequence,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 from iterserve.scheduler.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -48,16 +54,30 @@ class PlanDriver:
         self.done: dict[str, Seq] = {}
         self._new: list[NewSequence] = []
         self._released: list[int] = []
+        self._loads: list[AdapterLoad] = []
         self.results: list[StepResult] = []
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> Seq:
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams = GREEDY,
+        lora_slot: int = 0,
+    ) -> Seq:
         seq = Seq(request_id, self.next_slot, list(prompt), len(prompt), params)
         self.next_slot += 1
         self.active[seq.slot] = seq
         self._new.append(
-            NewSequence(seq.slot, request_id, seq.slot, list(prompt), len(prompt), params)
-        )
+            NewSequence(
+                seq.slot, request_id, seq.slot, list(prompt), len(prompt), params,
+                lora_slot=lora_slot,
+            )
+        )  # fmt: skip
         return seq
+
+    def load_adapter(self, slot: int, adapter_id: int, path) -> None:
+        """Loads an adapter into a slot with the next plan."""
+        self._loads.append(AdapterLoad(slot, adapter_id, f"adapter{adapter_id}", str(path)))
 
     def plan(
         self,
@@ -95,8 +115,9 @@ class PlanDriver:
             scheduled=scheduled,
             released_slots=self._released,
             padding_slots=list(padding_slots or []),
+            adapter_loads=self._loads,
         )
-        self._new, self._released = [], []
+        self._new, self._released, self._loads = [], [], []
         self.step_no += 1
         return plan
 

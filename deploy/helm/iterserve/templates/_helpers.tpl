@@ -161,6 +161,7 @@ The Serve config (serveConfigV2) as YAML.
   "batch_wait_s" (float64 $e.batchWaitS)
   "max_n" (int $e.maxN)
   "max_logprobs" (int $e.maxLogprobs)
+  "max_loras" (int $e.maxLoras)
   "kv_memory_fraction" (float64 $e.kvMemoryFraction)
   "step_timeout_s" (float64 $e.stepTimeoutS)
   "max_restarts" (int $e.maxRestarts)
@@ -168,6 +169,8 @@ The Serve config (serveConfigV2) as YAML.
   "drain_timeout_s" (float64 $e.drainTimeoutS)
   "placement_strategy" $e.placementStrategy
   "async_scheduling" $e.asyncScheduling
+  "enable_lora" $e.enableLora
+  "max_lora_rank" (int $e.maxLoraRank)
 }}
 {{- if gt (int $e.maxNumBatchedTokens) 0 }}
 {{- $_ := set $config "max_num_batched_tokens" (int $e.maxNumBatchedTokens) }}
@@ -178,8 +181,19 @@ The Serve config (serveConfigV2) as YAML.
 {{- if gt (int $e.numKvBlocks) 0 }}
 {{- $_ := set $config "num_kv_blocks" (int $e.numKvBlocks) }}
 {{- end }}
+{{- if gt (int $e.maxCpuLoras) 0 }}
+{{- $_ := set $config "max_cpu_loras" (int $e.maxCpuLoras) }}
+{{- end }}
 {{- /* end of the generated engine config */}}
 {{- $_ := set $config "device" "cuda" }}
+{{- if .Values.lora.modules }}
+{{- $modules := dict }}
+{{- range $name, $dir := .Values.lora.modules }}
+{{- $_ := set $modules $name (printf "%s/%s" (trimSuffix "/" $.Values.lora.mountPath) (trimAll "/" $dir)) }}
+{{- end }}
+{{- $_ := set $config "lora_modules" $modules }}
+{{- $_ := set $config "enable_lora" true }}
+{{- end }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
   "config" $config
@@ -241,12 +255,21 @@ Volumes and mounts that carry the model into a Ray pod.
   {{- toYaml $m.copy.volume | nindent 2 }}
 {{- end }}
 {{- end }}
+{{- if .Values.lora.volume }}
+- name: lora-adapters
+  {{- toYaml .Values.lora.volume | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "iterserve.modelVolumeMounts" -}}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
+{{- if .Values.lora.volume }}
+- name: lora-adapters
+  mountPath: {{ .Values.lora.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/*
