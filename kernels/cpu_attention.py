@@ -93,25 +93,9 @@ def _prefetch_block(rows, block, rows_per_block, head_dim):
 
 
 @_jit()
-def _window_start(length, window):
-    """The first position a row seeing ``length`` positions reads: all of them, or
-    the last ``window`` (``window`` 0: none)."""
-    if window > 0 and length > window:
-        return length - window
-    return 0
-
-
-@_jit()
-def _tanh_f32(x):
-    """tanh through the vectorizable exponential (exact to a few fp32 steps of the
-    result; clamped ends give ±1)."""
-    return np.float32(1.0) - np.float32(2.0) / (exp_f32(np.float32(2.0) * x) + np.float32(1.0))
-
-
-@_jit()
 def _attend_one(
     q, k_rows, v_rows, table, length, next_table, next_length, row, scale, out,
-    scores, acc, qh, top, block_size, num_kv_heads, window, soft_cap,
+    scores, acc, qh, top, block_size, num_kv_heads,
 ):  # fmt: skip
     """One sequence's decode row, every query head at once: each block of K, then
     of V, is read once, front to back (a position's KV heads lie side by side), so
@@ -124,33 +108,25 @@ def _attend_one(
     per output element instead of one per score. While a block is read, the one
     :data:`PREFETCH_BLOCKS`
     further along this row's K blocks, then its V blocks, then the next row's K
-    blocks (``next_table``, ``next_length``) is fetched into L2. A ``window`` (0:
-    none) limits the row to its last ``window`` positions, whose blocks alone are
-    read; a ``soft_cap`` (0: none) bounds each scaled score as ``soft_cap *
-    tanh(score / soft_cap)`` before the softmax (monotonic, so the largest score
-    capped is the largest of the capped ones)."""
+    blocks (``next_table``, ``next_length``) is fetched into L2."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
-    start = _window_start(length, window)
-    first_block = start // block_size
-    num_blocks = (length + block_size - 1) // block_size - first_block
-    next_first = _window_start(next_length, window) // block_size
-    next_blocks = (next_length + block_size - 1) // block_size - next_first
+    num_blocks = (length + block_size - 1) // block_size
+    next_blocks = (next_length + block_size - 1) // block_size
     per_block = block_size * num_kv_heads
     for i in range(num_heads):
         top[i] = np.float32(-3.0e38)
         for d in range(head_dim):
             qh[i, d] = load_f32(q, (row, i, d)) * scale
             acc[i, d] = 0.0
-    for jj in range(num_blocks):
-        j = first_block + jj
-        ahead = jj + PREFETCH_BLOCKS
+    for j in range(num_blocks):
+        ahead = j + PREFETCH_BLOCKS
         if ahead < num_blocks:
-            _prefetch_block(k_rows, table[first_block + ahead], per_block, head_dim)
+            _prefetch_block(k_rows, table[ahead], per_block, head_dim)
         elif ahead < 2 * num_blocks:
-            _prefetch_block(v_rows, table[first_block + ahead - num_blocks], per_block, head_dim)
+            _prefetch_block(v_rows, table[ahead - num_blocks], per_block, head_dim)
         first = table[j] * per_block
-        for o in range(max(0, start - j * block_size), min(block_size, length - j * block_size)):
+        for o in range(min(block_size, length - j * block_size)):
             for h in range(num_kv_heads):
                 k_row = k_rows[first + o * num_kv_heads + h]
                 for g in range(group):
@@ -162,30 +138,19 @@ def _attend_one(
     for i in range(num_heads):
         head_scores, largest = scores[i], top[i]
         total = np.float32(0.0)
-        if soft_cap > 0:
-            inv_cap = np.float32(1.0) / soft_cap
-            largest = soft_cap * _tanh_f32(largest * inv_cap)
-            for p in range(start, length):
-                e = exp_f32(soft_cap * _tanh_f32(head_scores[p] * inv_cap) - largest)
-                head_scores[p] = e
-                total += e
-        else:
-            for p in range(start, length):
-                e = exp_f32(head_scores[p] - largest)
-                head_scores[p] = e
-                total += e
+        for p in range(length):
+            e = exp_f32(head_scores[p] - largest)
+            head_scores[p] = e
+            total += e
         top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
-    for jj in range(num_blocks):
-        j = first_block + jj
-        ahead = jj + PREFETCH_BLOCKS
+    for j in range(num_blocks):
+        ahead = j + PREFETCH_BLOCKS
         if ahead < num_blocks:
-            _prefetch_block(v_rows, table[first_block + ahead], per_block, head_dim)
+            _prefetch_block(v_rows, table[ahead], per_block, head_dim)
         elif ahead - num_blocks < next_blocks:
-            _prefetch_block(
-                k_rows, next_table[next_first + ahead - num_blocks], per_block, head_dim
-            )
+            _prefetch_block(k_rows, next_table[ahead - num_blocks], per_block, head_dim)
         first = table[j] * per_block
-        for o in range(max(0, start - j * block_size), min(block_size, length - j * block_size)):
+        for o in range(min(block_size, length - j * block_size)):
             p = j * block_size + o
             for h in range(num_kv_heads):
                 v_row = v_rows[first + o * num_kv_heads + h]
@@ -201,7 +166,7 @@ def _attend_one(
 @_jit()
 def _attend_row(
     q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out, scores, acc, qh, top,
-    block_size, num_kv_heads, window, soft_cap,
+    block_size, num_kv_heads,
 ):  # fmt: skip
     """Row ``r`` of the batch, prefetching the first KV blocks of row ``r + 1``."""
     n = lengths.shape[0]
@@ -209,12 +174,12 @@ def _attend_row(
     _attend_one(
         q, k_rows, v_rows, tables[table_of[r]], lengths[r], tables[table_of[following]],
         lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, qh, top,
-        block_size, num_kv_heads, window, soft_cap,
+        block_size, num_kv_heads,
     )  # fmt: skip
 
 
 @_jit()
-def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out, window, soft_cap):
+def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
@@ -227,20 +192,15 @@ def _attend_all(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out
     qh = np.empty((num_heads, head_dim), dtype=np.float32)
     top = np.empty(num_heads, dtype=np.float32)
     if n:  # the first row's first blocks; every later row's come with the row before
-        first = _window_start(lengths[0], window) // block_size
-        for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size - first)):
-            _prefetch_block(
-                k_rows, tables[table_of[0], first + j], block_size * num_kv_heads, head_dim
-            )
+        for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size)):
+            _prefetch_block(k_rows, tables[table_of[0], j], block_size * num_kv_heads, head_dim)
     for r in range(n):
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, top, block_size, num_kv_heads, window, soft_cap)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
 @_jit(parallel=True)
-def _attend_all_parallel(
-    q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out, window, soft_cap
-):
+def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out):
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
@@ -251,7 +211,7 @@ def _attend_all_parallel(
         qh = np.empty((num_heads, head_dim), dtype=np.float32)
         top = np.empty(num_heads, dtype=np.float32)
         _attend_row(q, k_rows, v_rows, tables, table_of, lengths, rows, r, scale, out,
-                    scores, acc, qh, top, block_size, num_kv_heads, window, soft_cap)  # fmt: skip
+                    scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
 # The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
@@ -376,22 +336,17 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 or bf16 on the CPU), sliding
-    windows and soft-capping included; a batch with a long prefill piece under a
-    window shorter than its longest sequence, or under a soft cap, takes the
-    reference whole (torch's flash attention has neither)."""
-    if not _usable(query, k_cache, v_cache):
+    on the compiled kernel where it applies (fp32 or bf16 on the CPU, no soft-capping,
+    no sliding window shorter than the longest sequence: those take the reference)."""
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if not _usable(query, k_cache, v_cache) or cuts or soft_cap is not None:
         return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
     checks.check_paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, soft_cap
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
     plan = _plan(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
                  query_start_loc)  # fmt: skip
-    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
-    if plan.pieces.long and (cuts or soft_cap is not None):
-        return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
     out = attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
     if plan.rows is not None:
         tables, table_of, lengths, rows = plan.rows
@@ -401,7 +356,6 @@ def paged_attention(
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         (_attend_all_parallel if parallel else _attend_all)(
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
-            table_of, lengths, rows, np.float32(scale), as_array(out), int(window or 0),
-            np.float32(soft_cap or 0.0),
+            table_of, lengths, rows, np.float32(scale), as_array(out),
         )  # fmt: skip
     return out
