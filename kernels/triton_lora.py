@@ -8,9 +8,9 @@ segment, so it reads only its adapter's weights::
     rows:   seg 0 (slot 2) [r r r r r r r] | seg 1 (slot 1) [r r r]
     tiles:  [m0      ][m1  ]                 [m0   ] [m1: exits at once]
 
-Shrink accumulates ``x[rows] @ a[slot]`` over ``in`` in fp32 and stores
-``[rows, R]``; expand accumulates ``s[rows] @ b[slot]`` over ``R`` and adds it
-to ``out``, whose every element one program owns (no atomics). Rows of the
+Both are one kernel: shrink accumulates ``x[rows] @ a[slot]`` over ``in`` in
+fp32 and stores ``[rows, R]``; expand accumulates ``s[rows] @ b[slot]`` over
+``R`` and adds it to ``out``, whose every element one program owns (no atomics). Rows of the
 base model belong to no segment and are never read or written by expand.
 """
 
@@ -30,65 +30,27 @@ BLOCK_N = 32
 
 
 @triton.jit
-def _shrink_kernel(
-    s_ptr,  # [num_rows, R]
-    x_ptr,  # [num_rows, K]
-    a_ptr,  # [num_slots, K, R]
+def _segmented_kernel(
+    out_ptr,  # [num_rows, N]
+    in_ptr,  # [num_rows, K]
+    w_ptr,  # [num_slots, K, N]
     starts_ptr,  # [num_segments]
     lens_ptr,
     slots_ptr,
     K,
-    R,
-    stride_xm,
-    stride_as,
-    stride_ak,
-    stride_sm,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seg = tl.program_id(0)
-    n = tl.load(lens_ptr + seg)
-    if tl.program_id(1) * BLOCK_M >= n:
-        return
-    start = tl.load(starts_ptr + seg).to(tl.int64)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < n, cols < R
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + (start + rows)[:, None] * stride_xm + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        a = tl.load(a_ptr + slot * stride_as + ks[:, None] * stride_ak + cols[None, :],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc += tl.dot(x, a, input_precision=DOT_PRECISION)
-    tl.store(s_ptr + (start + rows)[:, None] * stride_sm + cols[None, :],
-             acc.to(s_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
-
-
-@triton.jit
-def _expand_kernel(
-    out_ptr,  # [num_rows, N]
-    s_ptr,  # [num_rows, R]
-    b_ptr,  # [num_slots, R, N]
-    starts_ptr,
-    lens_ptr,
-    slots_ptr,
-    R,
     N,
-    stride_sm,
-    stride_bs,
-    stride_br,
+    stride_im,
+    stride_ws,
+    stride_wk,
     stride_om,
+    ACCUMULATE: tl.constexpr,  # add to ``out`` (expand) rather than store (shrink)
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """One tile of one segment: ``in[rows] @ w[slot]`` summed over ``K`` in fp32,
+    stored into ``out[rows]`` or added to it."""
     seg = tl.program_id(0)
     n = tl.load(lens_ptr + seg)
     if tl.program_id(1) * BLOCK_M >= n:
@@ -99,18 +61,19 @@ def _expand_kernel(
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < n, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_K):
-        rs = r0 + tl.arange(0, BLOCK_K)
-        r_ok = rs < R
-        s = tl.load(s_ptr + (start + rows)[:, None] * stride_sm + rs[None, :],
-                    mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(b_ptr + slot * stride_bs + rs[:, None] * stride_br + cols[None, :],
-                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc += tl.dot(s, b, input_precision=DOT_PRECISION)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(in_ptr + (start + rows)[:, None] * stride_im + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + slot * stride_ws + ks[:, None] * stride_wk + cols[None, :],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     ptrs = out_ptr + (start + rows)[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    total = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + acc
-    tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    if ACCUMULATE:
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _segments(device, starts, lens, slots) -> tuple[torch.Tensor, ...]:
@@ -136,9 +99,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, starts: list[int], lens: list[
         return s
     grid = (len(starts), triton.cdiv(max(lens), BLOCK_M), triton.cdiv(a.shape[2], BLOCK_N))
     with device_guard(x):
-        _shrink_kernel[grid](
+        _segmented_kernel[grid](
             s, x, a, *_segments(x.device, starts, lens, slots), x.shape[1], a.shape[2],
-            x.stride(0), a.stride(0), a.stride(1), s.stride(0),
+            x.stride(0), a.stride(0), a.stride(1), s.stride(0), ACCUMULATE=False,
             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N,
             DOT_PRECISION=dot_precision(x.dtype),
         )  # fmt: skip
@@ -156,9 +119,9 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, out: torch.Tensor, starts: lis
         return out
     grid = (len(starts), triton.cdiv(max(lens), BLOCK_M), triton.cdiv(b.shape[2], BLOCK_N))
     with device_guard(s):
-        _expand_kernel[grid](
+        _segmented_kernel[grid](
             out, s, b, *_segments(s.device, starts, lens, slots), b.shape[1], b.shape[2],
-            s.stride(0), b.stride(0), b.stride(1), out.stride(0),
+            s.stride(0), b.stride(0), b.stride(1), out.stride(0), ACCUMULATE=True,
             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_N, BLOCK_N=BLOCK_N,
             DOT_PRECISION=dot_precision(s.dtype),
         )  # fmt: skip
