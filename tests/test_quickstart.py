@@ -45,6 +45,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_serve(tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """``iterserve serve`` as the README runs it (no config), on a free port, in a
+    session of its own; its process, URL and log file."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "iterserve"), "serve", "--port", str(port)],
+            cwd=tmp_path, env=USER_ENV, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return proc, f"http://127.0.0.1:{port}", log
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen | None, log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -154,15 +168,7 @@ def _session_dir(procs: list[psutil.Process]) -> str:
 
 
 def test_iterserve_serve_comes_up_with_no_config_and_leaves_nothing_behind(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "iterserve"), "serve", "--port", str(port)],
-            cwd=tmp_path, env=USER_ENV, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    proc, url, log = _start_serve(tmp_path)
     try:
         _wait_healthy(url, proc, log)
         _drive_with_openai(url)

@@ -14,8 +14,7 @@ import subprocess
 
 import httpx
 
-from tests.conftest import USER_ENV
-from tests.test_quickstart import BIN, EXIT_TIMEOUT_S, _free_port, _wait_healthy
+from tests.test_quickstart import EXIT_TIMEOUT_S, _start_serve, _wait_healthy
 
 NUM_STREAMS = 16
 MAX_TOKENS = 128
@@ -66,15 +65,7 @@ async def _load(url: str, proc: subprocess.Popen) -> tuple[list, list[tuple[int,
 
 
 def test_sigterm_mid_stream_completes_every_stream(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "iterserve"), "serve", "--port", str(port)],
-            cwd=tmp_path, env=USER_ENV, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    proc, url, log = _start_serve(tmp_path)
     try:
         _wait_healthy(url, proc, log)
         results, during = asyncio.run(_load(url, proc))
