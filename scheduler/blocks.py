@@ -213,6 +213,23 @@ class BlockManager:
             self._release(block)
         return blocks[first:]
 
+    def truncate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Drops the table's blocks beyond those holding its first ``num_tokens``
+        tokens (positions a step computed for proposals that were rejected); returns
+        them. Such blocks are fresh, never shared and never registered (registration
+        stops at the known tokens, and a proposal is not known)."""
+        table = self.tables[request_id]
+        keep = max(blocks_for(num_tokens, self.block_size), self.num_freed[request_id])
+        if len(table) <= keep:
+            return []
+        assert self._num_done[request_id] <= keep, "a proposed position was registered"
+        dropped = table[keep:]
+        del table[keep:]
+        for block in dropped:
+            assert self.ref_counts[block] == 1 and self.block_hashes[block] is None
+            self._release(block)
+        return dropped
+
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:

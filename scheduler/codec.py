@@ -165,7 +165,7 @@ _SCHEMAS[NewSequence] = (
     _int,
 )
 _SCHEMAS[AdapterLoad] = (_int, _int, _str, _str)
-_SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int)
+_SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int, _list(_int))
 _SCHEMAS[StepPlan] = (
     _int,
     _list(_record(NewSequence)),
@@ -267,7 +267,15 @@ def _encode_plan(m: StepPlan) -> list:
             for n in m.new_seqs
         ],
         [
-            [s.slot_idx, s.start_pos, s.num_tokens, s.new_block_ids, s.sample, s.num_pad_tokens]
+            [
+                s.slot_idx,
+                s.start_pos,
+                s.num_tokens,
+                s.new_block_ids,
+                s.sample,
+                s.num_pad_tokens,
+                s.draft_token_ids,
+            ]
             for s in m.scheduled
         ],
         m.released_slots,

@@ -121,9 +121,19 @@ class SchedulerConfig:
         "(with `enable_lora`); the least recently used idle one makes room for another",
         minimum=1,
     )
+    speculative_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "speculative decoding, vLLM's keys: `{method: ngram, num_speculative_tokens, "
+            "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}` (continuous and "
+            "chunked, paged layout); empty: none",
+            "helm": False,
+        },
+    )
 
     def __post_init__(self) -> None:
         check_knobs(self)
+        self._check_speculation()
         budget = self.max_num_batched_tokens  # None: the engine derives it (resolved())
         if budget is not None and budget < self.max_num_seqs:
             raise ValueError(
@@ -142,6 +152,28 @@ class SchedulerConfig:
                 f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one sequence of max_model_len "
                 f"{self.max_model_len} ({self.blocks_per_seq_max} blocks of {self.block_size})"
             )
+
+    def _check_speculation(self) -> None:
+        from .speculation import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None:
+            return
+        if self.policy not in ("continuous", "chunked"):
+            raise ValueError(
+                f"speculative_config: policy {self.policy!r} does not speculate; use "
+                "continuous or chunked"
+            )
+        if self.kv_layout != "paged":
+            raise ValueError("speculative_config: needs the paged KV layout")
+        object.__setattr__(self, "speculative_config", spec.as_dict())
+
+    @property
+    def speculation(self):
+        """The parsed :class:`~.speculation.SpeculativeConfig`, or None."""
+        from .speculation import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def chunked_prefill(self) -> bool:

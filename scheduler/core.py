@@ -35,6 +35,7 @@ from .request import (
     RequestStatus,
 )
 from .slots import SlotTable
+from .speculation import SpeculationStats, speculable
 from .step import ScheduledStep, StepBuilder
 
 
@@ -68,6 +69,11 @@ class Scheduler:
         self.policy = make_policy(config)
         # LoRA adapters: the registry and which the ranks hold (a resource like slots).
         self.adapters = AdapterResidency(config.max_loras)
+        # Speculative decoding (None: off): proposals and what became of them.
+        self.speculation = config.speculation
+        self.spec_stats = (
+            SpeculationStats(self.speculation.num_speculative_tokens) if self.speculation else None
+        )
         self.step = 0
         # The steps handed out whose results have not come back, oldest first: the
         # one queue of them (the engine keeps none); update() takes the oldest.
@@ -164,6 +170,10 @@ class Scheduler:
             return None
         lookahead = bool(self.in_flight)
         finishing: list[Request] | None = []
+        if lookahead and (self.in_flight[-1].num_draft_tokens or self._speculates_next()):
+            # How many tokens a draft adds is known only from its result; and a plan
+            # built ahead proposes nothing: where proposals pay, they beat the overlap.
+            return None
         if lookahead:
             finishing = finishing_if_ahead_fits(self)
             if finishing is None:
@@ -207,11 +217,15 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step was in flight
             request.output_token_ids.append(sampled.token_id)
-            out = outputs[request.request_id] = RequestOutput(
-                request.request_id, [sampled.token_id], request=request
-            )
-            if len(request.output_token_ids) == 1:
-                out.num_cached_tokens = request.num_cached_tokens
+            out = outputs.get(request.request_id)
+            if out is not None:  # a second token: a draft's accepted run
+                out.new_token_ids.append(sampled.token_id)
+            else:
+                out = outputs[request.request_id] = RequestOutput(
+                    request.request_id, [sampled.token_id], request=request
+                )
+                if len(request.output_token_ids) == 1:
+                    out.num_cached_tokens = request.num_cached_tokens
             if request.params.logprobs is not None:
                 logprobs = (sampled.logprob, list(sampled.top_logprobs))
                 request.output_logprobs.append(logprobs)
@@ -241,6 +255,8 @@ class Scheduler:
             outputs.setdefault(
                 request.request_id, RequestOutput(request.request_id, request=request)
             ).finish_reason = reason
+        if step.num_draft_tokens:
+            self._settle_drafts(step, outputs)
         for request in expected:
             if request.request_id not in outputs:
                 raise ProtocolError(
@@ -253,6 +269,35 @@ class Scheduler:
                 raise ProtocolError(f"{request.request_id}: reached max_tokens unfinished")
         self.policy.after_update(self)
         return list(outputs.values())
+
+    def _speculates_next(self) -> bool:
+        """Whether the next step, built after the result in flight, would propose:
+        few enough sequences running, one of them able to speculate."""
+        spec = self.speculation
+        if spec is None or len(self.running) > spec.disable_by_batch_size:
+            return False
+        return any(speculable(request.params) for request in self.running.values())
+
+    def _settle_drafts(self, step: ScheduledStep, outputs: dict[str, RequestOutput]) -> None:
+        """Counts each draft's fate and, for a sequence still running, takes back the
+        positions its rejected proposals held, blocks included: the rule the
+        workers apply to their own tables (``SequenceTable.take_drafts``)."""
+        stats = self.spec_stats
+        assert stats is not None
+        for entry in step.plan.scheduled:
+            if not entry.draft_token_ids:
+                continue
+            request = step.requests[entry.slot_idx]
+            out = outputs.get(request.request_id)
+            if out is None:
+                continue  # aborted while the step was in flight
+            emitted = len(out.new_token_ids)
+            stats.record(len(entry.draft_token_ids), emitted)
+            if request.status != RequestStatus.RUNNING:
+                continue  # it ended in this step and released every block it held
+            # Its positions up to the last emitted token's are computed, that one's is not.
+            request.num_computed_tokens = entry.start_pos + emitted
+            self.blocks.truncate(request.request_id, request.num_computed_tokens)
 
     # -- what the step builder and the policies call ----------------------------------
 
@@ -391,6 +436,7 @@ class Scheduler:
             "prefix_cache_queries": self.num_prefix_queries,
             "prefix_cache_hits": self.num_prefix_hits,
             "prefix_cache_evictions": self.blocks.num_evictions,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
 
     def check_integrity(self) -> None:

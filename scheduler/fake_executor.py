@@ -51,6 +51,7 @@ class FakeExecutor:
         block_size: int | None = None,
         check_kv: bool = False,
         kv_window: int | None = None,
+        period: int | None = None,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -62,6 +63,7 @@ class FakeExecutor:
         self.check_blocks = check_blocks
         self.block_size = block_size
         self.kv_window = kv_window
+        self.period = period
         self.table = SequenceTable({eos_token_id}, kv_window=kv_window, block_size=block_size or 1)
         self.num_steps = 0
         self.check_kv = check_kv and bool(block_size)
@@ -69,7 +71,10 @@ class FakeExecutor:
         self._digests: dict[int, list[int]] = {}  # seq_id -> digest of tokens [0, p] per p
 
     def token_at(self, request_id: str, output_pos: int) -> int:
-        """The non-EOS token a request produces at output position ``output_pos``."""
+        """The non-EOS token a request produces at output position ``output_pos``
+        (with a ``period``, the tokens repeat: what prompt lookup guesses right)."""
+        if self.period:
+            output_pos %= self.period
         h = zlib.crc32(f"{request_id}:{output_pos}".encode())
         token = 3 + h % (self.vocab_size - 3)
         return token
@@ -116,6 +121,9 @@ class FakeExecutor:
                         f"{entry.start_pos + entry.num_tokens} tokens"
                     )
             self.table.advance(entry)
+            if entry.draft_token_ids:
+                self._verify(entry, seq, result)
+                continue
             if not entry.sample:
                 continue
             if seq.params.prompt_logprobs is not None and not seq.num_output_tokens:
@@ -138,6 +146,25 @@ class FakeExecutor:
         self.num_steps += 1
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _verify(self, entry, seq, result: StepResult) -> None:
+        """A draft's rows: the token each row would sample is the one of its output
+        position, whatever came before (the fake's tokens depend on nothing else)."""
+        first = entry.start_pos + 1 - seq.num_prompt_tokens  # output position of row 0's token
+        sampled = [
+            self._next_token(seq.label, first + i, seq.params) for i in range(entry.num_tokens)
+        ]
+        seq_id, wants = seq.seq_id, seq.params.logprobs
+        num_kept, finished = self.table.take_drafts(entry, sampled)
+        if seq_id in self._digests:  # those of rejected proposals' positions are stale
+            del self._digests[seq_id][seq.num_computed_tokens :]
+        for token in sampled[:num_kept]:
+            top = [(token, -0.5)][: wants or 0]
+            result.sampled.append(
+                SampledToken(seq_id, token, -0.5 if wants is not None else None, top)
+            )
+        if finished is not None:
+            result.finished.append(finished)
 
     def _digest(self, seq, pos: int) -> int:
         digests = self._digests.setdefault(seq.seq_id, [])
@@ -183,6 +210,7 @@ class FakeModel:
     output_len: int | None = None
     step_sleep_s: float = 0.0
     check_blocks: bool = True
+    period: int | None = None
 
     def model_info(self, config: Any, device: str) -> dict:
         return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
@@ -202,4 +230,5 @@ class FakeModel:
             step_sleep_s=self.step_sleep_s,
             check_blocks=self.check_blocks,
             block_size=config.scheduler.block_size,
+            period=self.period,
         )

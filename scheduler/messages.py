@@ -19,7 +19,9 @@ A worker applies a :class:`StepPlan` in this order:
 4. compute one padding token for each slot in ``padding_slots`` (static
    batching's finished-but-still-batched members);
 5. sample one token for each scheduled sequence with ``sample`` set (one whose
-   ``max_tokens`` is 0 is finished instead, with reason ``length``, unsampled).
+   ``max_tokens`` is 0 is finished instead, with reason ``length``, unsampled);
+   one with ``draft_token_ids`` samples after each of its rows and keeps the
+   proposals those samples confirm: 1 to ``1 + len(draft_token_ids)`` tokens.
 
 Within one step every entry's K/V is written before any entry attends (layer by
 layer), so a sequence may start on cached blocks that another sequence of the
@@ -92,6 +94,13 @@ class ScheduledSeq:
         blocks:  [0 1 2 3][4 5 6 7][8 9 . .]
         cached:   x x x x  x x
         this step:             ^ ^  ^ ^ ^     <- a piece may start mid-block
+
+    ``draft_token_ids`` (speculative decoding, :mod:`.speculation`): a decode
+    row's proposed next tokens. The entry computes its last known token and
+    them (``num_tokens == 1 + len(draft_token_ids)``), samples after each, and
+    keeps the proposals its samples confirm; the KV blocks of the positions
+    it rejects are dropped from the table, here and on the workers, by the
+    rule of :meth:`~.seq_table.SequenceTable.take_drafts`.
     """
 
     slot_idx: int
@@ -100,6 +109,7 @@ class ScheduledSeq:
     new_block_ids: list[int] = field(default_factory=list)
     sample: bool = False
     num_pad_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import blocks_before_window
+from .blocks import blocks_before_window, blocks_for
 from .messages import (
     FinishedSeq,
     NewSequence,
@@ -30,6 +30,7 @@ from .messages import (
 )
 from .request import FinishReason
 from .sampling import SamplingParams
+from .speculation import speculable
 
 
 class PlanMismatchError(RuntimeError):
@@ -122,6 +123,8 @@ class SequenceTable:
             plan = self._pad_ended(plan, ended)
         for entry in plan.scheduled:
             seq = self.get(entry.slot_idx)
+            if entry.draft_token_ids:
+                self._put_drafts(entry, seq)
             if entry.start_pos != seq.num_computed_tokens:
                 raise PlanMismatchError(
                     f"slot {entry.slot_idx} ({seq.label}): plan starts at {entry.start_pos}, "
@@ -136,6 +139,56 @@ class SequenceTable:
             seq.num_freed_blocks = max(seq.num_freed_blocks, blocks_before_window(
                 entry.start_pos, self.kv_window, self.block_size))  # fmt: skip
         return plan
+
+    def _put_drafts(self, entry: ScheduledSeq, seq: SeqState) -> None:
+        """A draft's tokens join the sequence as the inputs of its rows, until
+        :meth:`take_drafts` keeps those its samples confirm."""
+        drafts = entry.draft_token_ids
+        if not speculable(seq.params):
+            raise PlanMismatchError(
+                f"slot {entry.slot_idx} ({seq.label}): proposals for a sequence whose "
+                "sampling reads its history (penalties or a grammar)"
+            )
+        if not (entry.sample and entry.num_tokens == 1 + len(drafts)
+                and entry.start_pos + 1 == len(seq.token_ids)):  # fmt: skip
+            raise PlanMismatchError(
+                f"slot {entry.slot_idx} ({seq.label}): {len(drafts)} proposals on an entry "
+                f"of {entry.num_tokens} tokens from {entry.start_pos}, sequence has "
+                f"{len(seq.token_ids)} tokens"
+            )
+        seq.token_ids.extend(drafts)
+
+    def take_drafts(
+        self, entry: ScheduledSeq, sampled: list[int]
+    ) -> tuple[int, FinishedSeq | None]:
+        """Verifies ``entry``'s proposals against ``sampled``, the token drawn after
+        each of its ``1 + k`` rows (after computing :meth:`advance`): keeps the
+        longest run of proposals equal to the samples before them and appends the
+        samples of that run plus the one after it, stopping where the sequence
+        ends. Returns how many tokens it appended and the finish record, if any.
+
+        A sequence that goes on keeps its positions up to the last appended
+        token's (not that one's: it is computed next) and the blocks that hold
+        them; the rest of its table held rejected positions only and is dropped,
+        as the scheduler drops it (``Scheduler._settle_drafts``). One that ends
+        releases its whole table."""
+        seq = self.get(entry.slot_idx)
+        drafts = entry.draft_token_ids
+        if len(sampled) != 1 + len(drafts):
+            raise PlanMismatchError(f"{seq.label}: {len(sampled)} samples for {len(drafts)} "
+                                    "proposals")  # fmt: skip
+        del seq.token_ids[entry.start_pos + 1 :]  # the proposals were inputs only
+        n = 1
+        while n <= len(drafts) and drafts[n - 1] == sampled[n - 1]:
+            n += 1
+        seq.num_computed_tokens = entry.start_pos + n
+        for i, token in enumerate(sampled[:n]):
+            finished = self.append_token(entry.slot_idx, token)
+            if finished is not None:
+                return i + 1, finished
+        keep = max(blocks_for(seq.num_computed_tokens, self.block_size), seq.num_freed_blocks)
+        del seq.block_ids[keep:]
+        return n, None
 
     def _pad_ended(self, plan: StepPlan, ended: set[int]) -> StepPlan:
         live: list[ScheduledSeq] = []

@@ -9,7 +9,8 @@ preempted. Policies fill it through its small API::
     step.num_to_compute(request)            tokens before its next sample, after any
                                             cached prefix a waiting request would reuse
     step.try_schedule(request, num_tokens)  tokens of one request, admitting it
-    step.schedule_decodes(requests)         one token each, the hot path
+    step.schedule_decodes(requests)         one token each (and proposals), the hot path
+    step.drop_proposals()                   before a preemption: proposals give way
     step.preempt(request)                   free its blocks and slot, recompute later
     step.pad_slot(slot_idx)                 a padding row (static batching)
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 from .blocks import blocks_before_window
 from .messages import NewSequence, ScheduledSeq, StepPlan
 from .request import Request
+from .speculation import propose_ngram, speculable
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -46,6 +48,7 @@ class ScheduledStep:
     num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
     num_freed: dict[int, int]  # seq_id -> of those, the leading ones handed on (windows)
     scheduled_at: float = 0.0  # the ``now`` it was scheduled at
+    num_draft_tokens: int = 0  # proposed tokens it verifies (speculative decoding)
 
     def held(self, sched: Scheduler, request: Request) -> list[int]:
         """The blocks ``request`` held once the workers applied this step: what they
@@ -66,6 +69,7 @@ class StepBuilder:
         self.padding_slots: list[int] = []
         self.requests: dict[int, Request] = {}  # slot_idx -> request, for scheduled entries
         self.preempted = False
+        self.num_draft_tokens = 0  # proposed tokens among the scheduled ones
 
     # -- what policies read --------------------------------------------------------
 
@@ -142,10 +146,14 @@ class StepBuilder:
         return True
 
     def schedule_decodes(self, requests: list[Request]) -> None:
-        """One decode token for each running request; the caller has checked that
-        their new blocks fit. The hot path of every step."""
+        """One decode token for each running request, plus its proposed tokens
+        where speculation pays (:mod:`.speculation`); the caller has checked that
+        their new blocks for one token fit. The hot path of every step."""
         allocate = self.sched.blocks.allocate
         windowed = self.sched.blocks.window is not None
+        spec = self.sched.speculation
+        if spec is not None and (self.lookahead or len(requests) > spec.disable_by_batch_size):
+            spec = None
         # The blocks decodes fill are registered when the sequence ends or is
         # preempted (PrefixCache.release): what reuses generated tokens (a
         # chat's next turn, the sequence's own recompute) only comes after that.
@@ -158,6 +166,48 @@ class StepBuilder:
                 raise RuntimeError("schedule_decodes called without room for new blocks")
             self._add(request, ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
         self.budget_left -= len(requests)
+        if spec is None:
+            return
+        # Proposals after every decode has its blocks: they take only what is left.
+        start = len(self.scheduled) - len(requests)
+        for request, entry in zip(requests, self.scheduled[start:]):
+            if self.budget_left <= 0:
+                break
+            drafts = self._propose(request, entry)
+            if drafts:
+                entry.num_tokens += len(drafts)
+                entry.draft_token_ids = drafts
+                request.num_computed_tokens += len(drafts)
+                self.budget_left -= len(drafts)
+                self.num_draft_tokens += len(drafts)
+
+    def _propose(self, request: Request, entry: ScheduledSeq) -> list[int]:
+        """A decoding request's proposals for this step (its ``entry`` computes its
+        last known token), their KV blocks allocated and appended to the entry's;
+        none where speculation cannot help or the blocks or the budget are short."""
+        sched = self.sched
+        spec = sched.speculation
+        assert spec is not None
+        params = request.params
+        if not speculable(params):
+            return []
+        pos = entry.start_pos
+        # Emitting 1 + k tokens must stay within max_tokens and the context.
+        k = min(spec.num_speculative_tokens, self.budget_left,
+                params.max_tokens - request.num_output_tokens - 1,
+                sched.max_model_len - pos - 2)  # fmt: skip
+        if k <= 0:
+            return []
+        drafts = propose_ngram(
+            request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+        if not drafts:
+            return []
+        more = sched.blocks.allocate(request.request_id, pos + 1 + len(drafts))
+        if more is None:
+            return []  # a proposal never takes blocks a preemption would have to free
+        entry.new_block_ids.extend(more)
+        return drafts
 
     def _free_out_of_window(self, request: Request, first_query: int) -> None:
         """Hands on the request's blocks that no layer reads from ``first_query`` on.
@@ -182,6 +232,25 @@ class StepBuilder:
         self.padding_slots.append(slot_idx)
         self.budget_left -= 1
 
+    def drop_proposals(self) -> bool:
+        """Takes every proposal back out of the step, with its budget and blocks:
+        a proposal never costs a sequence its place. Returns whether any was."""
+        if not self.num_draft_tokens:
+            return False
+        blocks = self.sched.blocks
+        for entry in self.scheduled:
+            if not entry.draft_token_ids:
+                continue
+            request = self.requests[entry.slot_idx]
+            dropped = blocks.truncate(request.request_id, entry.start_pos + 1)
+            del entry.new_block_ids[len(entry.new_block_ids) - len(dropped) :]
+            self.budget_left += len(entry.draft_token_ids)
+            entry.num_tokens = 1
+            entry.draft_token_ids = []
+            request.num_computed_tokens = entry.start_pos + 1
+        self.num_draft_tokens = 0
+        return True
+
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and slot; it waits to be recomputed,
         keeping every token it produced. One already scheduled in this step is
@@ -195,6 +264,7 @@ class StepBuilder:
             self.scheduled.remove(entry)
             del self.requests[entry.slot_idx]
             self.budget_left += entry.num_tokens + entry.num_pad_tokens
+            self.num_draft_tokens -= len(entry.draft_token_ids)
             # Its positions of this step are not computed after all: neither are
             # any blocks registered for them.
             request.num_computed_tokens = entry.start_pos
@@ -217,4 +287,5 @@ class StepBuilder:
         blocks = self.sched.blocks
         num_blocks = {r.seq_id: len(blocks.tables[r.request_id]) for r in self.requests.values()}
         num_freed = {r.seq_id: blocks.num_freed[r.request_id] for r in self.requests.values()}
-        return ScheduledStep(plan, self.requests, num_blocks, num_freed, now)
+        return ScheduledStep(plan, self.requests, num_blocks, num_freed, now,
+                             self.num_draft_tokens)  # fmt: skip

@@ -14,6 +14,9 @@ disturb any real sequence::
     seq_lens:        18    3          41    41     41
     logits rows:     A17, B2, C40, pad7 (the last one is computed and discarded)
 
+An entry with proposals (speculative decoding) has a logits row for each of
+its rows: the token after each is sampled.
+
 The layout is built on the host as a few CPU tensors, one per field, from
 flat Python lists: nothing is made per sequence. On CUDA they are packed into
 one pinned buffer and cross to the device in a single copy (:class:`Staging`).
@@ -50,7 +53,8 @@ class HostBatch:
     seq_lens: torch.Tensor  # [num_seqs] KV length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     block_tables: torch.Tensor  # [num_seqs, width]
-    sample_entries: list[ScheduledSeq]  # own the first len(sample_entries) logits rows
+    # Own the first logits rows: one each, or 1 + k for an entry with k proposals.
+    sample_entries: list[ScheduledSeq]
     max_query_len: int
     max_seq_len: int
 
@@ -117,7 +121,10 @@ def layout_batch(
         needed_blocks.append(needed)
         freed_blocks.append(seq.num_freed_blocks)
         if entry.sample:
-            sample_rows.append(len(ids) - 1)
+            if entry.draft_token_ids:  # a draft samples after each of its rows
+                sample_rows.extend(range(len(ids) - entry.num_tokens, len(ids)))
+            else:
+                sample_rows.append(len(ids) - 1)
             sample_entries.append(entry)
 
     num_real_rows = len(ids)

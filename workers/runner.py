@@ -17,7 +17,7 @@ import torch
 
 from ..kernels import build_cos_sin_cache, get_ops
 from ..kernels.cpu_linear import packs_every_batch
-from ..scheduler.messages import FinishedSeq, SampledToken, StepPlan, StepResult
+from ..scheduler.messages import FinishedSeq, SampledToken, ScheduledSeq, StepPlan, StepResult
 from ..scheduler.request import FinishReason
 from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
 from .batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
@@ -27,7 +27,8 @@ from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
 from .model import AllReduce, LlamaModel
 from .prompt_logprobs import PromptLogprobsCollector
-from .sampler import Sampler
+from .sampler import Sampler, SamplerOutput
+from .step_params import DraftRow, SampleRow
 
 if TYPE_CHECKING:
     from .grammar import Grammars
@@ -292,8 +293,7 @@ class ModelRunner:
             self.table.advance(entry)
         if prompt_rows is not None:
             self.prompt_logprobs.take(logits[-len(prompt_rows.rows) :], prompt_rows)
-        rows = [self.table.get(e.slot_idx) for e in host.sample_entries]
-        self._sample(logits, rows, result)
+        self._sample(logits, host.sample_entries, result)
         result.forward_s = self.timer.seconds()
         return result
 
@@ -313,39 +313,66 @@ class ModelRunner:
             self.grammars.add(seq)
         self.prompt_logprobs.add(seq)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SeqState], result: StepResult) -> None:
-        """Samples one token for each of ``rows`` (row ``i`` owns ``logits[i]``); a
-        sequence whose ``max_tokens`` is 0 ends instead, now that its prompt is in."""
-        for seq in rows:
+    def _sample(
+        self, logits: torch.Tensor, entries: list[ScheduledSeq], result: StepResult
+    ) -> None:
+        """Samples a token for each of ``entries`` (they own the logits rows in order:
+        one each, ``1 + k`` for an entry with ``k`` proposals, which keeps those its
+        samples confirm); a sequence whose ``max_tokens`` is 0 ends instead, now
+        that its prompt is in."""
+        seqs = [self.table.get(e.slot_idx) for e in entries]
+        for seq in seqs:
             prompt = self.prompt_logprobs.pop(seq)
             if prompt is not None:
                 result.prompt_logprobs.append(prompt)
-        drawn = [i for i, seq in enumerate(rows) if seq.params.max_tokens > 0]
-        if len(drawn) < len(rows):
-            for seq in rows:
-                if seq.params.max_tokens == 0:
-                    result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
-            logits = logits[torch.tensor(drawn, dtype=torch.long, device=logits.device)]
-            rows = [rows[i] for i in drawn]
+        rows: list[SampleRow] = []  # one per sampled logits row
+        spans: list[tuple[ScheduledSeq, SeqState, int]] = []  # entry, its sequence, first row
+        drawn: list[int] = []  # the logits rows sampled
+        logits_row = 0
+        for entry, seq in zip(entries, seqs):
+            num_rows = 1 + len(entry.draft_token_ids)
+            if seq.params.max_tokens == 0:
+                result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
+            else:
+                spans.append((entry, seq, len(rows)))
+                drawn.extend(range(logits_row, logits_row + num_rows))
+                if num_rows == 1:
+                    rows.append(seq)
+                else:  # each row samples with the proposals before it as its history
+                    base = entry.start_pos + 1
+                    rows.extend(DraftRow(seq, base + i) for i in range(num_rows))
+            logits_row += num_rows
         if not rows:
             return
+        if len(drawn) < logits_row:
+            logits = logits[torch.tensor(drawn, dtype=torch.long, device=logits.device)]
         grammars, grammar = self.grammars, None
-        if grammars is not None and any(seq.grammar is not None for seq in rows):
+        if grammars is not None and any(row.grammar is not None for row in rows):
             grammar = grammars.fill(rows)
         out = self.sampler(logits[: len(rows)], rows, grammar)  # waits for the tokens
-        for i, seq in enumerate(rows):
-            token = out.token_ids[i]
+        for entry, seq, first in spans:
+            if entry.draft_token_ids:
+                self._take_drafts(entry, seq, out, first, result)
+                continue
+            token = out.token_ids[first]
             result.sampled.append(
-                SampledToken(
-                    seq_id=seq.seq_id,
-                    token_id=token,
-                    logprob=out.logprobs[i],
-                    top_logprobs=out.top_logprobs[i],
-                )
+                SampledToken(seq.seq_id, token, out.logprobs[first], out.top_logprobs[first])
             )
             finished = self._append(seq, token, grammar is not None)
             if finished is not None:
                 result.finished.append(finished)
+
+    def _take_drafts(self, entry: ScheduledSeq, seq: SeqState, out: SamplerOutput, first: int,
+                     result: StepResult) -> None:  # fmt: skip
+        num_rows = 1 + len(entry.draft_token_ids)
+        sampled = out.token_ids[first : first + num_rows]
+        num_kept, finished = self.table.take_drafts(entry, sampled)
+        for i in range(first, first + num_kept):
+            result.sampled.append(
+                SampledToken(seq.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+            )
+        if finished is not None:
+            result.finished.append(finished)
 
     def _append(self, seq: SeqState, token: int, constrained: bool) -> FinishedSeq | None:
         """Records a sampled token; a sequence with a grammar also advances its matcher,

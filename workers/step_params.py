@@ -27,6 +27,24 @@ class SampleRow(Protocol):
     counted: tuple[int, int]
 
 
+class DraftRow:
+    """A sampler row of a sequence's draft (speculative decoding): the sequence as
+    it would be after the proposals before this row, ``token_ids[:length]``. Only
+    sequences whose sampling reads no rank-side history speculate (no penalties,
+    no grammar: ``speculation.speculable``), so nothing else differs."""
+
+    __slots__ = ("seq_id", "params", "token_ids", "num_prompt_tokens")
+    counts_row = -1
+    counted = (0, -1)
+    grammar = None
+
+    def __init__(self, seq: SampleRow, length: int):
+        self.seq_id = seq.seq_id
+        self.params = seq.params
+        self.token_ids = seq.token_ids[:length]
+        self.num_prompt_tokens = seq.num_prompt_tokens
+
+
 class StepParams:
     """One step's per-row sampling parameters and row indices, on the device
     after a single copy. ``get(name)`` returns a float64 view to cast."""

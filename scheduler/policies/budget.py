@@ -55,6 +55,8 @@ class ContinuousPolicy(Policy):
             if num_tokens == 0:
                 continue
             while not step.try_schedule(request, num_tokens):
+                if step.drop_proposals():
+                    continue  # proposals give their blocks back before anyone is preempted
                 victim = max(step.running, key=Request.sort_key)
                 step.preempt(victim)
                 if victim is request:
@@ -82,9 +84,11 @@ class ContinuousPolicy(Policy):
             partial = num_tokens < remaining
             if partial and num_partial >= self.config.max_num_partial_prefills:
                 return
-            # Admission never preempts: new work waits for free blocks.
+            # Admission never preempts: new work waits for free blocks (those of
+            # this step's proposals included: they give way).
             if not step.try_schedule(request, num_tokens):
-                return
+                if not (step.drop_proposals() and step.try_schedule(request, num_tokens)):
+                    return
             num_partial += int(partial)
 
 

@@ -16,7 +16,7 @@ def max_tokens_of(a: Arrival, config: SchedulerConfig) -> int:
 
 
 @st.composite
-def workloads(draw, policy: str):
+def workloads(draw, policy: str, speculative: bool = False):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     max_num_seqs = draw(st.integers(1, 8))
     max_model_len = draw(st.integers(4, 48))
@@ -33,12 +33,13 @@ def workloads(draw, policy: str):
         max_model_len=max_model_len,
         block_size=block_size,
         num_kv_blocks=num_blocks,
-        kv_layout=draw(st.sampled_from(["paged", "paged", "slab"])),
+        kv_layout="paged" if speculative else draw(st.sampled_from(["paged", "paged", "slab"])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         batch_timeout_s=float(draw(st.integers(0, 4))),
         batch_wait_s=float(draw(st.integers(0, 2))),
         enable_prefix_caching=draw(st.booleans()) or draw(st.booleans()),
+        speculative_config=draw(speculative_configs()) if speculative else {},
     )
     # A model whose every layer slides over a window (blocks before it are handed
     # on while a sequence runs), or one with a full-attention layer.
@@ -87,12 +88,24 @@ def workloads(draw, policy: str):
     return config, arrivals, kv_window
 
 
+def speculative_configs():
+    """n-gram speculation: proposals of 1-5 tokens, on up to 1-8 decoding sequences."""
+    return st.fixed_dictionaries({
+        "method": st.just("ngram"),
+        "num_speculative_tokens": st.integers(1, 5),
+        "prompt_lookup_min": st.integers(1, 2),
+        "prompt_lookup_max": st.integers(2, 4),
+        "disable_by_batch_size": st.integers(1, 8),
+    })  # fmt: skip
+
+
 def check_workload(
     config: SchedulerConfig,
     arrivals: list[Arrival],
     kv_window: int | None = None,
     through_codec=False,
     ahead=False,
+    period: int | None = None,
 ) -> None:
     targets = {a.request_id: a.output_len for a in arrivals}  # equal for a reused id
     window = kv_window if config.kv_layout == "paged" else None  # a slab hands nothing on
@@ -102,6 +115,7 @@ def check_workload(
         block_size=config.block_size,
         check_kv=True,
         kv_window=window,
+        period=period,
     )
     sched = Scheduler(config, kv_window=kv_window)
     log = run(sched, executor, arrivals, through_codec=through_codec, ahead=ahead)
@@ -170,3 +184,26 @@ def test_scheduling_ahead_keeps_every_invariant_and_output(workload):
 @given(st.sampled_from(POLICIES).flatmap(workloads))
 def test_scheduling_ahead_through_the_codec(workload):
     check_workload(*workload, through_codec=True, ahead=True)
+
+
+# Speculative decoding: outputs that repeat with a short period, so that prompt lookup
+# proposes right often (accepted runs), and wrong often (rejected positions' blocks).
+PERIODS = st.sampled_from([None, 2, 3, 5])
+
+
+@SETTINGS
+@given(st.sampled_from(["continuous", "chunked"]).flatmap(
+    lambda policy: workloads(policy, speculative=True)), PERIODS)  # fmt: skip
+def test_speculation_keeps_every_invariant_and_output(workload, period):
+    """Proposals verified in the step: every request's tokens are exactly those
+    of decoding without them, through preemption, recompute, prefix hits, windows
+    and aborts in flight; rejected positions' blocks come back at once (the KV
+    check fails a step that reads a block another sequence took) and nothing leaks."""
+    check_workload(*workload, period=period)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["continuous", "chunked"]).flatmap(
+    lambda policy: workloads(policy, speculative=True)), PERIODS)  # fmt: skip
+def test_speculation_with_scheduling_ahead_through_the_codec(workload, period):
+    check_workload(*workload, through_codec=True, ahead=True, period=period)
