@@ -118,7 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--json", help="also write the result to this file")
     structured.set_defaults(func=_bench_structured)
 
-    from iterserve.bench import agreement, compare, loadgen, lora, policies, prefix, ramp, shapes
+    from iterserve.bench import (
+        agreement,
+        compare,
+        loadgen,
+        lora,
+        policies,
+        prefix,
+        ramp,
+        shapes,
+        speculative,
+    )
 
     loadgen.register(benches)
     lora.register(benches)
@@ -128,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.register(benches)
     agreement.register(benches)
     ramp.register(benches)
+    speculative.register(benches)
 
     simulate = commands.add_parser(
         "simulate", help="the real scheduler on a virtual clock with a GPU roofline cost model"

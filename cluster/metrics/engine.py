@@ -29,6 +29,7 @@ from prometheus_client import (
 )
 
 from ...scheduler.config import POLICIES
+from ...scheduler.speculation import MAX_SPECULATIVE_TOKENS
 from .ray_export import RayMirror
 
 # `_created` series double the sample count and no dashboard reads them. The switch is
@@ -50,6 +51,10 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 # Token and sequence counts per step: powers of two up to the largest token budget.
 COUNT_BUCKETS = tuple(float(2**i) for i in range(14))  # 1 .. 8192
+# Speculative decoding: proposal positions and accepted runs, up to the most proposals a
+# draft may have.
+SPEC_POSITIONS = tuple(str(i) for i in range(MAX_SPECULATIVE_TOKENS))
+SPEC_LENGTH_BUCKETS = tuple(i + 0.5 for i in range(MAX_SPECULATIVE_TOKENS + 1))  # le 0.5: none
 RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -123,6 +128,15 @@ SPECS: tuple[MetricSpec, ...] = (
     _gauge("iterserve_lora_adapters_resident", "LoRA adapters the ranks hold now (at most max_loras)."),
     _counter("iterserve_lora_loads", "LoRA adapters loaded into a rank slot."),
     _counter("iterserve_lora_evictions", "LoRA adapters that left a rank slot (least recently used, or unloaded)."),
+    # Speculative decoding, named after vLLM's spec_decode_* series: a draft is one
+    # sequence's proposals in one step.
+    _counter("iterserve_spec_decode_num_drafts", "Drafts verified: one sequence's proposals in one step."),
+    _counter("iterserve_spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    _counter("iterserve_spec_decode_num_accepted_tokens", "Proposed tokens accepted (equal to what the model sampled)."),
+    _counter("iterserve_spec_decode_num_emitted_tokens", "Tokens drafts produced: accepted ones plus the one sampled after each run."),
+    _counter("iterserve_spec_decode_num_accepted_tokens_per_pos", "Drafts whose proposal at each position was accepted.",
+             (("position", SPEC_POSITIONS),)),
+    _histogram("iterserve_spec_decode_acceptance_length", "Proposals accepted per draft (le 0.5: none).", SPEC_LENGTH_BUCKETS),
 )  # fmt: skip
 # Families whose label values are not a fixed enum: their series are made and
 # dropped as the label values come and go (set_lora).
@@ -259,6 +273,22 @@ class EngineMetrics:
                 family.labels(*base, adapter).set(counts.get(adapter, 0))  # type: ignore[attr-defined]
         self._adapters = names
 
+    def on_speculation(self, *, drafts: int, draft_tokens: int, accepted: int, emitted: int,
+                       accepted_per_pos: list[int], lengths: list[int]) -> None:  # fmt: skip
+        """Drafts verified since the last call: their proposed, accepted and emitted
+        tokens, acceptances by position, and how many drafts kept each run length
+        (``lengths[a]``: drafts with ``a`` proposals accepted)."""
+        self._inc("iterserve_spec_decode_num_drafts", drafts)
+        self._inc("iterserve_spec_decode_num_draft_tokens", draft_tokens)
+        self._inc("iterserve_spec_decode_num_accepted_tokens", accepted)
+        self._inc("iterserve_spec_decode_num_emitted_tokens", emitted)
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self._inc("iterserve_spec_decode_num_accepted_tokens_per_pos", n, (str(pos),))
+        for length, n in enumerate(lengths):
+            for _ in range(n):
+                self._observe("iterserve_spec_decode_acceptance_length", length)
+
     def on_worker_restart(self) -> None:
         self._inc("iterserve_worker_restarts", 1)
 
@@ -282,6 +312,11 @@ class EngineMetrics:
             "prefix_cache_queries": t(("iterserve_prefix_cache_queries", ()), 0),
             "prefix_cache_hits": t(("iterserve_prefix_cache_hits", ()), 0),
             "prefix_cache_evictions": t(("iterserve_prefix_cache_evictions", ()), 0),
+            "spec_decode_num_drafts": t(("iterserve_spec_decode_num_drafts", ()), 0),
+            "spec_decode_num_draft_tokens": t(("iterserve_spec_decode_num_draft_tokens", ()), 0),
+            "spec_decode_num_accepted_tokens": t(
+                ("iterserve_spec_decode_num_accepted_tokens", ()), 0
+            ),
         }
         for reason in FINISH_REASONS:
             counters[f"finished_{reason}"] = t(("iterserve_requests_finished", (reason,)), 0)

@@ -35,6 +35,7 @@ class MetricsRecorder:
         # (when, seconds) of recent first tokens: the autoscaler's TTFT signal
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)
         self._lora = (0, 0)  # adapter loads and evictions recorded so far
+        self._spec: dict | None = None  # the speculation counters recorded so far
 
     def admitted(self, request: Request) -> None:
         self.metrics.on_prompt(request.num_prompt_tokens)
@@ -52,7 +53,9 @@ class MetricsRecorder:
         # The workers' counts: a plan built ahead may name sequences the step before
         # it ended, whose decodes the workers computed as padding.
         ended = plan.num_tokens - result.num_tokens
-        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and s.sample) - ended
+        # A decode row computes one token, or one plus its proposals.
+        decode = sum(s.num_tokens for s in plan.scheduled
+                     if s.sample and (s.num_tokens == 1 or s.draft_token_ids)) - ended  # fmt: skip
         self.metrics.observe_step(
             duration_s=step_s,
             forward_s=result.forward_s,
@@ -75,6 +78,25 @@ class MetricsRecorder:
             queries, hits, evictions = (now - before for now, before in zip(prefix, self._prefix))
             self.metrics.on_prefix_cache(queries=queries, hits=hits, evictions=evictions)
             self._prefix = prefix
+        if step.num_draft_tokens and sched.spec_stats is not None:
+            self.speculation(sched)
+
+    def speculation(self, sched: Scheduler) -> None:
+        """What became of the proposals verified since the last call."""
+        stats = sched.spec_stats
+        assert stats is not None
+        now = stats.as_dict()
+        before = self._spec or {key: _zero(value) for key, value in now.items()}
+        delta = {key: _minus(now[key], before[key]) for key in now}
+        self.metrics.on_speculation(
+            drafts=delta["spec_decode_num_drafts"],
+            draft_tokens=delta["spec_decode_num_draft_tokens"],
+            accepted=delta["spec_decode_num_accepted_tokens"],
+            emitted=delta["spec_decode_num_emitted_tokens"],
+            accepted_per_pos=delta["spec_decode_num_accepted_tokens_per_pos"],
+            lengths=delta["spec_decode_acceptance_lengths"],
+        )
+        self._spec = now
 
     def adapters(self, sched: Scheduler) -> None:
         """LoRA adapters' residency and their requests (a no-op with none loaded)."""
@@ -140,3 +162,13 @@ class MetricsRecorder:
         self.metrics.on_finish(
             reason=reason.category, e2e_s=now - request.arrival_time, decode_s=decode_s, tpot_s=tpot
         )
+
+
+def _zero(value):
+    return [0] * len(value) if isinstance(value, list) else 0
+
+
+def _minus(now, before):
+    if isinstance(now, list):
+        return [a - b for a, b in zip(now, before, strict=True)]
+    return now - before

@@ -276,8 +276,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     from ..lora import add_lora_arguments
 
     add_lora_arguments(parser)
+    parser.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        help="speculative decoding, as vLLM takes it: JSON such as "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
     parser.set_defaults(func=serve_from_args)
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _origins(text: str) -> list[str]:
@@ -285,8 +301,6 @@ def _origins(text: str) -> list[str]:
 
 
 def serve_from_args(args: argparse.Namespace) -> None:
-    from ..lora import lora_config_from_args
-
     run_server(
         model=args.model,
         config_file=args.config,
@@ -301,8 +315,18 @@ def serve_from_args(args: argparse.Namespace) -> None:
         cors_allow_credentials=args.cors_allow_credentials,
         metrics_require_api_key=args.metrics_require_api_key,
         routing=args.routing,
-        config=lora_config_from_args(args),
+        config=engine_config_from_args(args),
     )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> dict:
+    """The engine config keys the flags set (only those given)."""
+    from ..lora import lora_config_from_args
+
+    config = lora_config_from_args(args)
+    if getattr(args, "speculative_config", None) is not None:
+        config["speculative_config"] = args.speculative_config
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

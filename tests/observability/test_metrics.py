@@ -15,6 +15,7 @@ from iterserve.cluster.metrics.engine import (
     METRIC_NAMES,
     RATIO_BUCKETS,
     REJECT_REASONS,
+    SPEC_POSITIONS,
     SPECS,
     STEP_KINDS,
     EngineMetrics,
@@ -27,6 +28,7 @@ ALLOWED_LABELS = {
     "reason": set(FINISH_REASONS) | set(REJECT_REASONS),
     "kind": set(STEP_KINDS),
     "policy": set(POLICIES),
+    "position": set(SPEC_POSITIONS),
 }
 SLO_BOUNDARIES_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -225,3 +227,45 @@ def test_ray_mirror_declares_the_same_families(ray_session, busy_metrics):
     # Recorded off the caller's thread: everything queued reaches Ray, nothing dropped.
     metrics._ray.flush()
     assert metrics._ray._pending.empty() and metrics._ray.dropped == 0
+
+
+def test_speculation_series_follow_the_schedulers_counts():
+    """A scheduler speculating over outputs that repeat: the recorder turns its
+    counts into vLLM-style spec_decode series, each step's delta once."""
+    from iterserve.cluster.metrics.recorder import MetricsRecorder
+    from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler
+    from iterserve.scheduler.config import SchedulerConfig
+
+    config = SchedulerConfig(
+        policy="chunked", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+        block_size=4, num_kv_blocks=200,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                            "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+    )  # fmt: skip
+    sched = Scheduler(config, max_in_flight=1)
+    executor = FakeExecutor(vocab_size=64, block_size=4, period=4)
+    metrics = EngineMetrics("demo", 0, "chunked")
+    recorder = MetricsRecorder(metrics)
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [5, 6, 7, 8 + i], SamplingParams(max_tokens=40)))
+    while sched.has_work:
+        step = sched.schedule(0.0)
+        result = executor.execute(step.plan)
+        recorder.outputs(sched.update(step, result))
+        recorder.step(step, result, 0.01, sched)
+    stats = sched.spec_stats
+    assert stats.num_accepted_tokens > 0
+    assert sample(metrics, "iterserve_spec_decode_num_drafts_total") == stats.num_drafts
+    assert sample(metrics, "iterserve_spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert sample(metrics, "iterserve_spec_decode_num_accepted_tokens_total") == (
+        stats.num_accepted_tokens
+    )
+    assert sample(metrics, "iterserve_spec_decode_num_emitted_tokens_total") == (
+        stats.num_emitted_tokens
+    )
+    for pos in range(3):
+        got = sample(metrics, "iterserve_spec_decode_num_accepted_tokens_per_pos_total",
+                     position=str(pos))  # fmt: skip
+        assert got == stats.accepted_per_pos[pos]
+    assert sample(metrics, "iterserve_spec_decode_acceptance_length_count") == stats.num_drafts
+    assert sample(metrics, "iterserve_generation_tokens_total") == 120

@@ -194,6 +194,9 @@ The Serve config (serveConfigV2) as YAML.
 {{- $_ := set $config "lora_modules" $modules }}
 {{- $_ := set $config "enable_lora" true }}
 {{- end }}
+{{- if .Values.speculativeConfig }}
+{{- $_ := set $config "speculative_config" .Values.speculativeConfig }}
+{{- end }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
   "config" $config
