@@ -188,17 +188,20 @@ def empty_apart(shape: tuple[int, ...], dtype: torch.dtype, *inputs: torch.Tenso
 @functools.lru_cache(maxsize=1024)
 def _best_offset(streams: tuple[tuple[int, int], ...]) -> int:
     """The offset in :data:`_OFFSETS` farthest, over every stream ``(g, phase)``,
-    from a multiple of ``g``. A step allocates alike every time, so the same few
-    questions recur: they are answered once."""
-    best, best_margin = 0, -1
-    for offset in _OFFSETS:
-        margin = PAGE
-        for g, phase in streams:
-            d = (phase + offset) % g
-            margin = min(margin, d, g - d)
-        if margin > best_margin:
-            best, best_margin = offset, margin
-    return best
+    from a multiple of ``g`` (the first such offset). A step allocates alike every
+    time, so the same few questions recur: they are answered once; a new one is
+    answered for all 64 offsets at once (~10 µs: the addresses of fresh tensors
+    vary, so a small step asks a dozen new ones)."""
+    if not streams:
+        return 0
+    g = np.array([stream[0] for stream in streams], dtype=np.int64)[:, None]
+    phase = np.array([stream[1] for stream in streams], dtype=np.int64)[:, None]
+    d = (phase + _OFFSET_ARRAY[None, :]) % g
+    margin = np.minimum(d, g - d).min(axis=0)
+    return int(_OFFSET_ARRAY[int(margin.argmax())])
+
+
+_OFFSET_ARRAY = np.arange(_OFFSETS.start, _OFFSETS.stop, _OFFSETS.step, dtype=np.int64)
 
 
 def as_array(tensor: torch.Tensor):
