@@ -49,6 +49,9 @@ MAX_MODEL_LEN = 8192
 MAX_TOKENS = 2048  # every request's cap: EOS, not the cap, ends almost all of them
 CHUNKED_BUDGET = 2048
 BLOCK_SIZE = 16
+# Speculation's outputs repeat with this period, so that prompt lookup always proposes
+# (whether a proposal is accepted is drawn: ``acceptance``).
+SPEC_PERIOD = 8
 
 # Default sizes: the four policies together simulate in well under a minute on one core.
 NUM_REQUESTS = 2000
@@ -169,7 +172,7 @@ def _step_shape(plan, slot_ctx: dict[int, int]) -> tuple[int, int, int, int]:
         tokens += n
         context += s + n
         causal += n * s + n * (n + 1) // 2
-        rows += e.sample
+        rows += e.sample * (1 + len(e.draft_token_ids))  # a draft samples after each row
         slot_ctx[e.slot_idx] = s + n
     for slot in plan.padding_slots:
         c = slot_ctx[slot] = slot_ctx[slot] + 1
@@ -190,9 +193,13 @@ def simulate_policy(
     max_model_len: int = MAX_MODEL_LEN,
     max_tokens: int = MAX_TOKENS,
     enable_prefix_caching: bool = True,
+    speculative_config: dict | None = None,
+    acceptance: float | None = None,
 ) -> dict:
     """Runs one policy over ``load`` (as :func:`workload` or :func:`prefix_workload`
-    returns) to completion."""
+    returns) to completion. With ``speculative_config`` (prompt lookup), outputs
+    repeat with a short period so that proposals are always made, and each is
+    accepted with probability ``acceptance`` (after those before it)."""
     if max_num_batched_tokens is None:
         max_num_batched_tokens = budgets(max_num_seqs, max_model_len)[policy]
     num_requests = len(load["arrival_s"])
@@ -205,11 +212,15 @@ def simulate_policy(
         num_kv_blocks=cost.num_kv_blocks(BLOCK_SIZE),
         max_queue_len=num_requests,
         enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative_config or {},
     )
     sched = Scheduler(config)
     ids = [f"req-{i}" for i in range(num_requests)]
     output_len = dict(zip(ids, load["output_len"], strict=True))
-    executor = FakeExecutor(output_len=output_len.__getitem__, check_blocks=False)
+    modelled = dict(period=SPEC_PERIOD, acceptance=acceptance) if speculative_config else {}
+    executor = FakeExecutor(
+        output_len=output_len.__getitem__, check_blocks=False, block_size=BLOCK_SIZE, **modelled
+    )
     timeline = _Timeline(dict(zip(ids, load["arrival_s"], strict=True)))
     slot_ctx: dict[int, int] = {}
     steps = seqs_scheduled = real_tokens = pad_tokens = 0
@@ -263,7 +274,58 @@ def simulate_policy(
         "output_tokens": total_out,
         "makespan_s": makespan,
         "max_num_batched_tokens": max_num_batched_tokens,
+        **(sched.spec_stats.as_dict() if sched.spec_stats is not None else {}),
     }
+
+
+def simulate_speculation(
+    gpu: str = "h200",
+    model: str = "8b",
+    tp: int | None = None,
+    concurrency: tuple[int, ...] = (1, 4, 16, 64),
+    num_speculative_tokens: int = 4,
+    acceptance: float = 0.7,
+    prompt_len: int = 512,
+    output_len: int = 512,
+    disable_by_batch_size: int | None = None,
+) -> dict:
+    """Decode speed with prompt-lookup speculation ÷ without, by how many requests
+    run at once (all arriving together, each ``prompt_len`` in, ``output_len``
+    out), each proposal accepted with probability ``acceptance``."""
+    from ..scheduler.speculation import batch_limit_for
+
+    cost = CostModel(gpu, model, tp)
+    limit = disable_by_batch_size or batch_limit_for("cuda")
+    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4, "disable_by_batch_size": limit}  # fmt: skip
+    rows = []
+    for n in concurrency:
+        load = {"arrival_s": [0.0] * n, "prompt_len": [prompt_len] * n,
+                "output_len": [output_len] * n}  # fmt: skip
+        runs = {
+            name: simulate_policy(
+                "chunked",
+                cost,
+                load,
+                max_num_seqs=max(n, 1),
+                max_tokens=output_len,
+                speculative_config=config,
+                acceptance=acceptance,
+            )  # fmt: skip
+            for name, config in (("plain", None), ("ngram", spec))
+        }
+        plain, ngram = runs["plain"], runs["ngram"]
+        rows.append({
+            "concurrency": n,
+            "plain_tok_s": round(plain["throughput_tok_s"], 1),
+            "ngram_tok_s": round(ngram["throughput_tok_s"], 1),
+            "ratio": round(ngram["throughput_tok_s"] / plain["throughput_tok_s"], 2),
+            "tpot_p50_ratio": round(ngram["tpot_p50_s"] / plain["tpot_p50_s"], 2),
+            "tokens_per_draft": round(ngram.get("spec_decode_num_emitted_tokens", 0)
+                                      / max(1, ngram.get("spec_decode_num_drafts", 0)), 2),
+        })  # fmt: skip
+    return {"gpu": cost.gpu.name, "model": cost.model.name, "tp": cost.tp,
+            "acceptance": acceptance, "speculative_config": spec, "rows": rows}  # fmt: skip
 
 
 def simulate(
@@ -333,6 +395,8 @@ def run(
         from .prefix_sim import simulate_prefix
 
         result = simulate_prefix(gpu=gpu, model=model, **overrides)
+    elif workload == "speculative":
+        result = simulate_speculation(gpu=gpu, model=model, **overrides)
     else:
         result = simulate(gpu=gpu, model=model, **overrides)
     if json_path is not None:

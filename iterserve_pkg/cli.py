@@ -67,7 +67,13 @@ def _bench_structured(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     from iterserve.bench import simulator
 
-    result = simulator.run(args.gpu, args.model, json_path=args.json, workload=args.workload)
+    extra = {}
+    if args.workload == "speculative":
+        extra = dict(acceptance=args.acceptance, num_speculative_tokens=args.num_speculative_tokens,
+                     disable_by_batch_size=args.disable_by_batch_size)  # fmt: skip
+    result = simulator.run(
+        args.gpu, args.model, json_path=args.json, workload=args.workload, **extra
+    )
     print(json.dumps(result, indent=2))
 
 
@@ -147,9 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
     simulate.add_argument(
         "--workload",
-        choices=["longtail", "shared-prefix"],
+        choices=["longtail", "shared-prefix", "speculative"],
         default="longtail",
-        help="longtail: every policy; shared-prefix: chunked with the prefix cache off and on",
+        help="longtail: every policy; shared-prefix: chunked with the prefix cache off and "
+        "on; speculative: decode speed with prompt-lookup proposals ÷ without, by concurrency",
+    )
+    simulate.add_argument(
+        "--acceptance", type=float, default=0.7, help="speculative: each proposal's chance"
+    )
+    simulate.add_argument("--num-speculative-tokens", type=int, default=4, help="speculative")
+    simulate.add_argument(
+        "--disable-by-batch-size", type=int, help="speculative (default: the engine's)"
     )
     simulate.add_argument("--json", help="also write the result to this file")
     simulate.set_defaults(func=_simulate)

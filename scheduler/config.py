@@ -126,7 +126,8 @@ class SchedulerConfig:
         metadata={
             "doc": "speculative decoding, vLLM's keys: `{method: ngram, num_speculative_tokens, "
             "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}` (continuous and "
-            "chunked, paged layout); empty: none",
+            "chunked, paged layout; unset disable_by_batch_size: 8 on CPU, 64 on CUDA); "
+            "empty: none",
             "helm": False,
         },
     )
@@ -229,11 +230,17 @@ class SchedulerConfig:
         from dataclasses import replace
 
         context = self.max_model_len or max_model_len
+        speculative = self.speculative_config
+        if speculative and speculative.get("disable_by_batch_size") is None:
+            from .speculation import batch_limit_for
+
+            speculative = {**speculative, "disable_by_batch_size": batch_limit_for(device)}
         return replace(
             self,
             num_kv_blocks=num_kv_blocks,
             max_model_len=context,
             max_num_batched_tokens=self.step_budget(device, context),
+            speculative_config=speculative,
         )
 
     def check_complete(self) -> None:

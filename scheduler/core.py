@@ -274,7 +274,7 @@ class Scheduler:
         """Whether the next step, built after the result in flight, would propose:
         few enough sequences running, one of them able to speculate."""
         spec = self.speculation
-        if spec is None or len(self.running) > spec.disable_by_batch_size:
+        if spec is None or len(self.running) > spec.max_batch:
             return False
         return any(speculable(request.params) for request in self.running.values())
 

@@ -24,6 +24,7 @@ blocks before it, which the scheduler hands on, may hold anything.
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
 from collections.abc import Callable
@@ -52,6 +53,8 @@ class FakeExecutor:
         check_kv: bool = False,
         kv_window: int | None = None,
         period: int | None = None,
+        acceptance: float | None = None,
+        seed: int = 0,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -64,6 +67,10 @@ class FakeExecutor:
         self.block_size = block_size
         self.kv_window = kv_window
         self.period = period
+        # A model of acceptance instead of the tokens' own (the simulator's): each
+        # proposal, after the ones accepted before it, is kept with this probability.
+        self.acceptance = acceptance
+        self._rng = random.Random(seed)
         self.table = SequenceTable({eos_token_id}, kv_window=kv_window, block_size=block_size or 1)
         self.num_steps = 0
         self.check_kv = check_kv and bool(block_size)
@@ -154,6 +161,8 @@ class FakeExecutor:
         sampled = [
             self._next_token(seq.label, first + i, seq.params) for i in range(entry.num_tokens)
         ]
+        if self.acceptance is not None:
+            sampled = self._modelled(entry.draft_token_ids, sampled, seq.label, first)
         seq_id, wants = seq.seq_id, seq.params.logprobs
         num_kept, finished = self.table.take_drafts(entry, sampled)
         if seq_id in self._digests:  # those of rejected proposals' positions are stale
@@ -165,6 +174,19 @@ class FakeExecutor:
             )
         if finished is not None:
             result.finished.append(finished)
+
+    def _modelled(self, drafts: list[int], sampled: list[int], label: str, first: int):
+        """Samples that accept a run of ``drafts`` drawn by ``acceptance`` (never past
+        the sequence's own end), then differ from the next proposal."""
+        target = self.output_len(label)
+        limit = len(drafts) if target is None else max(0, min(len(drafts), target - 1 - first))
+        accepted = 0
+        while accepted < limit and self._rng.random() < self.acceptance:
+            accepted += 1
+        out = drafts[:accepted] + sampled[accepted:]
+        if accepted < len(drafts) and out[accepted] == drafts[accepted]:
+            out[accepted] = 3 + (drafts[accepted] - 2) % (self.vocab_size - 3)  # any other
+        return out
 
     def _digest(self, seq, pos: int) -> int:
         digests = self._digests.setdefault(seq.seq_id, [])

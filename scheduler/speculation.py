@@ -58,10 +58,14 @@ _IGNORED_KEYS = frozenset({
     "enforce_eager", "draft_tensor_parallel_size", "disable_padded_drafter_batch",
     "quantization", "revision", "code_revision",
 })  # fmt: skip
-# Decoding rows past which a step proposes nothing. Measured on a 2-core CPU with the
-# demo model (docs/benchmarks.md, speculative decoding): verifying 1 + 4 rows per
-# sequence pays up to 8 sequences and loses from 16.
+# Decoding sequences past which a step proposes nothing, by device, where the config
+# leaves it unset (docs/benchmarks.md, speculative decoding). On a CPU, measured with
+# `iterserve bench speculative` on the demo model: verifying 1 + 4 rows per sequence
+# pays up to 8 sequences, not at 16. On CUDA, from `iterserve simulate --workload
+# speculative` (8B on an H200, each proposal accepted with probability 0.5): still
+# 1.26x at 64 sequences, 0.95x at 128.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+CUDA_DISABLE_BY_BATCH_SIZE = 64
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -73,7 +77,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None  # None: by device (resolve())
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -107,17 +111,33 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
             )
-        limit = _int(raw, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 1, 1 << 20)
+        limit = None
+        if raw.get("disable_by_batch_size") is not None:
+            limit = _int(raw, "disable_by_batch_size", None, 1, 1 << 20)
         return cls(method, k, lo, hi, limit)
 
+    @property
+    def max_batch(self) -> int:
+        """Decoding sequences past which a step proposes nothing."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
             "prompt_lookup_min": self.prompt_lookup_min,
             "prompt_lookup_max": self.prompt_lookup_max,
-            "disable_by_batch_size": self.disable_by_batch_size,
         }
+        if self.disable_by_batch_size is not None:
+            out["disable_by_batch_size"] = self.disable_by_batch_size
+        return out
+
+
+def batch_limit_for(device: str) -> int:
+    """The ``disable_by_batch_size`` a config that leaves it unset gets on ``device``."""
+    return (
+        CUDA_DISABLE_BY_BATCH_SIZE if device.startswith("cuda") else DEFAULT_DISABLE_BY_BATCH_SIZE
+    )
 
 
 def _int(raw: dict, key: str, default: int | None, lo: int, hi: int) -> int:

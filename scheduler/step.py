@@ -152,7 +152,7 @@ class StepBuilder:
         allocate = self.sched.blocks.allocate
         windowed = self.sched.blocks.window is not None
         spec = self.sched.speculation
-        if spec is not None and (self.lookahead or len(requests) > spec.disable_by_batch_size):
+        if spec is not None and (self.lookahead or len(requests) > spec.max_batch):
             spec = None
         # The blocks decodes fill are registered when the sequence ends or is
         # preempted (PrefixCache.release): what reuses generated tokens (a

@@ -174,3 +174,17 @@ def test_run_simulates_the_shared_prefix_workload(tmp_path):
     result = run("h200", "8b", json_path=path, workload="shared-prefix", num_requests=16)
     assert json.loads(path.read_text()) == result
     assert set(result["modes"]) == {"cache_off", "cache_on"}
+
+
+def test_speculation_is_modelled_and_off_past_the_batch_limit():
+    """Proposals accepted with probability 0.8 on an 8B model at one request: decode
+    is weight-bound, so a step verifying 1 + 4 rows costs about one row's time and
+    each emits ~3 tokens; past disable_by_batch_size no proposal is made."""
+    from iterserve.bench.simulator import simulate_speculation
+
+    result = simulate_speculation(
+        acceptance=0.8, concurrency=(1, 16), output_len=256, disable_by_batch_size=8
+    )
+    one, sixteen = result["rows"]
+    assert one["ratio"] > 2.0 and one["tokens_per_draft"] > 2.5
+    assert sixteen["ratio"] == 1.0
