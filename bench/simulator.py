@@ -172,7 +172,7 @@ def _step_shape(plan, slot_ctx: dict[int, int]) -> tuple[int, int, int, int]:
         tokens += n
         context += s + n
         causal += n * s + n * (n + 1) // 2
-        rows += e.sample * (1 + len(e.draft_token_ids))  # a draft samples after each row
+        rows += e.sample * (1 + e.num_draft_tokens)  # a draft samples after each row
         slot_ctx[e.slot_idx] = s + n
     for slot in plan.padding_slots:
         c = slot_ctx[slot] = slot_ctx[slot] + 1

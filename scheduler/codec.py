@@ -165,7 +165,7 @@ _SCHEMAS[NewSequence] = (
     _int,
 )
 _SCHEMAS[AdapterLoad] = (_int, _int, _str, _str)
-_SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int, _list(_int))
+_SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int, _list(_int), _int)
 _SCHEMAS[StepPlan] = (
     _int,
     _list(_record(NewSequence)),
@@ -275,6 +275,7 @@ def _encode_plan(m: StepPlan) -> list:
                 s.sample,
                 s.num_pad_tokens,
                 s.draft_token_ids,
+                s.num_draft_tokens,
             ]
             for s in m.scheduled
         ],

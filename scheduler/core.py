@@ -285,14 +285,14 @@ class Scheduler:
         stats = self.spec_stats
         assert stats is not None
         for entry in step.plan.scheduled:
-            if not entry.draft_token_ids:
+            if not entry.num_draft_tokens:
                 continue
             request = step.requests[entry.slot_idx]
             out = outputs.get(request.request_id)
             if out is None:
                 continue  # aborted while the step was in flight
             emitted = len(out.new_token_ids)
-            stats.record(len(entry.draft_token_ids), emitted)
+            stats.record(entry.num_draft_tokens, emitted)
             if request.status != RequestStatus.RUNNING:
                 continue  # it ended in this step and released every block it held
             # Its positions up to the last emitted token's are computed, that one's is not.

@@ -24,6 +24,7 @@ blocks before it, which the scheduler hands on, may hold anything.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 import zlib
@@ -116,6 +117,8 @@ class FakeExecutor:
         result = StepResult(
             step=plan.step, num_tokens=plan.num_tokens, num_padding_tokens=plan.num_padding_tokens
         )
+        if any(e.num_draft_tokens and not e.draft_token_ids for e in plan.scheduled):
+            plan = self._draft(plan)
         if self.check_kv:
             self._check_kv(plan)
         for entry in plan.scheduled:
@@ -128,7 +131,7 @@ class FakeExecutor:
                         f"{entry.start_pos + entry.num_tokens} tokens"
                     )
             self.table.advance(entry)
-            if entry.draft_token_ids:
+            if entry.num_draft_tokens:
                 self._verify(entry, seq, result)
                 continue
             if not entry.sample:
@@ -153,6 +156,26 @@ class FakeExecutor:
         self.num_steps += 1
         result.forward_s = time.perf_counter() - start
         return result
+
+    def _draft(self, plan: StepPlan) -> StepPlan:
+        """The stand-in for a draft model: it proposes the tokens the sequence will
+        produce, except where a hash of the position says it guesses wrong (about
+        one in three), and appends them to the sequence as a draft model does."""
+        scheduled = []
+        for entry in plan.scheduled:
+            if entry.num_draft_tokens and not entry.draft_token_ids:
+                seq = self.table.get(entry.slot_idx)
+                first = entry.start_pos + 1 - seq.num_prompt_tokens
+                drafts = []
+                for i in range(entry.num_draft_tokens):
+                    token = self._next_token(seq.label, first + i, seq.params)
+                    if zlib.crc32(f"draft:{seq.label}:{first + i}".encode()) % 3 == 0:
+                        token = 3 + (token - 2) % (self.vocab_size - 3)  # a wrong guess
+                    drafts.append(token)
+                seq.token_ids.extend(drafts)
+                entry = dataclasses.replace(entry, draft_token_ids=drafts)
+            scheduled.append(entry)
+        return dataclasses.replace(plan, scheduled=scheduled)
 
     def _verify(self, entry, seq, result: StepResult) -> None:
         """A draft's rows: the token each row would sample is the one of its output

@@ -20,8 +20,9 @@ A worker applies a :class:`StepPlan` in this order:
    batching's finished-but-still-batched members);
 5. sample one token for each scheduled sequence with ``sample`` set (one whose
    ``max_tokens`` is 0 is finished instead, with reason ``length``, unsampled);
-   one with ``draft_token_ids`` samples after each of its rows and keeps the
-   proposals those samples confirm: 1 to ``1 + len(draft_token_ids)`` tokens.
+   one with ``num_draft_tokens`` proposals (its ``draft_token_ids``, or its
+   draft model's) samples after each of its rows and keeps the proposals those
+   samples confirm: 1 to ``1 + num_draft_tokens`` tokens.
 
 Within one step every entry's K/V is written before any entry attends (layer by
 layer), so a sequence may start on cached blocks that another sequence of the
@@ -95,12 +96,14 @@ class ScheduledSeq:
         cached:   x x x x  x x
         this step:             ^ ^  ^ ^ ^     <- a piece may start mid-block
 
-    ``draft_token_ids`` (speculative decoding, :mod:`.speculation`): a decode
-    row's proposed next tokens. The entry computes its last known token and
-    them (``num_tokens == 1 + len(draft_token_ids)``), samples after each, and
-    keeps the proposals its samples confirm; the KV blocks of the positions
-    it rejects are dropped from the table, here and on the workers, by the
-    rule of :meth:`~.seq_table.SequenceTable.take_drafts`.
+    ``num_draft_tokens`` (speculative decoding, :mod:`.speculation`): a decode
+    row's ``k`` proposed next tokens, ``draft_token_ids`` when the scheduler
+    proposed them (prompt lookup), empty when the workers' draft model
+    proposes them. The entry computes its last known token and the proposals
+    (``num_tokens == 1 + k``), samples after each, and keeps the proposals its
+    samples confirm; the KV blocks of the positions it rejects are dropped
+    from the table, here and on the workers, by the rule of
+    :meth:`~.seq_table.SequenceTable.take_drafts`.
     """
 
     slot_idx: int
@@ -110,6 +113,11 @@ class ScheduledSeq:
     sample: bool = False
     num_pad_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # unset with named proposals: as many as they are
+
+    def __post_init__(self) -> None:
+        if self.draft_token_ids and not self.num_draft_tokens:
+            self.num_draft_tokens = len(self.draft_token_ids)
 
 
 @dataclass(slots=True)

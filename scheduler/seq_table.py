@@ -57,6 +57,9 @@ class SeqState:
     counted: tuple[int, int] = (0, -1)
     grammar: Any = None  # its grammar's matcher state (structured outputs)
     prompt_logprobs: PromptLogprobs | None = None  # entries gathered, until its prompt is in
+    # Positions a draft model (speculative decoding) has computed KV for: it
+    # catches up from here in the next step.
+    draft_computed: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -123,14 +126,20 @@ class SequenceTable:
             plan = self._pad_ended(plan, ended)
         for entry in plan.scheduled:
             seq = self.get(entry.slot_idx)
-            if entry.draft_token_ids:
-                self._put_drafts(entry, seq)
+            if entry.num_draft_tokens:
+                self._check_draft(entry, seq)
+                # Named proposals join the sequence as the inputs of its rows, until
+                # take_drafts keeps those its samples confirm; a draft model's are
+                # appended as it makes them.
+                seq.token_ids.extend(entry.draft_token_ids)
             if entry.start_pos != seq.num_computed_tokens:
                 raise PlanMismatchError(
                     f"slot {entry.slot_idx} ({seq.label}): plan starts at {entry.start_pos}, "
                     f"worker has {seq.num_computed_tokens} tokens computed"
                 )
-            if entry.start_pos + entry.num_tokens > len(seq.token_ids):
+            if entry.start_pos + entry.num_tokens > len(seq.token_ids) and not (
+                entry.num_draft_tokens and not entry.draft_token_ids
+            ):
                 raise PlanMismatchError(
                     f"slot {entry.slot_idx} ({seq.label}): plan computes up to "
                     f"{entry.start_pos + entry.num_tokens}, sequence has {len(seq.token_ids)} tokens"
@@ -140,29 +149,30 @@ class SequenceTable:
                 entry.start_pos, self.kv_window, self.block_size))  # fmt: skip
         return plan
 
-    def _put_drafts(self, entry: ScheduledSeq, seq: SeqState) -> None:
-        """A draft's tokens join the sequence as the inputs of its rows, until
-        :meth:`take_drafts` keeps those its samples confirm."""
-        drafts = entry.draft_token_ids
+    def _check_draft(self, entry: ScheduledSeq, seq: SeqState) -> None:
+        """An entry with proposals is a decode of a sequence that may speculate,
+        its rows its last known token and ``num_draft_tokens`` proposals."""
+        k, drafts = entry.num_draft_tokens, entry.draft_token_ids
         if not speculable(seq.params):
             raise PlanMismatchError(
                 f"slot {entry.slot_idx} ({seq.label}): proposals for a sequence whose "
                 "sampling reads its history (penalties or a grammar)"
             )
-        if not (entry.sample and entry.num_tokens == 1 + len(drafts)
+        if not (entry.sample and entry.num_tokens == 1 + k and len(drafts) in (0, k)
                 and entry.start_pos + 1 == len(seq.token_ids)):  # fmt: skip
             raise PlanMismatchError(
-                f"slot {entry.slot_idx} ({seq.label}): {len(drafts)} proposals on an entry "
-                f"of {entry.num_tokens} tokens from {entry.start_pos}, sequence has "
+                f"slot {entry.slot_idx} ({seq.label}): {k} proposals ({len(drafts)} named) on "
+                f"an entry of {entry.num_tokens} tokens from {entry.start_pos}, sequence has "
                 f"{len(seq.token_ids)} tokens"
             )
-        seq.token_ids.extend(drafts)
 
     def take_drafts(
         self, entry: ScheduledSeq, sampled: list[int]
     ) -> tuple[int, FinishedSeq | None]:
         """Verifies ``entry``'s proposals against ``sampled``, the token drawn after
-        each of its ``1 + k`` rows (after computing :meth:`advance`): keeps the
+        each of its ``1 + k`` rows (after computing :meth:`advance`; a draft
+        model's proposals named in ``entry`` and already appended to the sequence
+        as it made them): keeps the
         longest run of proposals equal to the samples before them and appends the
         samples of that run plus the one after it, stopping where the sequence
         ends. Returns how many tokens it appended and the finish record, if any.
@@ -182,6 +192,8 @@ class SequenceTable:
         while n <= len(drafts) and drafts[n - 1] == sampled[n - 1]:
             n += 1
         seq.num_computed_tokens = entry.start_pos + n
+        # A draft model's KV past the accepted positions was computed from rejected ones.
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
         for i, token in enumerate(sampled[:n]):
             finished = self.append_token(entry.slot_idx, token)
             if finished is not None:
@@ -220,6 +232,7 @@ class SequenceTable:
             num_prompt_tokens=new.num_prompt_tokens,
             params=new.params,
             num_computed_tokens=new.num_cached_tokens,  # the rest starts where the cache ends
+            draft_computed=new.num_cached_tokens,
             lora_slot=new.lora_slot,
         )
 

@@ -31,6 +31,13 @@ Where proposals come from (``method``):
   ``prompt_lookup_max`` tokens) that ends the sequence and occurred earlier in
   its prompt or output, and the tokens that followed it there. It needs token
   ids only, so it runs here, in the scheduler, while building the step.
+- ``draft_model``: a small model sharing the target's tokenizer (``model``, a
+  checkpoint directory) runs on every rank beside the target. The scheduler
+  only decides how many proposals a sequence gets and allocates their blocks;
+  the ranks' draft model makes them, greedily, one forward per proposal, just
+  before the target verifies them (``workers/draft.py``). A greedy draft is a
+  proposal with all its mass on one token, so the same comparison keeps the
+  target's distribution.
 
 Speculation is skipped, per step and per sequence, where it cannot pay: in a
 plan built ahead of the step in flight (the sequence's last token is not known
@@ -51,7 +58,7 @@ from typing import Any
 
 from .sampling import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Keys of vLLM's --speculative-config that change nothing here, accepted so that a
 # vLLM command line works unchanged.
 _IGNORED_KEYS = frozenset({
@@ -78,6 +85,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None  # None: by device (resolve())
+    model: str | None = None  # the draft model's checkpoint (method draft_model)
 
     @classmethod
     def parse(cls, raw: dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -99,8 +107,14 @@ class SpeculativeConfig:
                 f"speculative_config.method {method!r} is not supported; supported: "
                 + ", ".join(METHODS)
             )
-        if raw.get("model") is not None:
+        model = raw.get("model")
+        if method == "ngram" and model is not None:
             raise ValueError("speculative_config.model: method 'ngram' takes no draft model")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(
+                "speculative_config.model is required for method 'draft_model': the draft "
+                "checkpoint's directory"
+            )
         k = _int(raw, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         if lo is None and hi is None:
@@ -114,7 +128,7 @@ class SpeculativeConfig:
         limit = None
         if raw.get("disable_by_batch_size") is not None:
             limit = _int(raw, "disable_by_batch_size", None, 1, 1 << 20)
-        return cls(method, k, lo, hi, limit)
+        return cls(method, k, lo, hi, limit, model)
 
     @property
     def max_batch(self) -> int:
@@ -130,6 +144,8 @@ class SpeculativeConfig:
         }
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
+        if self.model is not None:
+            out["model"] = self.model
         return out
 
 

@@ -173,18 +173,21 @@ class StepBuilder:
         for request, entry in zip(requests, self.scheduled[start:]):
             if self.budget_left <= 0:
                 break
-            drafts = self._propose(request, entry)
-            if drafts:
-                entry.num_tokens += len(drafts)
+            k, drafts = self._propose(request, entry)
+            if k:
+                entry.num_tokens += k
+                entry.num_draft_tokens = k
                 entry.draft_token_ids = drafts
-                request.num_computed_tokens += len(drafts)
-                self.budget_left -= len(drafts)
-                self.num_draft_tokens += len(drafts)
+                request.num_computed_tokens += k
+                self.budget_left -= k
+                self.num_draft_tokens += k
 
-    def _propose(self, request: Request, entry: ScheduledSeq) -> list[int]:
+    def _propose(self, request: Request, entry: ScheduledSeq) -> tuple[int, list[int]]:
         """A decoding request's proposals for this step (its ``entry`` computes its
-        last known token), their KV blocks allocated and appended to the entry's;
-        none where speculation cannot help or the blocks or the budget are short."""
+        last known token): how many, and which (prompt lookup; none named: the
+        ranks' draft model proposes them), their KV blocks allocated and appended
+        to the entry's; none where speculation cannot help or the blocks or the
+        budget are short."""
         sched = self.sched
         spec = sched.speculation
         assert spec is not None
@@ -197,17 +200,20 @@ class StepBuilder:
                 params.max_tokens - request.num_output_tokens - 1,
                 sched.max_model_len - pos - 2)  # fmt: skip
         if k <= 0:
-            return []
-        drafts = propose_ngram(
-            request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-        if not drafts:
-            return []
-        more = sched.blocks.allocate(request.request_id, pos + 1 + len(drafts))
+            return 0, []
+        drafts: list[int] = []
+        if spec.method == "ngram":
+            drafts = propose_ngram(
+                request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            if not drafts:
+                return 0, []
+            k = len(drafts)
+        more = sched.blocks.allocate(request.request_id, pos + 1 + k)
         if more is None:
-            return []  # a proposal never takes blocks a preemption would have to free
+            return 0, []  # a proposal never takes blocks a preemption would have to free
         entry.new_block_ids.extend(more)
-        return drafts
+        return k, drafts
 
     def _free_out_of_window(self, request: Request, first_query: int) -> None:
         """Hands on the request's blocks that no layer reads from ``first_query`` on.
@@ -239,13 +245,14 @@ class StepBuilder:
             return False
         blocks = self.sched.blocks
         for entry in self.scheduled:
-            if not entry.draft_token_ids:
+            if not entry.num_draft_tokens:
                 continue
             request = self.requests[entry.slot_idx]
             dropped = blocks.truncate(request.request_id, entry.start_pos + 1)
             del entry.new_block_ids[len(entry.new_block_ids) - len(dropped) :]
-            self.budget_left += len(entry.draft_token_ids)
+            self.budget_left += entry.num_draft_tokens
             entry.num_tokens = 1
+            entry.num_draft_tokens = 0
             entry.draft_token_ids = []
             request.num_computed_tokens = entry.start_pos + 1
         self.num_draft_tokens = 0
@@ -264,7 +271,7 @@ class StepBuilder:
             self.scheduled.remove(entry)
             del self.requests[entry.slot_idx]
             self.budget_left += entry.num_tokens + entry.num_pad_tokens
-            self.num_draft_tokens -= len(entry.draft_token_ids)
+            self.num_draft_tokens -= entry.num_draft_tokens
             # Its positions of this step are not computed after all: neither are
             # any blocks registered for them.
             request.num_computed_tokens = entry.start_pos

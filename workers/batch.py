@@ -121,7 +121,7 @@ def layout_batch(
         needed_blocks.append(needed)
         freed_blocks.append(seq.num_freed_blocks)
         if entry.sample:
-            if entry.draft_token_ids:  # a draft samples after each of its rows
+            if entry.num_draft_tokens:  # a draft samples after each of its rows
                 sample_rows.extend(range(len(ids) - entry.num_tokens, len(ids)))
             else:
                 sample_rows.append(len(ids) - 1)

@@ -31,6 +31,7 @@ from .sampler import Sampler, SamplerOutput
 from .step_params import DraftRow, SampleRow
 
 if TYPE_CHECKING:
+    from .draft import DraftModel
     from .grammar import Grammars
     from .lora_batch import LoraSlots
 
@@ -81,6 +82,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        draft_model: str | Path | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from .checkpoint import load_checkpoint
@@ -97,6 +99,7 @@ class ModelRunner:
         )  # fmt: skip
         ckpt.close()
         self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
+        self.enable_draft(draft_model)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -129,6 +132,7 @@ class ModelRunner:
         runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
         runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
+        runner.enable_draft(None)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
@@ -195,6 +199,20 @@ class ModelRunner:
             tp_size=self.tp_size, dtype=self.dtype, device=self.device,
         )  # fmt: skip
 
+    def enable_draft(self, path: str | Path | None) -> None:
+        """Loads the draft model of speculative decoding (:mod:`.draft`); None: plans
+        name their proposals or have none."""
+        self.drafter: DraftModel | None = None
+        if path is None:
+            return
+        from .draft import DraftModel
+
+        self.drafter = DraftModel(
+            path, ops=self.ops, dtype=self.dtype, device=self.device,
+            num_kv_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
+            pad_token_id=self.pad_token_id,
+        )  # fmt: skip
+
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
         # Each sequence's state on this rank is its SeqState (tokens, blocks, its
@@ -255,6 +273,10 @@ class ModelRunner:
         plan = self.table.apply(plan)
         for new in plan.new_seqs:
             self._register(self.table.get(new.slot_idx))
+        if self.drafter is not None:
+            plan = self.drafter.propose(plan, self.table)
+        elif any(e.num_draft_tokens and not e.draft_token_ids for e in plan.scheduled):
+            raise PlanMismatchError("the plan asks for a draft model's proposals; none is loaded")
         segments: list[tuple[int, int, int]] = []
         if self.lora_slots is not None:
             plan, segments = self._by_adapter(plan)
@@ -330,7 +352,7 @@ class ModelRunner:
         drawn: list[int] = []  # the logits rows sampled
         logits_row = 0
         for entry, seq in zip(entries, seqs):
-            num_rows = 1 + len(entry.draft_token_ids)
+            num_rows = 1 + entry.num_draft_tokens
             if seq.params.max_tokens == 0:
                 result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
             else:
@@ -351,7 +373,7 @@ class ModelRunner:
             grammar = grammars.fill(rows)
         out = self.sampler(logits[: len(rows)], rows, grammar)  # waits for the tokens
         for entry, seq, first in spans:
-            if entry.draft_token_ids:
+            if entry.num_draft_tokens:
                 self._take_drafts(entry, seq, out, first, result)
                 continue
             token = out.token_ids[first]
@@ -364,7 +386,7 @@ class ModelRunner:
 
     def _take_drafts(self, entry: ScheduledSeq, seq: SeqState, out: SamplerOutput, first: int,
                      result: StepResult) -> None:  # fmt: skip
-        num_rows = 1 + len(entry.draft_token_ids)
+        num_rows = 1 + entry.num_draft_tokens
         sampled = out.token_ids[first : first + num_rows]
         num_kept, finished = self.table.take_drafts(entry, sampled)
         for i in range(first, first + num_kept):

@@ -55,7 +55,7 @@ class MetricsRecorder:
         ended = plan.num_tokens - result.num_tokens
         # A decode row computes one token, or one plus its proposals.
         decode = sum(s.num_tokens for s in plan.scheduled
-                     if s.sample and (s.num_tokens == 1 or s.draft_token_ids)) - ended  # fmt: skip
+                     if s.sample and (s.num_tokens == 1 or s.num_draft_tokens)) - ended  # fmt: skip
         self.metrics.observe_step(
             duration_s=step_s,
             forward_s=result.forward_s,

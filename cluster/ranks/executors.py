@@ -53,6 +53,12 @@ def _available_memory_bytes(device: str) -> int:
     return 4 << 30
 
 
+def _draft_path(config: EngineConfig) -> str | None:
+    """The draft model's checkpoint, when speculation proposes with one."""
+    spec = config.scheduler.speculative_config
+    return spec.get("model") if spec.get("method") == "draft_model" else None
+
+
 class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
@@ -60,6 +66,11 @@ class ModelExecutors:
         from ...workers.checkpoint import load_checkpoint
         from ...workers.dtype import choose_dtype
 
+        draft = _draft_path(config)
+        if draft is not None:
+            from ...workers.draft import check_draft
+
+            check_draft(draft, config.model_path)  # a ValueError naming the problem
         ckpt = load_checkpoint(config.model_path)
         choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
         info = {
@@ -108,9 +119,18 @@ class ModelExecutors:
         else:
             # Host memory is shared with everything else on the machine: cap the cache.
             budget = min(int(free * config.kv_memory_fraction), CPU_KV_CACHE_MAX_BYTES)
-        return blocks_for_budget(
+        blocks = blocks_for_budget(
             budget, c.num_layers, config.scheduler.block_size, kv_heads, c.head_dim, dtype
         )
+        draft = _draft_path(config)
+        if draft is not None:  # a draft model's cache has as many blocks: share the budget
+            from ...workers.draft import draft_block_bytes
+            from ...workers.kv_cache import bytes_per_block
+
+            size = config.scheduler.block_size
+            mine = bytes_per_block(c.num_layers, size, kv_heads, c.head_dim, dtype)
+            blocks = blocks * mine // (mine + draft_block_bytes(draft, size, dtype))
+        return blocks
 
     def build(
         self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
@@ -135,6 +155,7 @@ class ModelExecutors:
             max_loras=config.rank_max_loras,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
+            draft_model=_draft_path(config),
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready
         return runner

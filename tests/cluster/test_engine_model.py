@@ -114,3 +114,23 @@ async def test_speculation_on_two_ranks_gives_the_same_tokens(tiny_llama):
         await assert_sound(engine)
     finally:
         await engine.shutdown()
+
+
+async def test_a_draft_model_on_two_ranks_gives_the_same_tokens(tiny_llama):
+    """Each rank runs the whole draft beside its half of the target: the tokens of
+    decoding without proposals (the draft is the target itself: every one kept)."""
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = single_process(tiny_llama, prompts, params)
+    spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+    engine = await start_engine(
+        model_config(tiny_llama, tensor_parallel_size=2, speculative_config=spec)
+    )
+    try:
+        results = await collect_all(engine, prompts, params)
+        assert [tokens for tokens, _ in results] == want
+        stats = await wait_idle(engine)
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+        await assert_sound(engine)
+    finally:
+        await engine.shutdown()

@@ -89,8 +89,15 @@ def workloads(draw, policy: str, speculative: bool = False):
 
 
 def speculative_configs():
-    """n-gram speculation: proposals of 1-5 tokens, on up to 1-8 decoding sequences."""
-    return st.fixed_dictionaries({
+    """Proposals of 1-5 tokens on up to 1-8 decoding sequences, by prompt lookup or
+    by the fake ranks' stand-in draft model (right about two times in three)."""
+    draft = st.fixed_dictionaries({
+        "method": st.just("draft_model"),
+        "model": st.just("stand-in"),
+        "num_speculative_tokens": st.integers(1, 5),
+        "disable_by_batch_size": st.integers(1, 8),
+    })  # fmt: skip
+    return draft | st.fixed_dictionaries({
         "method": st.just("ngram"),
         "num_speculative_tokens": st.integers(1, 5),
         "prompt_lookup_min": st.integers(1, 2),

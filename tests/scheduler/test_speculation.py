@@ -36,6 +36,7 @@ def test_vllm_keys_parse_with_vllms_defaults():
         ({**NGRAM, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({**NGRAM, "draft_model_path": "/x"}, "draft_model_path"),
         ({**NGRAM, "model": "/some/draft"}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ],
 )
 def test_bad_values_are_refused_by_name(raw, named):

@@ -34,8 +34,9 @@ def prompts() -> list[list[int]]:
 def generate(path, params: list[SamplingParams], speculative: dict | None, *, budget=37,
              num_blocks=256, max_num_seqs=8, max_model_len=256):  # fmt: skip
     """Every prompt through the scheduler and the runner, one step at a time."""
+    draft = (speculative or {}).get("model")
     runner = ModelRunner(path, dtype="float32", kernel_backend="cpu", num_kv_blocks=num_blocks,
-                         block_size=4)  # fmt: skip
+                         block_size=4, draft_model=draft)  # fmt: skip
     config = SchedulerConfig(
         policy="chunked", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         max_model_len=max_model_len, block_size=4, num_kv_blocks=num_blocks,
@@ -111,6 +112,60 @@ def test_a_small_pool_and_budget_take_proposals_back_instead_of_preempting(check
     spec, sched, _ = generate(path, params, NGRAM, **small)
     assert spec == plain
     assert sched.num_preemptions > 0 and sched.spec_stats.num_accepted_tokens > 0
+
+
+# -- a draft model -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["llama", "qwen2"])  # the target itself; another model
+def test_a_draft_model_keeps_greedy_output_identical(checkpoint_dir, draft):
+    """The ranks' draft model proposes, the target verifies: the target's tokens,
+    in fewer steps when the draft agrees with it (itself: every proposal kept)."""
+    path = checkpoint_dir("llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(prompts())
+    plain, _, plain_steps = generate(path, params, None)
+    spec = {"method": "draft_model", "model": str(checkpoint_dir(draft)),
+            "num_speculative_tokens": 3}  # fmt: skip
+    got, sched, steps = generate(path, params, spec)
+    assert got == plain
+    stats = sched.spec_stats
+    assert stats.num_drafts > 0
+    if draft == "llama":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert steps < plain_steps
+
+
+def test_a_draft_model_under_preemption_and_seeded_sampling(checkpoint_dir):
+    """Blocks short (preemption, recompute: the draft's KV is rebuilt with the
+    target's) and seeded sampling: the same tokens as without proposals."""
+    path = checkpoint_dir("llama")
+    params = [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=50, ignore_eos=True)
+              for i in range(len(prompts()))]  # fmt: skip
+    small = dict(budget=16, num_blocks=40, max_num_seqs=4, max_model_len=96)
+    plain, _, _ = generate(path, params, None, **small)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
+    got, sched, _ = generate(path, params, spec, **small)
+    assert got == plain
+    assert sched.num_preemptions > 0 and sched.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_draft_of_another_vocabulary_is_refused(checkpoint_dir, tmp_path):
+    import json
+    import shutil
+
+    from iterserve.workers.draft import check_draft
+
+    target = checkpoint_dir("llama")
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 8
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="tokenizer"):
+        check_draft(other, target)
+    with pytest.raises(ValueError, match="no checkpoint"):
+        check_draft(tmp_path / "missing", target)
+    check_draft(target, target)
 
 
 # -- the distribution a draft's rows sample -------------------------------------------
