@@ -87,7 +87,7 @@ def bench_speculative(
     model: str | Path | None = None, *, batches=DEFAULT_BATCHES, max_tokens: int = 256,
     rounds: int = 3, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
     prompt_lookup_max: int = 4, disable_by_batch_size: int | None = None,
-    random_tokens: bool = False, dtype: str = "float32", threads: int = 1, seed: int = 0,
+    random_tokens: bool = False, dtype: str = "auto", threads: int = 1, seed: int = 0,
 ) -> dict:  # fmt: skip
     """See the module docstring."""
     from ..models import DEMO_MODEL_PATH
@@ -139,6 +139,122 @@ def bench_speculative(
     }
 
 
+def build_widened_target(
+    draft: str | Path, out: str | Path, *, num_layers: int = 16, intermediate_size: int = 8192,
+    noise: float = 0.0, seed: int = 0,
+) -> Path:  # fmt: skip
+    """A larger checkpoint that computes what ``draft`` computes, give or take
+    ``noise``: the draft's layers first, their MLPs widened with random neurons
+    whose output weights are ``noise``-sized, then random layers whose attention
+    and MLP outputs are ``noise``-sized (0: they add nothing to the residual).
+    A target of real size that a small draft can predict, for the draft-model
+    benchmark; random weights throughout what is added."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    draft, out = Path(draft), Path(out)
+    config = json.loads((draft / "config.json").read_text())
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.02):
+        return torch.randn(*shape, generator=gen) * scale
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config.get(
+        "head_dim", hidden // config["num_attention_heads"]
+    )
+    kv = config["num_key_value_heads"] * config.get("head_dim", q // config["num_attention_heads"])
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(draft / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            tensors[key] = f.get_tensor(key).float()
+    extra = intermediate_size - inter
+    for i in range(config["num_hidden_layers"]):
+        mlp = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj"):
+            tensors[mlp + name + ".weight"] = torch.cat(
+                [tensors[mlp + name + ".weight"], rand(extra, hidden)]
+            )
+        tensors[mlp + "down_proj.weight"] = torch.cat(
+            [tensors[mlp + "down_proj.weight"], rand(hidden, extra, scale=noise)], dim=1
+        )
+    for i in range(config["num_hidden_layers"], num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+        tensors[p + "self_attn.q_proj.weight"] = rand(q, hidden)
+        tensors[p + "self_attn.k_proj.weight"] = rand(kv, hidden)
+        tensors[p + "self_attn.v_proj.weight"] = rand(kv, hidden)
+        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, q, scale=noise)
+        tensors[p + "mlp.gate_proj.weight"] = rand(intermediate_size, hidden)
+        tensors[p + "mlp.up_proj.weight"] = rand(intermediate_size, hidden)
+        tensors[p + "mlp.down_proj.weight"] = rand(hidden, intermediate_size, scale=noise)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    config.update(num_hidden_layers=num_layers, intermediate_size=intermediate_size)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):  # fmt: skip
+        if (draft / name).is_file():
+            (out / name).write_bytes((draft / name).read_bytes())
+    return out
+
+
+def bench_draft_model(
+    *, batches=(1, 2, 4), max_tokens: int = 128, rounds: int = 2, num_speculative_tokens: int = 4,
+    num_layers: int = 16, intermediate_size: int = 8192, noise: float = 0.02,
+    dtype: str = "auto", threads: int = 1,
+) -> dict:  # fmt: skip
+    """Decode tokens/s with the demo model drafting for a larger target built from it
+    (:func:`build_widened_target`) ÷ the target alone, by batch size."""
+    import tempfile
+
+    from ..models import DEMO_MODEL_PATH
+    from ..workers.runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    draft = Path(DEMO_MODEL_PATH)
+    prompts_all = _prompts(draft, max(batches), False, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = build_widened_target(draft, Path(tmp) / "target", num_layers=num_layers,
+                                      intermediate_size=intermediate_size, noise=noise)  # fmt: skip
+        blocks = sum(blocks_for(len(p) + max_tokens + 16, 16) for p in prompts_all) + 1
+        longest = max(len(p) for p in prompts_all) + max_tokens + 16
+        common = dict(dtype=dtype, num_kv_blocks=blocks, block_size=16, max_model_len=longest)
+        plain_runner = ModelRunner(target, **common)
+        draft_runner = ModelRunner(target, draft_model=draft, **common)
+        for r in (plain_runner, draft_runner):
+            r.warm_up()
+        params = sum(p.numel() for p in plain_runner.model.parameters())
+        spec = {"method": "draft_model", "model": str(draft),
+                "num_speculative_tokens": num_speculative_tokens,
+                "disable_by_batch_size": max(batches)}  # fmt: skip
+        rows = []
+        for batch in batches:
+            prompts = prompts_all[:batch]
+            runs: dict[str, list[dict]] = {"plain": [], "draft": []}
+            for _ in range(rounds):
+                runs["plain"].append(_generate(plain_runner, prompts, max_tokens, None))
+                runs["draft"].append(_generate(draft_runner, prompts, max_tokens, spec))
+            rate = {k: statistics.median(r["tokens"] / r["cpu_s"] for r in v)
+                    for k, v in runs.items()}  # fmt: skip
+            last = runs["draft"][-1]
+            rows.append({
+                "batch": batch,
+                "plain_tok_s": round(rate["plain"], 1),
+                "draft_tok_s": round(rate["draft"], 1),
+                "ratio": round(rate["draft"] / rate["plain"], 2),
+                "acceptance_rate": round(last.get("acceptance_rate", 0.0), 3),
+                "tokens_per_draft": round(last.get("tokens_per_draft", 0.0), 2),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return {
+        "target_params": params, "draft": str(draft), "noise": noise,
+        "dtype": str(plain_runner.dtype).removeprefix("torch."),
+        "max_tokens": max_tokens, "rounds": rounds, "speculative_config": spec, "rows": rows,
+    }  # fmt: skip
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     """Adds ``speculative`` to the ``iterserve bench`` sub-commands."""
     p = subparsers.add_parser(
@@ -154,14 +270,33 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--disable-by-batch-size", type=int, help="default: the engine's")
     p.add_argument("--random", action="store_true", help="random-token prompts")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype", default="auto", help="the runners' (auto: bf16 on CPUs with bf16 instructions)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--draft-model",
+        action="store_true",
+        help="the demo model drafting for a larger target built from it (--noise, --layers)",
+    )
+    p.add_argument("--noise", type=float, default=0.02, help="--draft-model: the target's")
+    p.add_argument("--layers", type=int, default=16, help="--draft-model: the target's")
     p.add_argument("--json", help="also write the result to this file")
     p.set_defaults(func=main)
     return p
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.draft_model:
+        result = bench_draft_model(
+            batches=[int(b) for b in args.batches.split(",")], max_tokens=args.max_tokens,
+            rounds=args.rounds, num_speculative_tokens=args.num_speculative_tokens,
+            num_layers=args.layers, noise=args.noise, dtype=args.dtype, threads=args.threads,
+        )  # fmt: skip
+        print(json.dumps(result, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+        return
     result = bench_speculative(
         args.model, batches=[int(b) for b in args.batches.split(",")], max_tokens=args.max_tokens,
         rounds=args.rounds, num_speculative_tokens=args.num_speculative_tokens,
