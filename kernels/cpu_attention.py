@@ -20,7 +20,11 @@ blocked matrix products efficient, go to torch's CPU flash attention
 How a batch splits is read from its metadata once and reused by every layer
 (:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
 past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
-takes the reference path. With more than one torch thread the rows are
+takes the reference path. A soft cap (Gemma 2), or a sliding window shorter
+than the longest sequence, runs on a second set of compiled functions
+(:func:`_paged_attention_window_cap`): the plain ones stay as they are, since
+the window's offsets and the cap's branch in their loops slow every other
+model's decode. With more than one torch thread the rows are
 split across numba's threads (as many as torch's). The kernel is compiled on
 first use (about a second) and cached on disk.
 """
