@@ -20,7 +20,11 @@ blocked matrix products efficient, go to torch's CPU flash attention
 How a batch splits is read from its metadata once and reused by every layer
 (:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
 past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
-takes the reference path. With more than one torch thread the rows are
+takes the reference path. A soft cap (Gemma 2), or a sliding window shorter
+than the longest sequence, runs on a second set of compiled functions
+(:func:`_paged_attention_window_cap`): the plain ones stay as they are, since
+the window's offsets and the cap's branch in their loops slow every other
+model's decode. With more than one torch thread the rows are
 split across numba's threads (as many as torch's). The kernel is compiled on
 first use (about a second) and cached on disk.
 """
@@ -28,7 +32,7 @@ first use (about a second) and cached on disk.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 
 from ..scheduler.blocks import blocks_for
 from . import checks, reference
-from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32
+from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32, tanh_f32
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +218,153 @@ def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, s
                     scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
+# The variant for sliding windows and soft caps. A second set of functions rather
+# than arguments of the ones above: those are what every other model runs, and
+# the window's offsets and the cap's branch in their loops cost plain decode a
+# quarter of its speed (docs/kernels.md). Each row reads its positions
+# ``starts[r]..lengths[r] - 1`` (the blocks before its window are never read,
+# the scheduler may have handed them on), its scores kept from index 0 on.
+
+
+@_jit()
+def _attend_one_window_cap(
+    q, k_rows, v_rows, table, start, length, next_table, next_start, next_length, row, scale,
+    soft_cap, out, scores, acc, qh, top, block_size, num_kv_heads,
+):  # fmt: skip
+    """:func:`_attend_one` over positions ``start..length - 1`` only, each scaled
+    score capped as ``soft_cap * tanh(score / soft_cap)`` before the softmax
+    (``soft_cap`` 0: uncapped). tanh is increasing, so the largest raw score,
+    capped, is the largest capped one: it is kept raw as the scores are made and
+    the cap is applied in the softmax pass, with the exponential."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    first_block = start // block_size
+    num_blocks = (length + block_size - 1) // block_size - first_block
+    next_first = next_start // block_size
+    next_blocks = (next_length + block_size - 1) // block_size - next_first
+    per_block = block_size * num_kv_heads
+    for i in range(num_heads):
+        top[i] = np.float32(-3.0e38)
+        for d in range(head_dim):
+            qh[i, d] = load_f32(q, (row, i, d)) * scale
+            acc[i, d] = 0.0
+    for jj in range(num_blocks):
+        j = first_block + jj
+        ahead = jj + PREFETCH_BLOCKS
+        if ahead < num_blocks:
+            _prefetch_block(k_rows, table[first_block + ahead], per_block, head_dim)
+        elif ahead < 2 * num_blocks:
+            _prefetch_block(v_rows, table[first_block + ahead - num_blocks], per_block, head_dim)
+        first = table[j] * per_block
+        base = j * block_size - start  # the score index of the block's slot 0
+        for o in range(max(0, -base), min(block_size, length - j * block_size)):
+            for h in range(num_kv_heads):
+                k_row = k_rows[first + o * num_kv_heads + h]
+                for g in range(group):
+                    x = np.float32(0.0)
+                    for d in range(head_dim):
+                        x += qh[h * group + g, d] * load_f32(k_row, d)
+                    scores[h * group + g, base + o] = x
+                    top[h * group + g] = max(top[h * group + g], x)
+    count = length - start
+    for i in range(num_heads):
+        head_scores = scores[i]
+        total = np.float32(0.0)
+        if soft_cap > 0:
+            inv_cap = np.float32(1.0) / soft_cap
+            largest = soft_cap * tanh_f32(top[i] * inv_cap)
+            for p in range(count):
+                e = exp_f32(soft_cap * tanh_f32(head_scores[p] * inv_cap) - largest)
+                head_scores[p] = e
+                total += e
+        else:
+            largest = top[i]
+            for p in range(count):
+                e = exp_f32(head_scores[p] - largest)
+                head_scores[p] = e
+                total += e
+        top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
+    for jj in range(num_blocks):
+        j = first_block + jj
+        ahead = jj + PREFETCH_BLOCKS
+        if ahead < num_blocks:
+            _prefetch_block(v_rows, table[first_block + ahead], per_block, head_dim)
+        elif ahead - num_blocks < next_blocks:
+            _prefetch_block(k_rows, next_table[next_first + ahead - num_blocks], per_block,
+                            head_dim)  # fmt: skip
+        first = table[j] * per_block
+        base = j * block_size - start
+        for o in range(max(0, -base), min(block_size, length - j * block_size)):
+            for h in range(num_kv_heads):
+                v_row = v_rows[first + o * num_kv_heads + h]
+                for g in range(group):
+                    w = scores[h * group + g, base + o]
+                    for d in range(head_dim):
+                        acc[h * group + g, d] += w * load_f32(v_row, d)
+    for i in range(num_heads):
+        for d in range(head_dim):
+            store_f32(out, (row, i, d), acc[i, d] * top[i])
+
+
+@_jit()
+def _attend_row_window_cap(
+    q, k_rows, v_rows, tables, table_of, starts, lengths, rows, r, scale, soft_cap, out, scores,
+    acc, qh, top, block_size, num_kv_heads,
+):  # fmt: skip
+    """Row ``r`` of the batch, prefetching the first KV blocks of row ``r + 1``."""
+    n = lengths.shape[0]
+    following = min(r + 1, n - 1)
+    _attend_one_window_cap(
+        q, k_rows, v_rows, tables[table_of[r]], starts[r], lengths[r],
+        tables[table_of[following]], starts[following], lengths[following] if r + 1 < n else 0,
+        rows[r], scale, soft_cap, out, scores, acc, qh, top, block_size, num_kv_heads,
+    )  # fmt: skip
+
+
+@_jit()
+def _attend_all_window_cap(
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+):  # fmt: skip
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
+    n = lengths.shape[0]
+    longest = 1
+    for r in range(n):
+        longest = max(longest, lengths[r] - starts[r])
+    scores = np.empty((num_heads, longest), dtype=np.float32)
+    acc = np.empty((num_heads, head_dim), dtype=np.float32)
+    qh = np.empty((num_heads, head_dim), dtype=np.float32)
+    top = np.empty(num_heads, dtype=np.float32)
+    if n:  # the first row's first blocks; every later row's come with the row before
+        first = starts[0] // block_size
+        for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size - first)):
+            _prefetch_block(k_rows, tables[table_of[0], first + j], block_size * num_kv_heads,
+                            head_dim)  # fmt: skip
+    for r in range(n):
+        _attend_row_window_cap(q, k_rows, v_rows, tables, table_of, starts, lengths, rows, r,
+                               scale, soft_cap, out, scores, acc, qh, top, block_size,
+                               num_kv_heads)  # fmt: skip
+
+
+@_jit(parallel=True)
+def _attend_all_parallel_window_cap(
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+):  # fmt: skip
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_rows, v_rows = k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim)
+    n = lengths.shape[0]
+    for r in prange(n):
+        scores = np.empty((num_heads, max(lengths[r] - starts[r], 1)), dtype=np.float32)
+        acc = np.empty((num_heads, head_dim), dtype=np.float32)
+        qh = np.empty((num_heads, head_dim), dtype=np.float32)
+        top = np.empty(num_heads, dtype=np.float32)
+        _attend_row_window_cap(q, k_rows, v_rows, tables, table_of, starts, lengths, rows, r,
+                               scale, soft_cap, out, scores, acc, qh, top, block_size,
+                               num_kv_heads)  # fmt: skip
+
+
 # The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -239,6 +390,8 @@ class _Plan:
     versions: tuple | None
     pieces: reference.Pieces
     rows: tuple | None  # (tables, table_of, lengths, rows) for the row kernel
+    # each row's first position under a window (None: no window), as the layers ask
+    starts: dict = field(default_factory=dict)
 
 
 _last_plan: list[_Plan | None] = [None]  # the plan of the batch the layers last attended
@@ -336,12 +489,16 @@ def paged_attention(
     soft_cap: float | None = None,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention`, its decode rows and short prefill pieces
-    on the compiled kernel where it applies (fp32 or bf16 on the CPU, no soft-capping,
-    no sliding window shorter than the longest sequence: those take the reference)."""
-    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
-    if not _usable(query, k_cache, v_cache) or cuts or soft_cap is not None:
+    on the compiled kernel where it applies (fp32 or bf16 on the CPU); under a
+    soft cap, or a sliding window shorter than the longest sequence, on its
+    variant for those (:func:`_paged_attention_window_cap`)."""
+    if not _usable(query, k_cache, v_cache):
         return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if cuts or soft_cap is not None:
+        return _paged_attention_window_cap(query, k_cache, v_cache, block_tables, seq_lens,
+                                           query_start_loc, scale, window, soft_cap)  # fmt: skip
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
     )
@@ -357,5 +514,37 @@ def paged_attention(
         (_attend_all_parallel if parallel else _attend_all)(
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
             table_of, lengths, rows, np.float32(scale), as_array(out),
+        )  # fmt: skip
+    return out
+
+
+def _paged_attention_window_cap(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                scale, window, soft_cap) -> torch.Tensor:  # fmt: skip
+    """:func:`paged_attention` under a soft cap or a window that cuts: decode rows
+    and short prefill pieces on the kernel's window/cap variant, each row
+    starting at its window's first position; long pieces as the reference
+    attends them (torch's flash attention takes neither a cap nor, without a
+    mask of every row, a window)."""
+    checks.check_paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, soft_cap
+    )
+    plan = _plan(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
+                 query_start_loc)  # fmt: skip
+    out = reference.attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale,
+                                       window, soft_cap)  # fmt: skip
+    if plan.rows is not None:
+        tables, table_of, lengths, rows = plan.rows
+        starts = plan.starts.get(window)
+        if starts is None:  # each row's first position in reach: the last `window` it sees
+            starts = np.zeros_like(lengths) if window is None else np.maximum(lengths - window, 0)
+            plan.starts[window] = starts
+        threads = torch.get_num_threads()
+        parallel = threads > 1 and len(rows) > 1
+        if parallel:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        (_attend_all_parallel_window_cap if parallel else _attend_all_window_cap)(
+            as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
+            table_of, starts, lengths, rows, np.float32(scale),
+            np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
         )  # fmt: skip
     return out

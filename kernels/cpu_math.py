@@ -7,6 +7,8 @@
   exponent split off as ``2**n`` (written straight into the float's exponent
   bits) and a degree-6 polynomial on the remainder; on [-87, 88] it agrees with
   the correctly rounded value to 6e-8 relative, as libm's does.
+- :func:`tanh_f32`: tanh in fp32, vectorizable the same way (Gemma 2's soft
+  cap of attention scores, :mod:`.cpu_attention`).
 - :func:`prefetch_l2`: asks the core to start loading the cache line holding
   ``array.flat[index]`` into its L2, without waiting for it. A decode row reads
   its KV as 8-KiB blocks scattered over the cache; the hardware prefetcher
@@ -136,12 +138,29 @@ if numba is not None:
         p = p * r * r + r + np.float32(1.0)
         return p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
 
+    @numba.njit(inline="always", fastmath=True)
+    def tanh_f32(x):
+        """tanh of an fp32 ``x``, branch-free (both halves computed, one kept), so
+        that a loop of it vectorizes. Cephes' ``tanhf``: an odd polynomial below
+        |x| = 0.625, where ``1 - 2 / (e**2x + 1)`` would lose digits to the
+        subtraction, that formula (through :func:`exp_f32`) from there on; within
+        a few fp32 steps of the correctly rounded value, ±1 where it saturates."""
+        z = x * x
+        small = (
+            (((np.float32(-5.70498872745e-3) * z + np.float32(2.06390887954e-2)) * z
+              - np.float32(5.37397155531e-2)) * z + np.float32(1.33314422036e-1)) * z
+            - np.float32(3.33332819422e-1)
+        ) * z * x + x  # fmt: skip
+        large = np.float32(1.0) - np.float32(2.0) / (exp_f32(np.float32(2.0) * x) + np.float32(1.0))
+        return small if z < np.float32(0.390625) else large  # 0.390625 = 0.625**2
+
 else:  # pragma: no cover
 
     def prefetch_l2(array, index):
         return None
 
     exp_f32 = math.exp
+    tanh_f32 = math.tanh
 
 
 # 4K aliasing: a core tells whether a load depends on a store still in flight

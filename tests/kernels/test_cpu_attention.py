@@ -159,3 +159,104 @@ def test_the_layers_of_one_batch_share_its_plan_until_its_metadata_changes(monke
     assert len(splits) == 2
     torch.testing.assert_close(changed, ref.paged_attention(*b.args()), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(changed, first, atol=1e-3)
+
+
+# Windows and soft caps: the compiled variant for them (the plain kernel above is
+# left as it is). Windows of one position, shorter than some rows' context and
+# longer than others', and longer than every sequence (run on the variant when the
+# longest sequence is not given); soft caps that bite (scores here reach ~±4 after
+# scaling) and one that barely does.
+@pytest.mark.parametrize("window", [None, 1, 7, 20, 1000])
+@pytest.mark.parametrize("soft_cap", [None, 1.5, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [MIXED, LONG_DECODES, PIECES], ids=["mixed", "long", "pieces"])
+def test_windows_and_soft_caps_run_on_the_kernel_as_the_reference_computes_them(
+    monkeypatch, window, soft_cap, dtype, shape
+):
+    """Decode rows and short prefill pieces under a sliding window and a soft cap
+    take the compiled variant (neither the reference nor the plain kernel is
+    called) and agree with dense attention and the reference."""
+    if window is None and soft_cap is None:
+        pytest.skip("the plain kernel's case (tested above)")
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
+    b = on_cpu(make_batch(shape, 8, 2, 64, 8, dtype, seed=12))
+    b.query = b.query * 4  # scores large enough for a cap to bite
+    want = ref.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
+    for name in ("_attend_all", "_attend_all_parallel"):
+        monkeypatch.setattr(cpu_attention, name, None)  # any call to the plain kernel fails
+    monkeypatch.setattr(ref, "paged_attention", None)  # and any to the reference
+    got = cpu_attention.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        dense = dense_attention(b, window, soft_cap)
+        torch.testing.assert_close(got.double(), dense, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        dense = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
+        torch.testing.assert_close(got.double(), dense, **BF16_STEP)
+        torch.testing.assert_close(got, want, **BF16_STEP)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_and_cap_rows_split_across_threads_alike(dtype):
+    b = on_cpu(make_batch(LONG_DECODES * 3 + PIECES, 8, 2, 64, 16, dtype, seed=15))
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(cpu_attention.paged_attention(*b.args(), window=40, soft_cap=5.0))
+    finally:
+        torch.set_num_threads(threads)
+    tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else BF16_STEP
+    torch.testing.assert_close(got[1], got[0], **tolerance)
+    want = ref.paged_attention(*b.args(), window=40, soft_cap=5.0)
+    torch.testing.assert_close(got[0], want, **(tolerance if dtype == torch.bfloat16 else
+                                                 dict(atol=1e-5, rtol=1e-5)))  # fmt: skip
+
+
+def test_a_windowed_row_reads_no_block_before_its_window():
+    """The scheduler may hand those blocks on: they are poisoned here, and the
+    output is what it was."""
+    window, block_size = 10, 4
+    b = on_cpu(make_batch(LONG_DECODES + MIXED, 4, 2, 64, block_size, torch.float32, seed=13))
+    want = ref.paged_attention(*b.args(), window=window)
+    poison = b.k_cache.shape[0] - 1  # one of the spare blocks nobody owns
+    assert poison not in b.block_tables.tolist()
+    b.k_cache[poison] = float("nan")
+    b.v_cache[poison] = float("nan")
+    for s, (n, q_len) in enumerate(zip(b.seq_lens.tolist(), b.q_lens, strict=True)):
+        gone = max(0, n - q_len + 1 - window) // block_size  # before the first row's window
+        b.block_tables[s, :gone] = poison
+    got = cpu_attention.paged_attention(*b.args(), max_seq_len=int(b.seq_lens.max()),
+                                        window=window)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(30, None), (None, 2.0), (30, 2.0), (1000, 2.0)])
+def test_long_pieces_under_a_window_or_cap_are_attended_as_the_reference_does(
+    monkeypatch, window, soft_cap
+):
+    """Torch's flash attention has no soft cap: long pieces take the reference's
+    products, piece by piece, and the batch's short rows stay on the kernel."""
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 8 * 40)  # pieces of > 40 positions: long
+    b = on_cpu(make_batch(PIECES + LONG_DECODES, 8, 2, 64, 16, torch.float32, seed=14))
+    long = []
+    real = ref.attend_long_pieces
+    monkeypatch.setattr(ref, "attend_long_pieces",
+                        lambda *a, **k: long.append(a[4].long) or real(*a, **k))  # fmt: skip
+    got = cpu_attention.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
+    assert long and long[0]  # some pieces were long, and attended there
+    dense = dense_attention(b, window, soft_cap)
+    torch.testing.assert_close(got.double(), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_attention_never_takes_the_window_and_cap_variant(monkeypatch):
+    """No cap and no window that cuts: the plain kernel, as before the variant."""
+    for name in ("_attend_all_window_cap", "_attend_all_parallel_window_cap"):
+        monkeypatch.setattr(cpu_attention, name, None)
+    b = on_cpu(make_batch(MIXED, 8, 2, 64, 16, torch.float32, seed=16))
+    longest = int(b.seq_lens.max())
+    for window in (None, longest):
+        got = cpu_attention.paged_attention(*b.args(), max_seq_len=longest, window=window)
+        torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)

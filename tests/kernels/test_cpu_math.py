@@ -22,6 +22,7 @@ if cpu_attention.available():
         prefetch_l2,
         round_to,
         store_f32,
+        tanh_f32,
     )
 
     @numba.njit(fastmath=True)
@@ -44,11 +45,34 @@ if cpu_attention.available():
         for i in range(x.shape[0]):
             out[i] = exp_f32(x[i])
 
+    @numba.njit(fastmath=True)
+    def _tanh_all(x, out):
+        for i in range(x.shape[0]):
+            out[i] = tanh_f32(x[i])
+
     @numba.njit
     def _copy_with_prefetch(x, out):
         for i in range(x.shape[0]):
             prefetch_l2(x, min(i + 64, x.shape[0] - 1))
             out[i] = x[i]
+
+
+def test_tanh_f32_is_within_an_ulp_of_the_exact_value_and_saturates_to_one():
+    """Over both of its formulas and the switch between them (|x| = 0.625), down to
+    tiny arguments (where tanh x is x) and out past saturation."""
+    x = np.concatenate([
+        np.linspace(-20.0, 20.0, 2_000_001, dtype=np.float32),
+        np.float32(10.0) ** np.linspace(-30.0, 1.0, 100_001, dtype=np.float32),
+        np.array([0.0, 0.625, -0.625, 44.0, 100.0, 1e30], dtype=np.float32),
+    ])  # fmt: skip
+    x = np.concatenate([x, -x])
+    got = np.empty_like(x)
+    _tanh_all(x, got)
+    exact = np.tanh(x.astype(np.float64))
+    ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+    assert float(np.max(np.abs(got - exact) / ulp)) <= 1.0
+    assert np.all(np.abs(got) <= 1.0)
+    assert got[x >= 10.0].min() == 1.0 and got[x <= -10.0].max() == -1.0
 
 
 def test_exp_f32_is_within_a_few_ulp_of_the_exact_value_over_the_normal_range():
