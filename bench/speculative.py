@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
@@ -200,6 +201,13 @@ def build_widened_target(
     return out
 
 
+def _num_params(checkpoint: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+
+
 def bench_draft_model(
     *, batches=(1, 2, 4), max_tokens: int = 128, rounds: int = 2, num_speculative_tokens: int = 4,
     num_layers: int = 16, intermediate_size: int = 8192, noise: float = 0.02,
@@ -225,7 +233,7 @@ def bench_draft_model(
         draft_runner = ModelRunner(target, draft_model=draft, **common)
         for r in (plain_runner, draft_runner):
             r.warm_up()
-        params = sum(p.numel() for p in plain_runner.model.parameters())
+        params = _num_params(target)
         spec = {"method": "draft_model", "model": str(draft),
                 "num_speculative_tokens": num_speculative_tokens,
                 "disable_by_batch_size": max(batches)}  # fmt: skip
