@@ -53,10 +53,16 @@ def generate(path, params: list[SamplingParams], speculative: dict | None, *, bu
         assert step is not None
         for out in sched.update(step, runner.execute(step.plan)):
             outputs[out.request_id] += out.new_token_ids
+            LOGPROBS.setdefault(id(sched), {}).setdefault(out.request_id, []).extend(
+                out.new_logprobs
+            )
         sched.check_integrity()
         steps += 1
     assert sched.blocks.num_used == 0 and not runner.table.by_slot
     return outputs, sched, steps
+
+
+LOGPROBS: dict[int, dict[str, list]] = {}  # per scheduler: each request's logprobs
 
 
 def test_greedy_output_is_identical_and_takes_fewer_steps(checkpoint_dir, hf_reference):
@@ -97,10 +103,17 @@ def test_seeded_sampling_is_identical_with_and_without_proposals(checkpoint_dir)
     path = checkpoint_dir("llama")
     params = [SamplingParams(temperature=0.7, top_k=20, seed=100 + i, max_tokens=40,
                              ignore_eos=True, logprobs=2) for i in range(len(prompts()))]  # fmt: skip
-    plain, _, _ = generate(path, params, None)
+    plain, plain_sched, _ = generate(path, params, None)
     spec, sched, _ = generate(path, params, NGRAM)
     assert spec == plain
-    assert sched.spec_stats.num_drafts > 0
+    assert sched.spec_stats.num_accepted_tokens > 0
+    # Each emitted token's logprob and top alternatives are its own row's.
+    for request_id, want in LOGPROBS[id(plain_sched)].items():
+        got = LOGPROBS[id(sched)][request_id]
+        assert len(got) == len(want) == len(plain[request_id])
+        for (lp, top), (lp0, top0) in zip(got, want):
+            assert lp == pytest.approx(lp0, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in top0]
 
 
 def test_a_small_pool_and_budget_take_proposals_back_instead_of_preempting(checkpoint_dir):
