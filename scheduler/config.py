@@ -126,7 +126,7 @@ class SchedulerConfig:
         metadata={
             "doc": "speculative decoding, vLLM's keys: `{method: ngram, num_speculative_tokens, "
             "prompt_lookup_min, prompt_lookup_max, disable_by_batch_size}` (continuous and "
-            "chunked, paged layout; unset disable_by_batch_size: 8 on CPU, 64 on CUDA); "
+            "chunked, paged layout; unset disable_by_batch_size: 16 on CPU, 64 on CUDA); "
             "empty: none",
             "helm": False,
         },

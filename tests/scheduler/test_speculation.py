@@ -55,7 +55,7 @@ def test_the_batch_limit_left_unset_is_the_devices():
     config = SchedulerConfig(speculative_config=NGRAM)
     cpu = config.resolved(num_kv_blocks=64, max_model_len=128, device="cpu")
     cuda = config.resolved(num_kv_blocks=64, max_model_len=128, device="cuda:0")
-    assert (cpu.speculation.max_batch, cuda.speculation.max_batch) == (8, 64)
+    assert (cpu.speculation.max_batch, cuda.speculation.max_batch) == (16, 64)
     mine = SchedulerConfig(speculative_config={**NGRAM, "disable_by_batch_size": 3})
     assert (
         mine.resolved(num_kv_blocks=64, max_model_len=128, device="cuda").speculation.max_batch == 3
