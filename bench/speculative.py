@@ -84,6 +84,35 @@ def _generate(runner, prompts: list[list[int]], max_tokens: int, spec: dict | No
     return out
 
 
+def _runner_options(prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
+    """A runner's cache and context for every prompt generated to ``max_tokens``."""
+    blocks = sum(blocks_for(len(p) + max_tokens + 16, 16) for p in prompts) + 1
+    longest = max(len(p) for p in prompts) + max_tokens + 16
+    return dict(dtype=dtype, num_kv_blocks=blocks, block_size=16, max_model_len=longest)
+
+
+def _compare(plain_runner, spec_runner, prompts: list[list[int]], max_tokens: int, spec: dict,
+             rounds: int, name: str) -> dict:  # fmt: skip
+    """``rounds`` alternating runs without and with ``spec``: tokens/s medians, their
+    ratio, and the last speculative run's acceptance (keys named ``name``)."""
+    runs: dict[str, list[dict]] = {"plain": [], name: []}
+    for _ in range(rounds):
+        runs["plain"].append(_generate(plain_runner, prompts, max_tokens, None))
+        runs[name].append(_generate(spec_runner, prompts, max_tokens, spec))
+    rate = {k: statistics.median(r["tokens"] / r["cpu_s"] for r in v) for k, v in runs.items()}
+    last = runs[name][-1]
+    return {
+        "batch": len(prompts),
+        "plain_tok_s": round(rate["plain"], 1),
+        f"{name}_tok_s": round(rate[name], 1),
+        "ratio": round(rate[name] / rate["plain"], 2),
+        "acceptance_rate": round(last.get("acceptance_rate", 0.0), 3),
+        "tokens_per_draft": round(last.get("tokens_per_draft", 0.0), 2),
+        "steps_plain": runs["plain"][-1]["steps"],
+        f"steps_{name}": last["steps"],
+    }
+
+
 def bench_speculative(
     model: str | Path | None = None, *, batches=DEFAULT_BATCHES, max_tokens: int = 256,
     rounds: int = 3, num_speculative_tokens: int = 4, prompt_lookup_min: int = 2,
@@ -102,31 +131,12 @@ def bench_speculative(
             "prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max,
             "disable_by_batch_size": limit}  # fmt: skip
     all_prompts = _prompts(path, max(batches), random_tokens, seed)
-    longest = max(len(p) for p in all_prompts) + max_tokens + 16
-    blocks = sum(blocks_for(len(p) + max_tokens + 16, 16) for p in all_prompts) + 1
-    runner = ModelRunner(path, dtype=dtype, num_kv_blocks=blocks, block_size=16,
-                         max_model_len=longest)  # fmt: skip
+    runner = ModelRunner(path, **_runner_options(all_prompts, max_tokens, dtype))
     runner.warm_up()
     rows = []
     for batch in batches:
-        prompts = all_prompts[:batch]
-        runs: dict[str, list[dict]] = {"plain": [], "ngram": []}
-        for _ in range(rounds):
-            runs["plain"].append(_generate(runner, prompts, max_tokens, None))
-            runs["ngram"].append(_generate(runner, prompts, max_tokens, spec))
-        rate = {k: statistics.median(r["tokens"] / r["cpu_s"] for r in v) for k, v in runs.items()}
-        last = runs["ngram"][-1]
-        rows.append({
-            "batch": batch,
-            "plain_tok_s": round(rate["plain"], 1),
-            "ngram_tok_s": round(rate["ngram"], 1),
-            "ratio": round(rate["ngram"] / rate["plain"], 2),
-            "acceptance_rate": round(last.get("acceptance_rate", 0.0), 3),
-            "tokens_per_draft": round(last.get("tokens_per_draft", 0.0), 2),
-            "steps_plain": runs["plain"][-1]["steps"],
-            "steps_ngram": last["steps"],
-            "speculating": batch <= limit,
-        })  # fmt: skip
+        row = _compare(runner, runner, all_prompts[:batch], max_tokens, spec, rounds, "ngram")
+        rows.append({**row, "speculating": batch <= limit})
         print(json.dumps(rows[-1]), flush=True)
     return {
         "model": str(path),
@@ -226,9 +236,7 @@ def bench_draft_model(
     with tempfile.TemporaryDirectory() as tmp:
         target = build_widened_target(draft, Path(tmp) / "target", num_layers=num_layers,
                                       intermediate_size=intermediate_size, noise=noise)  # fmt: skip
-        blocks = sum(blocks_for(len(p) + max_tokens + 16, 16) for p in prompts_all) + 1
-        longest = max(len(p) for p in prompts_all) + max_tokens + 16
-        common = dict(dtype=dtype, num_kv_blocks=blocks, block_size=16, max_model_len=longest)
+        common = _runner_options(prompts_all, max_tokens, dtype)
         plain_runner = ModelRunner(target, **common)
         draft_runner = ModelRunner(target, draft_model=draft, **common)
         for r in (plain_runner, draft_runner):
@@ -240,21 +248,8 @@ def bench_draft_model(
         rows = []
         for batch in batches:
             prompts = prompts_all[:batch]
-            runs: dict[str, list[dict]] = {"plain": [], "draft": []}
-            for _ in range(rounds):
-                runs["plain"].append(_generate(plain_runner, prompts, max_tokens, None))
-                runs["draft"].append(_generate(draft_runner, prompts, max_tokens, spec))
-            rate = {k: statistics.median(r["tokens"] / r["cpu_s"] for r in v)
-                    for k, v in runs.items()}  # fmt: skip
-            last = runs["draft"][-1]
-            rows.append({
-                "batch": batch,
-                "plain_tok_s": round(rate["plain"], 1),
-                "draft_tok_s": round(rate["draft"], 1),
-                "ratio": round(rate["draft"] / rate["plain"], 2),
-                "acceptance_rate": round(last.get("acceptance_rate", 0.0), 3),
-                "tokens_per_draft": round(last.get("tokens_per_draft", 0.0), 2),
-            })  # fmt: skip
+            rows.append(_compare(plain_runner, draft_runner, prompts, max_tokens, spec, rounds,
+                                 "draft"))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     return {
         "target_params": params, "draft": str(draft), "noise": noise,
