@@ -228,6 +228,25 @@ class SpeculationStats:
             self.accepted_per_pos[i] += 1
         self.acceptance_lengths[accepted] += 1
 
+    def since(self, before: SpeculationStats | None) -> SpeculationStats:
+        """What was recorded after ``before`` (a copy of these counters taken
+        earlier; None: since the start), as counters of their own. A copy of now's
+        is ``self.since(None)``."""
+        if before is None:
+            before = SpeculationStats(self.num_speculative_tokens)
+        return SpeculationStats(
+            self.num_speculative_tokens,
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            self.num_emitted_tokens - before.num_emitted_tokens,
+            [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos, strict=True)],
+            [
+                a - b
+                for a, b in zip(self.acceptance_lengths, before.acceptance_lengths, strict=True)
+            ],  # fmt: skip
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "spec_decode_num_drafts": self.num_drafts,

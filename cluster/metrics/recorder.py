@@ -21,6 +21,7 @@ from ...scheduler import (
     Scheduler,
     StepResult,
 )
+from ...scheduler.speculation import SpeculationStats
 from .engine import EngineMetrics
 
 RECENT_TTFT = 256  # first tokens the autoscaler's TTFT signal remembers
@@ -35,7 +36,7 @@ class MetricsRecorder:
         # (when, seconds) of recent first tokens: the autoscaler's TTFT signal
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)
         self._lora = (0, 0)  # adapter loads and evictions recorded so far
-        self._spec: dict | None = None  # the speculation counters recorded so far
+        self._spec: SpeculationStats | None = None  # the speculation counters recorded so far
 
     def admitted(self, request: Request) -> None:
         self.metrics.on_prompt(request.num_prompt_tokens)
@@ -85,18 +86,16 @@ class MetricsRecorder:
         """What became of the proposals verified since the last call."""
         stats = sched.spec_stats
         assert stats is not None
-        now = stats.as_dict()
-        before = self._spec or {key: _zero(value) for key, value in now.items()}
-        delta = {key: _minus(now[key], before[key]) for key in now}
+        delta = stats.since(self._spec)
         self.metrics.on_speculation(
-            drafts=delta["spec_decode_num_drafts"],
-            draft_tokens=delta["spec_decode_num_draft_tokens"],
-            accepted=delta["spec_decode_num_accepted_tokens"],
-            emitted=delta["spec_decode_num_emitted_tokens"],
-            accepted_per_pos=delta["spec_decode_num_accepted_tokens_per_pos"],
-            lengths=delta["spec_decode_acceptance_lengths"],
+            drafts=delta.num_drafts,
+            draft_tokens=delta.num_draft_tokens,
+            accepted=delta.num_accepted_tokens,
+            emitted=delta.num_emitted_tokens,
+            accepted_per_pos=delta.accepted_per_pos,
+            lengths=delta.acceptance_lengths,
         )
-        self._spec = now
+        self._spec = stats.since(None)
 
     def adapters(self, sched: Scheduler) -> None:
         """LoRA adapters' residency and their requests (a no-op with none loaded)."""
@@ -162,13 +161,3 @@ class MetricsRecorder:
         self.metrics.on_finish(
             reason=reason.category, e2e_s=now - request.arrival_time, decode_s=decode_s, tpot_s=tpot
         )
-
-
-def _zero(value):
-    return [0] * len(value) if isinstance(value, list) else 0
-
-
-def _minus(now, before):
-    if isinstance(now, list):
-        return [a - b for a, b in zip(now, before, strict=True)]
-    return now - before
