@@ -103,10 +103,13 @@ class SequenceTable:
         *,
         kv_window: int | None = None,
         block_size: int = 1,
+        drafts: bool = True,
     ):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_forget = on_forget
         self.kv_window, self.block_size = kv_window, block_size
+        # Whether the worker has a draft model to make proposals the plan leaves unnamed.
+        self.drafts = drafts
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
 
@@ -153,6 +156,11 @@ class SequenceTable:
         """An entry with proposals is a decode of a sequence that may speculate,
         its rows its last known token and ``num_draft_tokens`` proposals."""
         k, drafts = entry.num_draft_tokens, entry.draft_token_ids
+        if not drafts and not self.drafts:
+            raise PlanMismatchError(
+                f"slot {entry.slot_idx} ({seq.label}): the plan asks for a draft model's "
+                "proposals; none is loaded"
+            )
         if not speculable(seq.params):
             raise PlanMismatchError(
                 f"slot {entry.slot_idx} ({seq.label}): proposals for a sequence whose "

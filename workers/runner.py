@@ -223,6 +223,7 @@ class ModelRunner:
             on_forget=self.sampler.release,
             kv_window=self.config.kv_window,
             block_size=self.block_size,
+            drafts=self.drafter is not None,
         )
         # Structured outputs' state: made with the first grammar, which is also when
         # xgrammar and the tokenizer are first imported (a runner without grammars
@@ -275,8 +276,6 @@ class ModelRunner:
             self._register(self.table.get(new.slot_idx))
         if self.drafter is not None:
             plan = self.drafter.propose(plan, self.table)
-        elif any(e.num_draft_tokens and not e.draft_token_ids for e in plan.scheduled):
-            raise PlanMismatchError("the plan asks for a draft model's proposals; none is loaded")
         segments: list[tuple[int, int, int]] = []
         if self.lora_slots is not None:
             plan, segments = self._by_adapter(plan)

@@ -125,3 +125,12 @@ def test_a_stop_inside_an_accepted_run_ends_the_sequence_there():
 def test_proposals_for_a_sequence_that_cannot_speculate_are_a_plan_mismatch():
     with pytest.raises(PlanMismatchError, match="penalties"):
         _table_with_draft([8], SamplingParams(max_tokens=9, repetition_penalty=1.2))
+
+
+def test_unnamed_proposals_on_a_worker_without_a_draft_model_are_a_plan_mismatch():
+    table = SequenceTable({2}, block_size=4, drafts=False)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    new = NewSequence(0, "s", 0, [5, 6, 7], 3, params, num_cached_tokens=2)
+    entry = ScheduledSeq(0, 2, 3, [10], True, 0, [], num_draft_tokens=2)
+    with pytest.raises(PlanMismatchError, match="draft model"):
+        table.apply(StepPlan(step=1, new_seqs=[new], scheduled=[entry]))
