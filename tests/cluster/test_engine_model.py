@@ -94,14 +94,11 @@ async def test_a_sequence_ending_on_a_stop_token_while_the_next_step_is_planned(
         await engine.shutdown()
 
 
-async def test_speculation_on_two_ranks_gives_the_same_tokens(tiny_llama):
-    """Prompt-lookup proposals verified by two tensor-parallel ranks, with the
-    engine's scheduling ahead on: the tokens of decoding without them."""
-    prompts = [[4, 5, 6, 7] * 5, [9, 8, 7] * 6 + [9], PROMPTS[3], PROMPTS[1]]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+async def speculate_on_two_ranks(tiny_llama, prompts, max_tokens: int, spec: dict) -> dict:
+    """``prompts`` through an engine of two tensor-parallel ranks with ``spec``, its
+    tokens checked against decoding without proposals in one process; its stats."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     want = single_process(tiny_llama, prompts, params)
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}  # fmt: skip
     engine = await start_engine(
         model_config(tiny_llama, tensor_parallel_size=2, speculative_config=spec)
     )
@@ -109,28 +106,26 @@ async def test_speculation_on_two_ranks_gives_the_same_tokens(tiny_llama):
         results = await collect_all(engine, prompts, params)
         assert [tokens for tokens, _ in results] == want
         stats = await wait_idle(engine)
-        assert stats["spec_decode_num_accepted_tokens"] > 0
         assert stats["kv_blocks_used"] == 0
         await assert_sound(engine)
+        return stats
     finally:
         await engine.shutdown()
+
+
+async def test_speculation_on_two_ranks_gives_the_same_tokens(tiny_llama):
+    """Prompt-lookup proposals verified by two tensor-parallel ranks, with the
+    engine's scheduling ahead on: the tokens of decoding without them."""
+    prompts = [[4, 5, 6, 7] * 5, [9, 8, 7] * 6 + [9], PROMPTS[3], PROMPTS[1]]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}  # fmt: skip
+    stats = await speculate_on_two_ranks(tiny_llama, prompts, 40, spec)
+    assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 async def test_a_draft_model_on_two_ranks_gives_the_same_tokens(tiny_llama):
     """Each rank runs the whole draft beside its half of the target: the tokens of
     decoding without proposals (the draft is the target itself: every one kept)."""
-    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1]]
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    want = single_process(tiny_llama, prompts, params)
     spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
-    engine = await start_engine(
-        model_config(tiny_llama, tensor_parallel_size=2, speculative_config=spec)
-    )
-    try:
-        results = await collect_all(engine, prompts, params)
-        assert [tokens for tokens, _ in results] == want
-        stats = await wait_idle(engine)
-        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
-        await assert_sound(engine)
-    finally:
-        await engine.shutdown()
+    stats = await speculate_on_two_ranks(tiny_llama, [PROMPTS[0], PROMPTS[3], PROMPTS[1]], 30, spec)
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

@@ -32,8 +32,10 @@ def prompts() -> list[list[int]]:
 
 
 def generate(path, params: list[SamplingParams], speculative: dict | None, *, budget=37,
-             num_blocks=256, max_num_seqs=8, max_model_len=256):  # fmt: skip
-    """Every prompt through the scheduler and the runner, one step at a time."""
+             num_blocks=256, max_num_seqs=8, max_model_len=256,
+             logprobs: dict[str, list] | None = None):  # fmt: skip
+    """Every prompt through the scheduler and the runner, one step at a time; each
+    request's logprobs into ``logprobs`` when given."""
     draft = (speculative or {}).get("model")
     runner = ModelRunner(path, dtype="float32", kernel_backend="cpu", num_kv_blocks=num_blocks,
                          block_size=4, draft_model=draft)  # fmt: skip
@@ -53,16 +55,12 @@ def generate(path, params: list[SamplingParams], speculative: dict | None, *, bu
         assert step is not None
         for out in sched.update(step, runner.execute(step.plan)):
             outputs[out.request_id] += out.new_token_ids
-            LOGPROBS.setdefault(id(sched), {}).setdefault(out.request_id, []).extend(
-                out.new_logprobs
-            )
+            if logprobs is not None:
+                logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
         sched.check_integrity()
         steps += 1
     assert sched.blocks.num_used == 0 and not runner.table.by_slot
     return outputs, sched, steps
-
-
-LOGPROBS: dict[int, dict[str, list]] = {}  # per scheduler: each request's logprobs
 
 
 def test_greedy_output_is_identical_and_takes_fewer_steps(checkpoint_dir, hf_reference):
@@ -103,13 +101,16 @@ def test_seeded_sampling_is_identical_with_and_without_proposals(checkpoint_dir)
     path = checkpoint_dir("llama")
     params = [SamplingParams(temperature=0.7, top_k=20, seed=100 + i, max_tokens=40,
                              ignore_eos=True, logprobs=2) for i in range(len(prompts()))]  # fmt: skip
-    plain, plain_sched, _ = generate(path, params, None)
-    spec, sched, _ = generate(path, params, NGRAM)
+    plain_logprobs: dict[str, list] = {}
+    spec_logprobs: dict[str, list] = {}
+    plain, _, _ = generate(path, params, None, logprobs=plain_logprobs)
+    spec, sched, _ = generate(path, params, NGRAM, logprobs=spec_logprobs)
     assert spec == plain
     assert sched.spec_stats.num_accepted_tokens > 0
     # Each emitted token's logprob and top alternatives are its own row's.
-    for request_id, want in LOGPROBS[id(plain_sched)].items():
-        got = LOGPROBS[id(sched)][request_id]
+    assert plain_logprobs.keys() == spec_logprobs.keys()
+    for request_id, want in plain_logprobs.items():
+        got = spec_logprobs[request_id]
         assert len(got) == len(want) == len(plain[request_id])
         for (lp, top), (lp0, top0) in zip(got, want):
             assert lp == pytest.approx(lp0, abs=1e-4)
