@@ -128,13 +128,13 @@ class DraftModel:
         for entry in plan.scheduled:
             seq = table.get(entry.slot_idx)
             first = min(seq.draft_computed, entry.start_pos)
-            if entry.num_draft_tokens and not entry.draft_token_ids:
+            drafts = bool(entry.num_draft_tokens and not entry.draft_token_ids)
+            if drafts:
                 end = entry.start_pos + 1  # its last known token; its proposals come next
                 drafting.append(entry)
             else:
                 end = entry.start_pos + entry.num_tokens
-            catch_up.append(ScheduledSeq(entry.slot_idx, first, end - first, [], bool(
-                entry.num_draft_tokens and not entry.draft_token_ids)))  # fmt: skip
+            catch_up.append(ScheduledSeq(entry.slot_idx, first, end - first, [], drafts))
             seq.draft_computed = end
         proposals: dict[int, list[int]] = {entry.slot_idx: [] for entry in drafting}
         rows = catch_up
