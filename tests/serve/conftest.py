@@ -174,6 +174,25 @@ async def wait_idle(client: httpx.AsyncClient, timeout_s: float = 20.0) -> dict:
         await asyncio.sleep(0.05)
 
 
+async def stream_completion(client, body: dict, *, headers: dict | None = None,
+                            on_event=None) -> tuple[list, bool]:  # fmt: skip
+    """Streams ``/v1/completions``: its JSON events, and whether it ended with
+    [DONE]. ``on_event(events)`` runs after each event; when it answers true, the
+    client leaves (closing the response drops the connection)."""
+    events: list = []
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return events, True
+            events.append(json.loads(line.removeprefix("data: ")))
+            if on_event is not None and on_event(events):
+                return events, False
+    return events, False
+
+
 def sse_events(lines) -> list:
     """The JSON payloads of an SSE body (as lines), checking it ends in [DONE]."""
     data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]

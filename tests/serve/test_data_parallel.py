@@ -8,7 +8,6 @@ tokens the fake engine produces for its request id.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import httpx
@@ -22,6 +21,7 @@ from tests.serve.conftest import (
     deploy,
     engine_replicas,
     fake_engine,
+    stream_completion,
     undeploy,
     wait_idle,
 )
@@ -52,19 +52,9 @@ async def one_stream(client: httpx.AsyncClient, i: int, leave_after: int | None)
     max_tokens = MAX_TOKENS if leave_after is None else ABANDONED_MAX_TOKENS
     body = {"model": MODEL, "prompt": f"stream {i}", "max_tokens": max_tokens, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    events = []
-    headers = {"X-Request-Id": f"dp{i}"}
-    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                return events, True
-            events.append(json.loads(line.removeprefix("data: ")))
-            if leave_after is not None and len(events) >= leave_after:
-                return events, False  # closing the response drops the connection
-    return events, False
+    # Leaving closes the response, which drops the connection.
+    leave = None if leave_after is None else (lambda events: len(events) >= leave_after)
+    return await stream_completion(client, body, headers={"X-Request-Id": f"dp{i}"}, on_event=leave)
 
 
 async def test_abandoned_streams_leak_nothing_and_both_replicas_serve(

@@ -9,14 +9,13 @@ The two replicas share this machine's two cores: each rank reserves half a CPU
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
 import httpx
 
 from iterserve.models import DEMO_MODEL_PATH
-from tests.serve.conftest import deploy, engine_replicas, rank_pids, undeploy
+from tests.serve.conftest import deploy, engine_replicas, rank_pids, stream_completion, undeploy
 
 APP = "dead-real"
 NUM_STREAMS, MAX_TOKENS = 16, 128
@@ -25,15 +24,9 @@ NUM_STREAMS, MAX_TOKENS = 16, 128
 async def _stream(client: httpx.AsyncClient, i: int):
     body = {"model": "demo", "prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    events = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                return events
-            if line.startswith("data: "):
-                events.append(json.loads(line.removeprefix("data: ")))
-    raise AssertionError(f"stream {i} ended without [DONE]")
+    events, done = await stream_completion(client, body)
+    assert done, f"stream {i} ended without [DONE]"
+    return events
 
 
 async def test_streams_sent_to_a_dead_replica_of_the_demo_model_complete_elsewhere(serve_url):

@@ -7,13 +7,13 @@ then the server exits. Run as a user runs it: a subprocess with Ray of its own."
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 
 import httpx
 
+from tests.serve.conftest import stream_completion
 from tests.test_quickstart import EXIT_TIMEOUT_S, _start_serve, _wait_healthy
 
 NUM_STREAMS = 16
@@ -29,19 +29,14 @@ async def _stream(client: httpx.AsyncClient, i: int, started: asyncio.Event, cou
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    events = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                return events, True
-            events.append(json.loads(line.removeprefix("data: ")))
-            counts[i] = len(events)
-            if all(counts):
-                started.set()
-    return events, False
+
+    def count(events: list) -> bool:
+        counts[i] = len(events)
+        if all(counts):
+            started.set()
+        return False
+
+    return await stream_completion(client, body, on_event=count)
 
 
 async def _load(url: str, proc: subprocess.Popen) -> tuple[list, list[tuple[int, str | None]]]:
