@@ -201,6 +201,7 @@ class FakeExecutor:
     def _modelled(self, drafts: list[int], sampled: list[int], label: str, first: int):
         """Samples that accept a run of ``drafts`` drawn by ``acceptance`` (never past
         the sequence's own end), then differ from the next proposal."""
+        assert self.acceptance is not None
         target = self.output_len(label)
         limit = len(drafts) if target is None else max(0, min(len(drafts), target - 1 - first))
         accepted = 0

@@ -193,7 +193,7 @@ class StepBuilder:
         assert spec is not None
         params = request.params
         if not speculable(params):
-            return []
+            return 0, []
         pos = entry.start_pos
         # Emitting 1 + k tokens must stay within max_tokens and the context.
         k = min(spec.num_speculative_tokens, self.budget_left,

@@ -134,3 +134,35 @@ def test_unnamed_proposals_on_a_worker_without_a_draft_model_are_a_plan_mismatch
     entry = ScheduledSeq(0, 2, 3, [10], True, 0, [], num_draft_tokens=2)
     with pytest.raises(PlanMismatchError, match="draft model"):
         table.apply(StepPlan(step=1, new_seqs=[new], scheduled=[entry]))
+
+
+def test_a_sequence_that_cannot_speculate_decodes_beside_one_that_does():
+    """With prompt lookup on, a penalised request is scheduled one token a step
+    while a plain one in the same steps carries proposals; both finish."""
+    from iterserve.scheduler import FakeExecutor, Request, Scheduler
+    from tests.scheduler.driver import one_step, prompt_for
+
+    sched = Scheduler(SchedulerConfig(
+        policy="continuous", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+        block_size=4, num_kv_blocks=64,
+        speculative_config={**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 2}))  # fmt: skip
+    fake = FakeExecutor(vocab_size=100, output_len=None, block_size=4, period=2)
+    prompt = prompt_for("p", 8)
+    sched.add_request(Request("plain", prompt, SamplingParams(max_tokens=12)))
+    sched.add_request(
+        Request("penalised", prompt, SamplingParams(max_tokens=12, repetition_penalty=1.2))
+    )
+    drafts = {"plain": 0, "penalised": 0}
+    finished = set()
+    for _ in range(40):
+        plan, outputs = one_step(sched, fake)
+        if plan is None:
+            break
+        sched.check_integrity()
+        by_slot = {r.slot_idx: r.request_id for r in sched.requests.values()}
+        for entry in plan.scheduled:
+            if entry.slot_idx in by_slot:
+                drafts[by_slot[entry.slot_idx]] += entry.num_draft_tokens
+        finished |= {o.request_id for o in outputs if o.finished}
+    assert finished == {"plain", "penalised"}
+    assert drafts["penalised"] == 0 and drafts["plain"] > 0
