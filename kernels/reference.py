@@ -315,6 +315,36 @@ def rotary_embedding(
     return rotate(query), rotate(key)
 
 
+def rotary_store_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`rotary_embedding` of ``query`` and ``key``, then :func:`store_kv` of
+    the rotated key and ``value``: what an attention layer does with a step's new
+    rows before it attends. Returns the rotated query (a new tensor)."""
+    return rotary_then_store(rotary_embedding, store_kv)(
+        positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
+
+
+def rotary_then_store(rotary, store):
+    """A ``rotary_store_kv`` made of a backend's two ops, one after the other."""
+
+    def rotary_store_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache,
+                        slot_mapping):  # fmt: skip
+        query, key = rotary(positions, query, key, cos_sin_cache)
+        store(key, value, k_cache, v_cache, slot_mapping)
+        return query
+
+    return rotary_store_kv
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` computed in fp32, returned in x's dtype."""
     checks.check_silu_mul(x)

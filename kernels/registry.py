@@ -29,6 +29,8 @@ class KernelOps:
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # rotary_embedding, then store_kv of the rotated key; returns the rotated query
+    rotary_store_kv: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
@@ -64,6 +66,11 @@ def _load(name: str) -> KernelOps:
         paged_attention=attn.paged_attention,
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
+        rotary_store_kv=getattr(
+            ops,
+            "rotary_store_kv",
+            reference.rotary_then_store(ops.rotary_embedding, cache.store_kv),
+        ),
         silu_mul=ops.silu_mul,
         # torch's GELU is vectorized already: the cpu backend keeps the reference's.
         gelu_tanh_mul=getattr(ops, "gelu_tanh_mul", reference.gelu_tanh_mul),

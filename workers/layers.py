@@ -118,8 +118,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # each head normalised on its own, before rotary
             q = self.ops.rms_norm(q.reshape(-1, hd), self.q_norm, self.eps).view(q.shape)
             k = self.ops.rms_norm(k.reshape(-1, hd), self.k_norm, self.eps).view(k.shape)
-        q, k = self._rotate(positions, q, k, cos_sin)
-        self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if self.rope_dim == hd:
+            q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache,
+                                         attn.slot_mapping)  # fmt: skip
+        else:
+            q, k = self._rotate(positions, q, k, cos_sin)
+            self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         out = self.ops.paged_attention(
             q,
             k_cache,

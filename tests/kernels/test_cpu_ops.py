@@ -173,3 +173,46 @@ def test_bad_arguments_are_named_as_by_the_reference():
     with pytest.raises(ValueError, match="slot_mapping"):
         cpu_ops.store_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache,
                          torch.tensor([0]))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_store_kv_equals_rotary_then_store(dtype):
+    """The fused op returns the rotated query and writes the rotated key and the
+    value to their slots, as the two ops one after the other do; negative slots
+    are skipped."""
+    heads, kv_heads, head_dim, tokens = 4, 2, 8, 6
+    cos_sin = build_cos_sin_cache(head_dim, 32, 10000.0, None)
+    g = torch.Generator().manual_seed(15)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.tensor([0, 1, 31, 7, 7, 12])
+    slots = torch.tensor([3, -1, 0, 15, 9, 4])
+    got = [c.to(dtype) for c in _caches(heads=kv_heads)]
+    want = [c.to(dtype) for c in _caches(heads=kv_heads)]
+    got_q = cpu_ops.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
+    want_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, *want, slots)
+    torch.testing.assert_close(got_q, want_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(got[0], want[0], **TOLERANCE[dtype])
+    assert torch.equal(got[1], want[1])  # values are copied: exact
+    assert not got[0].view(-1, kv_heads, head_dim)[1:3].any()  # slots no token named
+
+
+@pytest.mark.parametrize(
+    "positions, slots, error, named",
+    [
+        ([0, 32], [0, 1], IndexError, r"positions\[1\]"),
+        ([0, -1], [0, 1], IndexError, r"positions\[1\]"),
+        ([0, 1], [0, 16], ValueError, "slot 16"),
+    ],
+)
+def test_rotary_store_kv_refuses_bad_positions_and_slots_before_writing(
+    positions, slots, error, named
+):
+    cos_sin = build_cos_sin_cache(8, 32, 10000.0, None)
+    k_cache, v_cache = _caches()
+    q, k = torch.ones(2, 2, 8), torch.ones(2, 2, 8)
+    with pytest.raises(error, match=named):
+        cpu_ops.rotary_store_kv(torch.tensor(positions), q, k, k, cos_sin, k_cache, v_cache,
+                                torch.tensor(slots))  # fmt: skip
+    assert not k_cache.any() and not v_cache.any()
