@@ -27,6 +27,15 @@ and long rows (8192 → 2048: 7.9 against 10.3 ms). So on CPUs with AMX,
 :func:`linear` runs a cliff batch on a weight between those bounds as 33 rows,
 the extra rows zeros and their outputs dropped.
 
+Not every CPU with AMX has the cliff: on another Xeon (2 vCPUs, the same
+figures' method) 32 rows took 2.27–2.33 ms a layer of the 144M model's
+products against 2.25–2.40 at 33, and padding only cost the copy (a 32-row
+decode step 1.3–3 ms slower with it). So whether this CPU has it is measured
+once per process, on the first weight that qualifies (:func:`_cliff_here`:
+32-row products alternating with the same rows padded to 33, copy included,
+on copies of it too large for the caches, ~0.1 s), and batches are padded
+only where the padded product comes out clearly faster.
+
 fp32 and bf16 CPU weights, and only where the build has oneDNN; anywhere else
 :func:`pack` returns ``None`` and :func:`linear` is ``F.linear``.
 """
@@ -35,6 +44,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +93,42 @@ def pads_cliff_batches(weight_shape: tuple[int, int] | torch.Size, dtype: torch.
         and in_features <= CLIFF_MAX_IN
         and out_features * in_features * dtype.itemsize >= CLIFF_MIN_BYTES
         and _has_amx()
+        and _cliff_here(out_features, in_features)
     )
+
+
+# The padded product must take at most this share of the plain one's time: the
+# cliff measured 0.68 (1.7 against 2.5 ms); without one the two are within ~10%,
+# so the verdict does not hinge on the noise of a busy machine.
+CLIFF_GAIN = 0.8
+
+
+@functools.cache
+def _cliff_here(out_features: int, in_features: int) -> bool:
+    """Whether this CPU's oneDNN reads a bf16 weight of this shape so much more
+    slowly at 32 rows than at 33 that padding pays: 32-row products alternate
+    with padded ones on copies of such a weight (at least 24 MiB of them, so
+    that each is read from memory as in a step), timed by this thread's CPU
+    time; the medians decide (:data:`CLIFF_GAIN`). Asked once per shape."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    copies = max(2, -(-(24 << 20) // (weight.numel() * weight.element_size())))
+    packed = [pack(weight.clone()) for _ in range(copies)]
+    if packed[0] is None:
+        return False
+    x = torch.randn(CLIFF_ROWS[1], in_features, generator=gen).to(torch.bfloat16)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(5):
+        for padded in (False, True):
+            for w in packed:
+                start = time.thread_time()
+                _product(x, w, None, padded)
+                times[padded].append(time.thread_time() - start)
+    ratio = statistics.median(times[True]) / statistics.median(times[False])
+    logger.info("bf16 %dx%d products padded to 33 rows take %.2fx the time of 32 rows: %s",
+                out_features, in_features, ratio,
+                "batches of 17-32 rows run as 33" if ratio < CLIFF_GAIN else "no padding")  # fmt: skip
+    return ratio < CLIFF_GAIN
 
 
 def packs_every_batch(dtype: torch.dtype) -> bool:
@@ -102,7 +148,15 @@ def linear(
     if packed is None or x.dim() != 2 or (x.shape[0] < MIN_ROWS and x.dtype == torch.float32):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1] and pads_cliff_batches(packed.shape, x.dtype):
+    pad = CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1] and pads_cliff_batches(packed.shape, x.dtype)
+    return _product(x, packed, bias, pad)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, pad: bool):
+    """The packed product, its rows padded with zeros to ``CLIFF_ROWS[1] + 1``
+    where ``pad`` says so."""
+    if pad:
+        rows = x.shape[0]
         padded = x.new_zeros(CLIFF_ROWS[1] + 1, x.shape[1])
         padded[:rows] = x
         return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]

@@ -77,6 +77,7 @@ def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
     """Batches of 17–32 rows on a weight past the cliff's bounds reach oneDNN as
     33 rows; the caller gets its own rows back, as the unpadded product has them."""
     monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: True)
     g = torch.Generator().manual_seed(rows)
     out_features = cpu_linear.CLIFF_MIN_BYTES // (2 * 256)
     x = torch.randn(rows, 256, generator=g).bfloat16()
@@ -101,6 +102,7 @@ def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
 
 def test_the_cliff_applies_only_to_large_bf16_weights_with_short_rows_on_amx(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: True)
     big = (5632, 1024)
     assert cpu_linear.pads_cliff_batches(big, torch.bfloat16)
     assert not cpu_linear.pads_cliff_batches(big, torch.float32)
@@ -108,3 +110,33 @@ def test_the_cliff_applies_only_to_large_bf16_weights_with_short_rows_on_amx(mon
     assert not cpu_linear.pads_cliff_batches((2048, 8192), torch.bfloat16)  # long rows
     monkeypatch.setattr(cpu_linear, "_has_amx", lambda: False)
     assert not cpu_linear.pads_cliff_batches(big, torch.bfloat16)
+
+
+def test_padding_is_chosen_only_where_this_cpu_has_the_cliff(monkeypatch):
+    """Where the padded product is not clearly the faster one here (this
+    machine's own measurement says so), cliff batches run as they are."""
+    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: False)
+    assert not cpu_linear.pads_cliff_batches((5632, 1024), torch.bfloat16)
+
+
+@pytest.mark.parametrize("padded_cost, pads", [(1.0, False), (0.9, False), (0.6, True)])
+def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkeypatch):
+    """The measurement times plain and padded products of the shape asked about,
+    alternately, and pads where the padded ones take under CLIFF_GAIN of the time."""
+    clock = [0.0]
+    calls = []
+
+    def fake_product(x, w, bias, pad):
+        calls.append(pad)
+        clock[0] += padded_cost if pad else 1.0
+
+    monkeypatch.setattr(cpu_linear, "pack", lambda weight: weight)
+    monkeypatch.setattr(cpu_linear, "_product", fake_product)
+    monkeypatch.setattr(cpu_linear.time, "thread_time", lambda: clock[0])
+    cpu_linear._cliff_here.cache_clear()
+    try:
+        assert cpu_linear._cliff_here(64, 32) is pads
+        assert calls.count(True) == calls.count(False) > 0
+    finally:
+        cpu_linear._cliff_here.cache_clear()
