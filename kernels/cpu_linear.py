@@ -70,6 +70,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     not apply (not fp32 or bf16 on the CPU, or no oneDNN in this build)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
         return None
+    packed = _reorder(weight)
+    if packed is not None:
+        pads_cliff_batches(weight.shape, weight.dtype)  # measured now, not in a step
+    return packed
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -109,11 +116,12 @@ def _cliff_here(out_features: int, in_features: int) -> bool:
     slowly at 32 rows than at 33 that padding pays: 32-row products alternate
     with padded ones on copies of such a weight (at least 24 MiB of them, so
     that each is read from memory as in a step), timed by this thread's CPU
-    time; the medians decide (:data:`CLIFF_GAIN`). Asked once per shape."""
+    time; the medians decide (:data:`CLIFF_GAIN`). Asked once per shape, when
+    :func:`pack` first packs a weight of it, so that no step waits for it."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     copies = max(2, -(-(24 << 20) // (weight.numel() * weight.element_size())))
-    packed = [pack(weight.clone()) for _ in range(copies)]
+    packed = [_reorder(weight.clone()) for _ in range(copies)]
     if packed[0] is None:
         return False
     x = torch.randn(CLIFF_ROWS[1], in_features, generator=gen).to(torch.bfloat16)

@@ -131,7 +131,7 @@ def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkey
         calls.append(pad)
         clock[0] += padded_cost if pad else 1.0
 
-    monkeypatch.setattr(cpu_linear, "pack", lambda weight: weight)
+    monkeypatch.setattr(cpu_linear, "_reorder", lambda weight: weight)
     monkeypatch.setattr(cpu_linear, "_product", fake_product)
     monkeypatch.setattr(cpu_linear.time, "thread_time", lambda: clock[0])
     cpu_linear._cliff_here.cache_clear()
