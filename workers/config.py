@@ -70,12 +70,10 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence computed exactly. A ``longrope`` model switches to its
-        long factors past its original context, for every position at once
-        (transformers recomputes nothing already cached): it is served up to there."""
-        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
-            original = self.rope_scaling["original_max_position_embeddings"]
-            return min(self.max_position_embeddings, original)
+        """Longest sequence the checkpoint serves: ``max_position_embeddings``, a
+        ``longrope`` model's too (Phi-3-mini-128k: 131072). Which of a longrope
+        model's factors its rope table takes depends on the context the engine
+        resolves from this and its configuration (:func:`.model.rope_table`)."""
         return self.max_position_embeddings
 
     @property

@@ -73,7 +73,7 @@ def test_phi3_longrope_partial_rotary_and_the_context_it_is_served_at():
     assert c.rotary_dim == 12 and c.rope_dim == 12
     assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["factor"] == 8.0
     assert c.rope_scaling["long_factor"] == [2.0] * 6
-    assert c.max_model_len == 512
+    assert c.max_model_len == 4096  # past the original 512: with the long factors
     assert (
         config("MistralForCausalLM", sliding_window=16, max_position_embeddings=4096).max_model_len
         == 4096
