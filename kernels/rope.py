@@ -7,11 +7,21 @@
 attention factor (yarn's and longrope's; 1 otherwise). The resulting cache is
 ``[max_position, head_dim]``: the first ``head_dim / 2`` columns hold cos, the
 last ``head_dim / 2`` hold sin. ``head_dim`` here is the rotated width, which a
-partial rotary embedding (Phi-4-mini) makes smaller than the head.
+partial rotary embedding (Phi-3.5 / Phi-4-mini) makes smaller than the head.
 
-``longrope`` takes its short factors: transformers switches a whole sequence to
-the long ones once it passes ``original_max_position_embeddings``, which the
-runtime never lets a sequence reach (ModelConfig.max_model_len).
+``longrope`` (Phi-3 / Phi-3.5 / Phi-4-mini) has two sets of factors. transformers
+picks one per forward call, from the longest position in it: ``long_factor``
+once the sequence is longer than ``original_max_position_embeddings``,
+``short_factor`` otherwise, keeping the keys it cached under the short ones. A
+cache that outlives one sequence (paged, prefix-shared) cannot follow that
+switch, so a table takes one set for every position, fixed by the context the
+engine serves (``max_model_len``), as vLLM does
+(``Phi3LongRoPEScaledRotaryEmbedding``'s ``use_long_rope``): ``long_factor``
+when ``max_model_len > original_max_position_embeddings``, ``short_factor``
+otherwise (:func:`uses_long_factors`). Served within the original context a
+model gets transformers' numbers exactly; served past it, every sequence gets
+the long factors: transformers' numbers for a prompt already longer than the
+original, not for a shorter one. Both sets share the attention factor.
 """
 
 from __future__ import annotations
@@ -30,10 +40,26 @@ def _rope_type(scaling: Mapping[str, Any] | None) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
+def uses_long_factors(scaling: Mapping[str, Any] | None, max_model_len: int | None) -> bool:
+    """Whether a table for a context of ``max_model_len`` positions takes a ``longrope``
+    scaling's ``long_factor``: when ``max_model_len`` exceeds
+    ``original_max_position_embeddings`` (vLLM's rule); ``short_factor`` when it does
+    not or is None. False for every other rope type."""
+    if _rope_type(scaling) != "longrope" or max_model_len is None:
+        return False
+    assert scaling is not None
+    return max_model_len > _need(scaling, "original_max_position_embeddings", "longrope")
+
+
 def compute_inv_freq(
-    head_dim: int, base: float, scaling: Mapping[str, Any] | None = None
+    head_dim: int,
+    base: float,
+    scaling: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> torch.Tensor:
-    """The fp32 inverse frequencies ``[head_dim / 2]`` of a Llama-style rotary embedding."""
+    """The fp32 inverse frequencies ``[head_dim / 2]`` of a Llama-style rotary embedding.
+    ``max_model_len``: the context served, which picks a ``longrope`` scaling's factors
+    (:func:`uses_long_factors`; None: the short ones); unused by the other types."""
     if head_dim <= 0 or head_dim % 2 != 0:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
@@ -48,9 +74,10 @@ def compute_inv_freq(
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, base, scaling)
     if rope_type == "longrope":
-        factors = torch.tensor(_need(scaling, "short_factor", rope_type), dtype=torch.float32)
+        key = "long_factor" if uses_long_factors(scaling, max_model_len) else "short_factor"
+        factors = torch.tensor(_need(scaling, key, rope_type), dtype=torch.float32)
         if factors.shape != (head_dim // 2,):
-            raise ValueError(f"longrope short_factor needs {head_dim // 2} values")
+            raise ValueError(f"longrope {key} needs {head_dim // 2} values")
         shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (factors * base**shape)
     raise ValueError(f"scaling has unsupported rope_type {rope_type!r}")
@@ -142,11 +169,15 @@ def build_cos_sin_cache(
     base: float,
     scaling: Mapping[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    max_model_len: int | None = None,
 ) -> torch.Tensor:
-    """``[max_position, head_dim]`` table: cos in the first half, sin in the second."""
+    """``[max_position, head_dim]`` table: cos in the first half, sin in the second.
+    ``max_model_len``: the context the engine serves, which picks a ``longrope``
+    scaling's factors for every row (long past ``original_max_position_embeddings``,
+    see the module docstring; None: the short ones)."""
     if max_position <= 0:
         raise ValueError(f"max_position must be positive, got {max_position}")
-    inv_freq = compute_inv_freq(head_dim, base, scaling)  # [head_dim / 2], fp32
+    inv_freq = compute_inv_freq(head_dim, base, scaling, max_model_len)  # [head_dim / 2], fp32
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim / 2]
     scale = attention_factor(scaling)

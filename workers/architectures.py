@@ -19,6 +19,7 @@ from .config import (
     SLIDING,
     CheckpointError,
     ModelConfig,
+    check_longrope,
     common_fields,
     get_float,
     get_int,
@@ -40,7 +41,10 @@ def parse_architecture(raw: dict[str, Any]) -> ModelConfig:
         )
     fields = common_fields(raw)
     PARSERS[arch](raw, fields)
-    return ModelConfig(**fields)
+    config = ModelConfig(**fields)
+    for scaling in (config.rope_scaling, config.local_rope_scaling):
+        check_longrope(scaling, config.rope_dim, config.max_position_embeddings)
+    return config
 
 
 def _refuse(key: str, value: Any, why: str) -> CheckpointError:

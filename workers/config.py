@@ -70,12 +70,10 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence computed exactly. A ``longrope`` model switches to its
-        long factors past its original context, for every position at once
-        (transformers recomputes nothing already cached): it is served up to there."""
-        if self.rope_scaling and self.rope_scaling.get("rope_type") == "longrope":
-            original = self.rope_scaling["original_max_position_embeddings"]
-            return min(self.max_position_embeddings, original)
+        """Longest sequence the checkpoint serves: ``max_position_embeddings``, a
+        ``longrope`` model's too (Phi-3-mini-128k: 131072). Which of a longrope
+        model's factors its rope table takes depends on the context the engine
+        resolves from this and its configuration (:func:`.model.rope_table`)."""
         return self.max_position_embeddings
 
     @property
@@ -238,6 +236,37 @@ def rope_fields(raw: dict[str, Any], params: dict[str, Any] | None = None,
     for key in needed:
         if not isinstance(merged.get(key), (int, float)) or isinstance(merged.get(key), bool):
             raise CheckpointError(f"config.json: {rope_type} rope scaling needs a numeric {key!r}")
-    if rope_type == "longrope" and not isinstance(merged.get("short_factor"), list):
-        raise CheckpointError("config.json: longrope rope scaling needs a 'short_factor' list")
     return float(theta), {"rope_type": rope_type, **merged}
+
+
+def check_longrope(scaling: dict[str, Any] | None, rope_dim: int, max_positions: int) -> None:
+    """A ``longrope`` scaling's factor lists: ``short_factor`` always, ``long_factor``
+    when the model reaches past its original context (``max_positions`` more than
+    ``original_max_position_embeddings``: an engine serving that much takes it), each
+    ``rope_dim / 2`` numbers; a ``long_factor`` given is checked even when unused."""
+    if not scaling or scaling.get("rope_type") != "longrope":
+        return
+    original = scaling["original_max_position_embeddings"]
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if value is None and key == "short_factor":
+            raise CheckpointError("config.json: longrope rope scaling needs a 'short_factor' list")
+        if value is None and max_positions > original:
+            raise CheckpointError(
+                "config.json: longrope rope scaling needs a 'long_factor' list to serve past "
+                f"original_max_position_embeddings ({original}), up to max_position_embeddings "
+                f"({max_positions})"
+            )
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value
+        ):
+            raise CheckpointError(
+                f"config.json: longrope {key!r} must be a list of positive numbers, got {value!r}"
+            )
+        if len(value) != rope_dim // 2:
+            raise CheckpointError(
+                f"config.json: longrope {key!r} has {len(value)} values; it needs "
+                f"{rope_dim // 2}, one per pair of the {rope_dim} rotated dimensions"
+            )

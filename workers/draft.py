@@ -31,12 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import build_cos_sin_cache
 from ..scheduler.messages import ScheduledSeq, StepPlan
 from ..scheduler.seq_table import SequenceTable
 from .batch import Staging, layout_batch, to_device
 from .kv_cache import KVCache, bytes_per_block
-from .model import LlamaModel
+from .model import LlamaModel, rope_table
 from .sampler import _argmax_rows
 
 __all__ = ["DraftModel", "check_draft", "draft_block_bytes"]
@@ -95,18 +94,19 @@ def draft_block_bytes(draft_path: str | Path, block_size: int, dtype: torch.dtyp
 
 class DraftModel:
     """A draft checkpoint on one rank, with its own KV cache of ``num_kv_blocks``
-    blocks (the target's count: one block table names both)."""
+    blocks (the target's count: one block table names both). ``max_model_len``: the
+    context the engine serves, which picks a longrope draft's factors as it does the
+    target's (None: the draft checkpoint's own)."""
 
     def __init__(self, path: str | Path, *, ops, dtype: torch.dtype, device: torch.device,
-                 num_kv_blocks: int, block_size: int, pad_token_id: int):  # fmt: skip
+                 num_kv_blocks: int, block_size: int, pad_token_id: int,
+                 max_model_len: int | None = None):  # fmt: skip
         from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(path)
         c = self.config = ckpt.config
-        cos_sin = build_cos_sin_cache(
-            c.rope_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
-        )
-        self.model = LlamaModel(c, ops, cos_sin, dtype=dtype, device=device)
+        self.model = LlamaModel(c, ops, rope_table(c, max_model_len), dtype=dtype, device=device,
+                                max_model_len=max_model_len)  # fmt: skip
         self.model.load_weights(ckpt)
         ckpt.close()
         if ops.name == "cpu":

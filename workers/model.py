@@ -30,6 +30,7 @@ from torch import nn
 from ..kernels import build_cos_sin_cache
 from ..kernels.cpu_linear import linear, packs_every_batch
 from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.rope import uses_long_factors
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layers import (
@@ -47,7 +48,41 @@ if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model doe
     from .checkpoint import Checkpoint
     from .lora_batch import LoraContext
 
-__all__ = ["AllReduce", "AttentionInputs", "DecoderLayer", "LlamaModel", "weight_bytes"]
+__all__ = [
+    "AllReduce",
+    "AttentionInputs",
+    "DecoderLayer",
+    "LlamaModel",
+    "rope_table",
+    "weight_bytes",
+]
+
+
+def served_context(config: ModelConfig, max_model_len: int | None) -> int:
+    """``max_model_len``, or the checkpoint's when None or past it."""
+    return min(max_model_len or config.max_model_len, config.max_model_len)
+
+
+def rope_table(config: ModelConfig, max_model_len: int | None = None) -> torch.Tensor:
+    """The fp32 rotary table (``[positions, rope_dim]``) of ``config``'s global layers
+    for an engine that serves ``max_model_len`` tokens (None: the checkpoint's
+    ``max_model_len``). Every rank and the draft model build theirs with this.
+
+    A ``longrope`` model takes its long factors when ``max_model_len`` exceeds its
+    ``original_max_position_embeddings`` (vLLM's rule, see
+    :mod:`iterserve.kernels.rope`), and its table covers ``max_position_embeddings``;
+    otherwise it takes its short factors, which are transformers' numbers only within
+    the original context, and its table covers no more (positions past it are
+    refused, not computed wrongly). Every other model's table covers
+    ``max_position_embeddings``."""
+    context = served_context(config, max_model_len)
+    rows = config.max_position_embeddings
+    scaling = config.rope_scaling
+    longrope = scaling is not None and scaling["rope_type"] == "longrope"
+    if longrope and not uses_long_factors(scaling, context):
+        rows = min(rows, scaling["original_max_position_embeddings"])
+    return build_cos_sin_cache(config.rope_dim, rows, config.rope_theta, scaling,
+                               max_model_len=context)  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -98,7 +133,10 @@ class LlamaModel(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce: AllReduce | None = None,
+        max_model_len: int | None = None,
     ):
+        """``cos_sin``: the global layers' table (:func:`rope_table`); ``max_model_len``:
+        the context served, which picks the local layers' longrope factors likewise."""
         super().__init__()
         self.config, self.ops = config, ops
         self.tp = TPLayout(config, tp_rank, tp_size)
@@ -120,7 +158,9 @@ class LlamaModel(nn.Module):
         local = None
         if config.local_rope_theta is not None and cos_sin.shape[0]:  # fp32, as the global one
             local = build_cos_sin_cache(config.rope_dim, cos_sin.shape[0], config.local_rope_theta,
-                                        config.local_rope_scaling).to(device=device)  # fmt: skip
+                                        config.local_rope_scaling,
+                                        max_model_len=served_context(config, max_model_len),
+                                        ).to(device=device)  # fmt: skip
         self.register_buffer("cos_sin_local", local, persistent=False)
         # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as it does.
         self.embed_scale = None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import build_cos_sin_cache, get_ops
+from ..kernels import get_ops
 from ..kernels.cpu_linear import packs_every_batch
 from ..scheduler.messages import FinishedSeq, SampledToken, ScheduledSeq, StepPlan, StepResult
 from ..scheduler.request import FinishReason
@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .dtype import choose_dtype
 from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
-from .model import AllReduce, LlamaModel
+from .model import AllReduce, LlamaModel, rope_table
 from .prompt_logprobs import PromptLogprobsCollector
 from .sampler import Sampler, SamplerOutput
 from .step_params import DraftRow, SampleRow
@@ -58,9 +58,13 @@ class ModelRunner:
     ``cuda_graphs``: ``None`` captures decode graphs when the Triton kernels run
     on CUDA with one rank; ``True`` forces them (off a GPU, replays rerun the
     captured step eagerly, which tests the static buffers); ``False`` never.
-    ``graph_batch_sizes`` are the buckets; ``max_model_len`` is the longest
-    sequence a graph takes (default: the model's positions, at most
-    ``GRAPH_MAX_LEN``); a step with a longer one runs eagerly.
+    ``graph_batch_sizes`` are the buckets.
+
+    ``max_model_len`` is the context the engine serves (None: the checkpoint's,
+    ``max_position_embeddings``): it picks a ``longrope`` model's factors, the
+    long ones past its original context (:func:`.model.rope_table`, here and in
+    the draft model), and it is the longest sequence a graph takes (at most
+    ``GRAPH_MAX_LEN`` when None); a step with a longer one runs eagerly.
     """
 
     def __init__(
@@ -95,11 +99,11 @@ class ModelRunner:
         logger.info("rank %d computes in %s (%s)", tp_rank, choice.name, choice.reason)
         self._build(
             ckpt.config, choice.dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
-            num_kv_blocks, block_size, ckpt.eos_token_ids, weights=ckpt,
+            num_kv_blocks, block_size, ckpt.eos_token_ids, max_model_len, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
         self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
-        self.enable_draft(draft_model)
+        self.enable_draft(draft_model, max_model_len)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -130,14 +134,16 @@ class ModelRunner:
         runner.tokenizer_path = tokenizer_path
         eos = frozenset(config.eos_token_ids)
         runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
-                      num_kv_blocks, block_size, eos, weights=None, weight_seed=weight_seed)  # fmt: skip
+                      num_kv_blocks, block_size, eos, max_model_len, weights=None,
+                      weight_seed=weight_seed)  # fmt: skip
         runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         runner.enable_draft(None)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
     def _build(self, config, dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
-               num_kv_blocks, block_size, eos_token_ids, *, weights, weight_seed=0) -> None:  # fmt: skip
+               num_kv_blocks, block_size, eos_token_ids, max_model_len, *, weights,
+               weight_seed=0) -> None:  # fmt: skip
         if tp_size > 1 and all_reduce is None:
             raise ValueError("tp_size > 1 needs an all_reduce callable")
         self.config = c = config
@@ -147,19 +153,18 @@ class ModelRunner:
         self.tp_rank = tp_rank
         self.ops = get_ops(kernel_backend, self.device)
         self.block_size = block_size
-        # fp32 table regardless of model dtype: the kernels rotate in fp32.
-        cos_sin = build_cos_sin_cache(
-            c.rope_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling
-        )
+        # fp32 table regardless of model dtype: the kernels rotate in fp32. Every rank
+        # builds it from the same max_model_len, so all take the same longrope factors.
         self.model = LlamaModel(
             c,
             self.ops,
-            cos_sin,
+            rope_table(c, max_model_len),
             dtype=self.dtype,
             device=self.device,
             tp_rank=tp_rank,
             tp_size=tp_size,
             all_reduce=all_reduce,
+            max_model_len=max_model_len,
         )
         if weights is not None:
             self.model.load_weights(weights)
@@ -199,9 +204,10 @@ class ModelRunner:
             tp_size=self.tp_size, dtype=self.dtype, device=self.device,
         )  # fmt: skip
 
-    def enable_draft(self, path: str | Path | None) -> None:
+    def enable_draft(self, path: str | Path | None, max_model_len: int | None = None) -> None:
         """Loads the draft model of speculative decoding (:mod:`.draft`); None: plans
-        name their proposals or have none."""
+        name their proposals or have none. ``max_model_len``: the context served (None:
+        the target's), which picks a longrope draft's factors as it does the target's."""
         self.drafter: DraftModel | None = None
         if path is None:
             return
@@ -211,6 +217,7 @@ class ModelRunner:
             path, ops=self.ops, dtype=self.dtype, device=self.device,
             num_kv_blocks=self.kv_cache.num_blocks, block_size=self.block_size,
             pad_token_id=self.pad_token_id,
+            max_model_len=max_model_len or self.config.max_model_len,
         )  # fmt: skip
 
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:

@@ -135,9 +135,16 @@ class ModelExecutors:
     def build(
         self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
     ) -> Executor:
+        from ...workers.checkpoint import load_checkpoint
         from ...workers.graphs import graph_buckets
         from ...workers.runner import ModelRunner
 
+        # The context the engine serves, resolved as the engine resolves it from
+        # model_info (the configured one, else the checkpoint's up to CONTEXT_CAP):
+        # it picks a longrope model's factors, alike on every rank and in the draft.
+        ckpt = load_checkpoint(config.model_path)
+        max_model_len = config.scheduler.context_for(ckpt.config.max_model_len)
+        ckpt.close()
         runner = ModelRunner(
             config.model_path,
             dtype=config.dtype,
@@ -149,9 +156,9 @@ class ModelExecutors:
             all_reduce=all_reduce,
             kernel_backend=config.kernel_backend,
             # Decode graphs for every batch the scheduler can run, over the
-            # longest context it allows (the checkpoint's, when it leaves it).
+            # longest context it allows.
             graph_batch_sizes=graph_buckets(config.scheduler.max_num_seqs),
-            max_model_len=config.scheduler.max_model_len,
+            max_model_len=max_model_len,
             max_loras=config.rank_max_loras,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from iterserve.scheduler import SamplingParams
+from iterserve.scheduler.config import CONTEXT_CAP
 from tests.workers.tiny_checkpoints import HFReference, build_hf_model, save
 
 ARCHS = ["mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"]
@@ -85,6 +86,35 @@ def test_offline_api_on_two_tensor_parallel_ranks(name, served):
     path, expected = served(name)
     outputs, _ = _offline(path, tensor_parallel_size=2)
     assert [o.token_ids for o in outputs] == expected
+
+
+@pytest.mark.parametrize(("original", "tp"), [(32, 1), (32, 2), (CONTEXT_CAP, 2)])
+def test_longrope_takes_the_factors_of_the_context_the_engine_resolves(
+    original, tp, tmp_path_factory, tokenizer_dir
+):
+    """Phi-3 with its original positions stretched four times, max_model_len unset. 32
+    stretched to 128: the engine serves the checkpoint's 128 and every rank takes the
+    long factors, transformers' numbers for prompts past 32 tokens. 4096 stretched
+    to 16384: the engine serves CONTEXT_CAP (4096), within the original, and every
+    rank takes the short factors, transformers' numbers for the shorter prompts."""
+    model = build_hf_model("phi3", max_position_embeddings=4 * original,
+                           original_max_position_embeddings=original)  # fmt: skip
+    path = save(model, tmp_path_factory.mktemp("arch") / f"phi3-{original}")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / file, path / file)
+    prompts = [p for p in PROMPTS if len(p) > 32] if original == 32 else PROMPTS
+    from iterserve.cluster.engine import LLM
+
+    llm = LLM(model=str(path), **{**ENGINE, "max_model_len": None, "num_kv_blocks": 1100},
+              tensor_parallel_size=tp)  # fmt: skip
+    try:
+        assert llm.engine.max_model_len == min(4 * original, CONTEXT_CAP)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    hf = HFReference(model)
+    assert [o.token_ids for o in outputs] == [hf.greedy(p, MAX_TOKENS) for p in prompts]
 
 
 async def _complete_all(url: str, model: str) -> tuple[list[list[int]], dict]:

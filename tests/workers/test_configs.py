@@ -58,17 +58,52 @@ def test_qwen3_moe_dense_layers_and_routing_flags():
     assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 128
 
 
+def phi3(**rope_scaling) -> ModelConfig:
+    """Phi-3 with 3/4 of each 16-wide head rotated (6 factors), 512 positions
+    stretched to 4096."""
+    scaling = {"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, **rope_scaling}
+    scaling = {k: v for k, v in scaling.items() if v is not None}
+    return config("Phi3ForCausalLM", max_position_embeddings=4096,
+                  original_max_position_embeddings=512, partial_rotary_factor=0.75,
+                  rope_scaling=scaling)  # fmt: skip
+
+
 def test_phi3_longrope_partial_rotary_and_the_context_it_is_served_at():
-    c = config("Phi3ForCausalLM", max_position_embeddings=4096,
-               original_max_position_embeddings=512, partial_rotary_factor=0.75,
-               rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})  # fmt: skip
+    c = phi3()
     assert c.rotary_dim == 12 and c.rope_dim == 12
     assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["factor"] == 8.0
-    assert c.max_model_len == 512
+    assert c.rope_scaling["long_factor"] == [2.0] * 6
+    assert c.max_model_len == 4096  # past the original 512: with the long factors
     assert (
         config("MistralForCausalLM", sliding_window=16, max_position_embeddings=4096).max_model_len
         == 4096
     )
+
+
+def test_longrope_without_long_factors_is_served_when_it_never_needs_them():
+    c = config("Phi3ForCausalLM", max_position_embeddings=512, original_max_position_embeddings=512,
+               rope_scaling={"type": "longrope", "short_factor": [1.0] * 8})  # fmt: skip
+    assert c.max_model_len == 512 and "long_factor" not in c.rope_scaling
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"long_factor": None},
+         r"needs a 'long_factor' list to serve past original_max_position_embeddings \(512\), "
+         r"up to max_position_embeddings \(4096\)"),
+        ({"short_factor": None}, "needs a 'short_factor' list"),
+        ({"long_factor": [2.0] * 8}, "'long_factor' has 8 values; it needs 6, one per pair of "
+                                     "the 12 rotated dimensions"),
+        ({"short_factor": [1.0] * 5}, "'short_factor' has 5 values; it needs 6"),
+        ({"long_factor": "2.0"}, "'long_factor' must be a list of positive numbers, got '2.0'"),
+        ({"long_factor": [2.0] * 5 + [True]}, "'long_factor' must be a list of positive numbers"),
+        ({"long_factor": [2.0] * 5 + [0.0]}, "'long_factor' must be a list of positive numbers"),
+    ],
+)  # fmt: skip
+def test_longrope_factor_lists_are_refused_with_their_key(keys, message):
+    with pytest.raises(CheckpointError, match=message):
+        phi3(**keys)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plan_driver import GREEDY
+from tiny_checkpoints import short_context
 
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
 from iterserve.workers import ModelRunner
@@ -61,8 +62,9 @@ def split(length: int, chunk: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("chunk", [1 << 20, 7])
 def test_logits_match_transformers(arch, chunk, checkpoint_dir, hf_reference):
     runner = ModelRunner(
-        checkpoint_dir(arch), num_kv_blocks=64, block_size=8, kernel_backend="torch"
-    )
+        checkpoint_dir(arch), num_kv_blocks=64, block_size=8, kernel_backend="torch",
+        **short_context(arch),
+    )  # fmt: skip
     hf = hf_reference(arch)
     gen = torch.Generator().manual_seed(1)
     lengths = [1, 5, 16, 40, 100]

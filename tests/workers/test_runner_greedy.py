@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from plan_driver import PlanDriver
+from tiny_checkpoints import short_context
 
 from iterserve.workers import ModelRunner
 
@@ -29,7 +30,7 @@ def expected(hf, ps):
 
 def test_one_sequence_alone(arch, checkpoint_dir, hf_reference):
     prompt = prompts()[4]
-    driver = PlanDriver(make_runner(checkpoint_dir(arch)))
+    driver = PlanDriver(make_runner(checkpoint_dir(arch), **short_context(arch)))
     driver.add("r0", prompt)
     assert driver.run() == {"r0": hf_reference(arch).greedy(prompt)}
 
@@ -48,7 +49,9 @@ def test_cpu_backend_matches_transformers(arch, checkpoint_dir, hf_reference):
     soft-capped attention on the reference, experts on their rows) keeps greedy
     exact: eight sequences in 7-token pieces, decodes beside prefills."""
     ps = prompts()
-    driver = PlanDriver(make_runner(checkpoint_dir(arch), kernel_backend="cpu"))
+    driver = PlanDriver(
+        make_runner(checkpoint_dir(arch), kernel_backend="cpu", **short_context(arch))
+    )
     assert driver.runner.ops.name == "cpu"
     for i, p in enumerate(ps):
         driver.add(f"r{i}", p)

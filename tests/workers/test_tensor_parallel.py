@@ -9,6 +9,7 @@ import pytest
 import torch.multiprocessing as mp
 from plan_driver import PlanDriver
 from test_runner_greedy import make_runner, prompts
+from tiny_checkpoints import short_context
 from tp_worker import run_rank
 
 from iterserve.scheduler.sampling import SamplingParams
@@ -27,7 +28,8 @@ def free_port() -> int:
 def test_tp2_matches_tp1(name, checkpoint_dir, hf_reference, tmp_path):
     path = checkpoint_dir(name)
     ps = prompts(4)
-    driver = PlanDriver(make_runner(path))
+    context = short_context(name)
+    driver = PlanDriver(make_runner(path, **context))
     for i, p in enumerate(ps):
         driver.add(f"g{i}", p)
     driver.add(
@@ -38,7 +40,8 @@ def test_tp2_matches_tp1(name, checkpoint_dir, hf_reference, tmp_path):
     assert all(expected[f"g{i}"] == hf.greedy(p) for i, p in enumerate(ps))
 
     out_file = str(tmp_path / "tokens")
-    mp.spawn(run_rank, args=(2, free_port(), str(path), ps, out_file), nprocs=2, join=True)
+    args = (2, free_port(), str(path), ps, out_file, context.get("max_model_len"))
+    mp.spawn(run_rank, args=args, nprocs=2, join=True)
     for rank in range(2):
         with open(f"{out_file}.{rank}") as f:
             assert json.load(f) == expected

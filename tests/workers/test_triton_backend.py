@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 from plan_driver import PlanDriver
+from tiny_checkpoints import short_context
 
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.workers import ModelRunner
@@ -27,6 +28,7 @@ def test_triton_backend_matches_transformers(name, checkpoint_dir, hf_reference)
         block_size=8,
         device=device,
         kernel_backend="triton",
+        **short_context(name),
     )
     assert runner.ops.name == "triton"
     # Long enough to pass every window (20..40) while decoding.

@@ -122,11 +122,20 @@ SPECS = {
 GEMMA = ("gemma2", "gemma3")  # norms stored as scale - 1, zero at initialisation
 
 
-def build_hf_model(name: str, seed: int = 0):
+def short_context(name: str) -> dict[str, int]:
+    """Runner keywords that serve checkpoint ``name`` within its original context when
+    it has one: Phi-3's longrope then takes its short factors, as transformers does on
+    the tests' sequences (all shorter than its 256 original positions). Served at its
+    whole 1024 positions it would take the long ones (kernels/rope.py)."""
+    return {"max_model_len": 256} if name == "phi3" else {}
+
+
+def build_hf_model(name: str, seed: int = 0, **config_overrides):
+    """Checkpoint ``name``'s transformers model; ``config_overrides`` change its config."""
     import transformers
 
     config_cls, model_cls, overrides = SPECS[name]
-    config = getattr(transformers, config_cls)(**{**BASE, **overrides})
+    config = getattr(transformers, config_cls)(**{**BASE, **overrides, **config_overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

@@ -13,7 +13,8 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def run_rank(rank: int, world: int, port: int, model_path: str, prompts, out_file: str) -> None:
+def run_rank(rank: int, world: int, port: int, model_path: str, prompts, out_file: str,
+             max_model_len: int | None = None) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -32,6 +33,7 @@ def run_rank(rank: int, world: int, port: int, model_path: str, prompts, out_fil
             tp_rank=rank,
             tp_size=world,
             all_reduce=all_reduce,
+            max_model_len=max_model_len,
         )
         driver = PlanDriver(runner)
         for i, p in enumerate(prompts):
