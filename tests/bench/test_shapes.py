@@ -56,6 +56,29 @@ def test_every_named_shape_is_a_config_transformers_accepts():
         assert config.hidden_size == fields["hidden_size"] and what, name
 
 
+def test_every_named_shape_is_an_architecture_the_runtime_loads():
+    """Each shape's config.json, as transformers writes it, is one the loader
+    takes, with the architecture's features read (experts, windows, norms)."""
+    import transformers
+
+    from iterserve.workers.config import ModelConfig
+
+    for name, (_, fields) in shapes.SHAPES.items():
+        fields = dict(fields)
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        raw = {**config.to_dict(), "architectures": [_causal_lm(config)], "vocab_size": 4096}
+        loaded = ModelConfig.from_dict(raw)
+        assert loaded.hidden_size == fields["hidden_size"], name
+        assert (loaded.num_experts > 0) == ("experts" in " ".join(fields)), name
+    assert {"qwen3-144m", "gemma3-144m", "mixtral-144m", "qwen3-moe-144m"} <= shapes.SHAPES.keys()
+
+
+def _causal_lm(config) -> str:
+    import transformers
+
+    return transformers.AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
 def test_an_unknown_shape_or_dtype_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="unknown shape 'llama-7x'.*llama-144m"):
         shapes.build_checkpoint("llama-7x", tmp_path)
