@@ -64,6 +64,16 @@ def order_by_adapter(
     return plan, segments
 
 
+# The compiled CPU kernel (CpuLoraBatch) serves steps of at most this many adapted
+# rows; longer ones (prefill pieces) take the torch forms, whose oneDNN products
+# cost little more for more rows. Per layer of the demo model, bf16, four adapters
+# of rank 16 on every projection, called in a loop: 4 rows an adapter 81 us against
+# 201 batched, 16 rows 223 against 212, 32 rows 428 against 255, 128 rows 1511
+# against 403; inside a decode step the torch forms' calls cost ~250 us a layer
+# more and the kernel's ~60, which puts the two even near 32 rows an adapter.
+CPU_KERNEL_MAX_ROWS = 128
+
+
 class LoraBatch:
     """One step's rows by adapter: ``segments`` are ``(slot, start, end)`` row
     ranges of adapted rows (base-model rows appear in none)."""
@@ -307,15 +317,17 @@ class LoraSlots:
         self, segments: list[tuple[int, int, int]]
     ) -> LoraBatch | BatchedLoraBatch | KernelLoraBatch | CpuLoraBatch | None:
         """The step's adapted rows: on a GPU through the segmented kernels; on a CPU
-        through the compiled kernel (:class:`CpuLoraBatch`) unless
-        ``use_cpu_kernel`` is off or it cannot run; else one adapter as its own
+        through the compiled kernel (:class:`CpuLoraBatch`) when the adapted rows
+        are at most :data:`CPU_KERNEL_MAX_ROWS`, unless ``use_cpu_kernel`` is off
+        or it cannot run; else one adapter as its own
         products, several as batched ones (:class:`BatchedLoraBatch`) unless
         ``batch_adapters`` is off."""
         if not segments:
             return None
         if self.use_kernels:
             return KernelLoraBatch(self, segments)
-        if self.use_cpu_kernel and self.cpu_layout is not None:
+        if (self.use_cpu_kernel and self.cpu_layout is not None
+                and segments[-1][2] - segments[0][1] <= CPU_KERNEL_MAX_ROWS):  # fmt: skip
             return CpuLoraBatch(self, segments)
         if len(segments) > 1 and self.batch_adapters:
             return BatchedLoraBatch(self, segments)
