@@ -10,10 +10,13 @@ step (one torch thread runs every kernel on it, so a shared machine's other
 load does not count, as ``bench forward``'s ``cpu_clock``), and the ratio of
 the adapter step's tokens/s to the base step's is printed from that one run.
 
-Three ways of adding the adapters are measured on the same steps:
+Four ways of adding the adapters are measured on the same steps:
 
-- ``batched`` (the default with several adapters in a step): one batched shrink
-  and one batched expand per product for all the step's adapters;
+- ``kernel`` (the default on a CPU, :mod:`iterserve.kernels.cpu_lora`): one
+  compiled call per product, shrink and expand of every adapter's rows
+  together; left out where numba or the dtype does not allow it;
+- ``batched``: one batched shrink and one batched expand per product for all
+  the step's adapters, through torch;
 - ``segments``: each adapter's rows (contiguous: the runner orders rows by
   adapter) as their own two products;
 - ``gather``: each adapter's rows gathered from wherever the plan put them and
@@ -147,7 +150,12 @@ def _measure(runner, loads, rows, num_adapters, context, steps, block_size, per_
             runner.execute(plan(new, chunk, context, loads if i and not first else ()))
 
     lora = runner.lora_slots
-    modes = {"batched": True, "segments": False, "gather": None}
+    # mode -> (use_cpu_kernel, batch_adapters); gather: rows left where the plan put them
+    modes: dict[str, tuple[bool, bool] | None] = {"kernel": (True, True),
+                                                  "batched": (False, True),
+                                                  "segments": (False, False), "gather": None}  # fmt: skip
+    if lora.cpu_layout is None:
+        del modes["kernel"]
     times: dict[str, list[float]] = {"base": [], **{m: [] for m in modes}}
     by_adapter = runner._by_adapter
     gather_rows = {a: torch.tensor([i for i, s in enumerate(lora_slots) if adapter_of[s] == a])
@@ -160,23 +168,26 @@ def _measure(runner, loads, rows, num_adapters, context, steps, block_size, per_
 
     for _ in range(steps + 1):
         times["base"].append(timed(plan([], base_slots, 1)))
-        for mode, stacked in modes.items():
-            if stacked is None:  # rows left where the plan put them
+        for mode, flags in modes.items():
+            if flags is None:  # rows left where the plan put them
                 runner._by_adapter = lambda p: (p, [(0, 0, 0)])
                 lora.batch = lambda segments: _GatherBatch(lora, gather_rows)
             else:
-                lora.batch_adapters = stacked
+                lora.use_cpu_kernel, lora.batch_adapters = flags
             try:
                 times[mode].append(timed(plan([], lora_slots, 1)))
             finally:
                 runner._by_adapter = by_adapter
                 lora.__dict__.pop("batch", None)
+                lora.use_cpu_kernel, lora.batch_adapters = lora.cpu_layout is not None, True
     tok_s = {mode: rows / statistics.median(t[1:]) for mode, t in times.items()}
     out: dict[str, Any] = {"model": name, "rows": rows, "adapters": num_adapters, "rank": rank,
                            "context": context,
                            "num_threads": torch.get_num_threads(), "dtype": str(runner.dtype)}  # fmt: skip
     out.update({f"{mode}_tok_s": round(v, 1) for mode, v in tok_s.items()})
     out.update({f"{mode}_vs_base": round(tok_s[mode] / tok_s["base"], 3) for mode in modes})
+    if "kernel" in tok_s:
+        out["kernel_vs_gather"] = round(tok_s["kernel"] / tok_s["gather"], 3)
     out["batched_vs_gather"] = round(tok_s["batched"] / tok_s["gather"], 3)
     out["segments_vs_gather"] = round(tok_s["segments"] / tok_s["gather"], 3)
     return out

@@ -228,45 +228,82 @@ def _slices(config: ModelConfig, tp_rank: int, tp_size: int) -> dict[str, tuple[
     }
 
 
+def _widths(config: ModelConfig, tp_size: int) -> dict[str, int]:
+    """Each fused product's output width on a rank."""
+    hd = config.head_dim
+    q, kv = config.num_heads * hd // tp_size, config.num_kv_heads * hd // tp_size
+    inter = config.intermediate_size // tp_size
+    return {"qkv": q + 2 * kv, "o": config.hidden_size, "gate_up": 2 * inter,
+            "down": config.hidden_size}  # fmt: skip
+
+
+def group_columns(config: ModelConfig, tp_size: int) -> dict[str, list[int]]:
+    """Per fused product, the bounds of each of its targets' output columns on a
+    rank, in :data:`TARGETS` order (``[0, q, q + kv, q + 2 kv]`` for ``qkv``)."""
+    out: dict[str, list[int]] = {}
+    for target, (start, end, offset) in _slices(config, 0, tp_size).items():
+        group = GROUPS[target]
+        if group in ("o", "down"):  # split by input: the whole output
+            out[group] = [0, _widths(config, tp_size)[group]]
+        else:
+            out.setdefault(group, [0]).append(offset + end - start)
+    return out
+
+
+def target_parts(adapter: PeftAdapter, config: ModelConfig, *, tp_rank: int,
+                 tp_size: int) -> list[dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]]:  # fmt: skip
+    """Per layer and fused product, this rank's ``(target, A [r, in_local], B^T
+    [r, its columns])`` of each target the adapter has, in :data:`TARGETS` order,
+    B scaled; zeros in a layer the adapter leaves alone (every layer then has the
+    same products and targets, so a product's shape is the adapter's in every
+    layer). fp32, on the host."""
+    slices = _slices(config, tp_rank, tp_size)
+    hd = config.head_dim
+    in_dims = {"qkv": config.hidden_size, "o": config.num_heads * hd,
+               "gate_up": config.hidden_size, "down": config.intermediate_size}  # fmt: skip
+    present = {t for _, t in adapter.weights}
+    out: list[dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]] = [
+        {} for _ in range(config.num_layers)
+    ]
+    for layer in range(config.num_layers):
+        for target in TARGETS:
+            if target not in present:
+                continue
+            group = GROUPS[target]
+            if (layer, target) in adapter.weights:
+                a, b = adapter.weights[(layer, target)]
+                b = b * adapter.scaling
+            else:
+                a = torch.zeros(adapter.rank, in_dims[group])
+                b = torch.zeros(target_shape(config, target)[0], adapter.rank)
+            start, end, _ = slices[target]
+            if group in ("o", "down"):  # split by input: A's columns are this rank's
+                part = (target, a[:, start:end], b.t())
+            else:  # split by output: B's rows are this rank's
+                part = (target, a, b[start:end].t())
+            out[layer].setdefault(group, []).append(part)
+    return out
+
+
 def shard_adapter(adapter: PeftAdapter, config: ModelConfig, *, tp_rank: int, tp_size: int,
                   dtype: torch.dtype, device: Any) -> list[dict[str, LoraProduct]]:  # fmt: skip
     """Per layer, this rank's :class:`LoraProduct` of each fused product the
     adapter touches (see the module docstring)."""
-    hd = config.head_dim
-    q, kv = config.num_heads * hd // tp_size, config.num_kv_heads * hd // tp_size
-    inter = config.intermediate_size // tp_size
-    widths = {"qkv": q + 2 * kv, "o": config.hidden_size, "gate_up": 2 * inter,
-              "down": config.hidden_size}  # fmt: skip
-    slices = _slices(config, tp_rank, tp_size)
-    # Every layer gets the same products and targets (zeros where a layer is not
-    # adapted): a product's shape is then the adapter's in every layer.
-    present = {t for _, t in adapter.weights}
-    by_group: dict[str, list[str]] = {}
-    for target in TARGETS:
-        if target in present:
-            by_group.setdefault(GROUPS[target], []).append(target)
-    in_dims = {"qkv": config.hidden_size, "o": config.num_heads * hd,
-               "gate_up": config.hidden_size, "down": config.intermediate_size}  # fmt: skip
+    widths = _widths(config, tp_size)
+    offsets = {t: offset for t, (_, _, offset) in _slices(config, tp_rank, tp_size).items()}
     out: list[dict[str, LoraProduct]] = [{} for _ in range(config.num_layers)]
-    for layer in range(config.num_layers):
-        for group, targets in by_group.items():
+    for layer, groups in enumerate(target_parts(adapter, config, tp_rank=tp_rank,
+                                                tp_size=tp_size)):  # fmt: skip
+        for group, parts in groups.items():
             ats, bts = [], []
-            for target in targets:
-                if (layer, target) in adapter.weights:
-                    a, b = adapter.weights[(layer, target)]
-                    b = b * adapter.scaling
-                else:
-                    a = torch.zeros(adapter.rank, in_dims[group])
-                    b = torch.zeros(target_shape(config, target)[0], adapter.rank)
-                start, end, offset = slices[target]
-                if group in ("o", "down"):  # split by input: A's columns are this rank's
-                    ats.append(a[:, start:end])
-                    bts.append(b.t())
-                else:  # split by output: B's rows are this rank's, at their offset
-                    ats.append(a)
-                    bt = torch.zeros(a.shape[0], widths[group])
-                    bt[:, offset : offset + end - start] = b[start:end].t()
+            for target, a, bt in parts:
+                ats.append(a)
+                if group in ("o", "down"):
                     bts.append(bt)
+                else:  # at the target's offset in the fused output
+                    wide = torch.zeros(a.shape[0], widths[group])
+                    wide[:, offsets[target] : offsets[target] + bt.shape[1]] = bt
+                    bts.append(wide)
             at = torch.cat(ats, dim=0).t()  # [in_local, R]
             bt = torch.cat(bts, dim=0)  # [R, out_local]
             out[layer][group] = LoraProduct(

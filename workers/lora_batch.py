@@ -6,11 +6,14 @@ adapter's rows are one contiguous segment::
     rows:     base base base | A A A A | B B      (slot 0 | slot 1 | slot 2)
     per product and segment: out[seg] += (x[seg] @ At_slot) @ Bt_slot
 
-Base-model rows cost nothing. A step of one adapter runs its two products
-(:class:`LoraBatch`); several run as one batched product each way on a CPU
-(:class:`BatchedLoraBatch`) and through the segmented Triton kernels on a GPU
-(:class:`KernelLoraBatch`). The adapters' weights, per layer and fused product,
-are :mod:`.lora`'s :class:`~iterserve.workers.lora.LoraProduct`.
+Base-model rows cost nothing. On a CPU (the ``cpu`` kernel backend) every
+adapter of a step runs in one compiled call per product (:class:`CpuLoraBatch`,
+:mod:`iterserve.kernels.cpu_lora`); on a GPU through the segmented Triton
+kernels (:class:`KernelLoraBatch`). Elsewhere (the ``torch`` backend, fp16 on a
+CPU) a step of one adapter runs its two products (:class:`LoraBatch`) and
+several run as one batched product each way (:class:`BatchedLoraBatch`). The
+adapters' weights, per layer and fused product, are :mod:`.lora`'s
+:class:`~iterserve.workers.lora.LoraProduct`.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ import dataclasses
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..scheduler.messages import StepPlan
 from ..scheduler.seq_table import SequenceTable
 from .config import ModelConfig
-from .lora import LoraProduct, PeftAdapter, read_adapter, shard_adapter
+from .lora import (
+    GROUPS,
+    TARGETS,
+    LoraProduct,
+    PeftAdapter,
+    group_columns,
+    read_adapter,
+    shard_adapter,
+    target_parts,
+)
 
 
 def order_by_adapter(
@@ -49,6 +62,16 @@ def order_by_adapter(
                 segments.append((slot, row, end))
         row = end
     return plan, segments
+
+
+# The compiled CPU kernel (CpuLoraBatch) serves steps of at most this many adapted
+# rows; longer ones (prefill pieces) take the torch forms, whose oneDNN products
+# cost little more for more rows. Per layer of the demo model, bf16, four adapters
+# of rank 16 on every projection, called in a loop: 4 rows an adapter 81 us against
+# 201 batched, 16 rows 223 against 212, 32 rows 428 against 255, 128 rows 1511
+# against 403; inside a decode step the torch forms' calls cost ~250 us a layer
+# more and the kernel's ~60, which puts the two even near 32 rows an adapter.
+CPU_KERNEL_MAX_ROWS = 128
 
 
 class LoraBatch:
@@ -138,6 +161,83 @@ class KernelLoraBatch:
         self.kernels.lora_expand(shrunk, product.bt, out, self.starts, self.lens, self.index)
 
 
+class CpuLoraBatch:
+    """On a CPU: every adapter of the step in one compiled call per product, the
+    shrink and expand of each segment's rows together
+    (:func:`iterserve.kernels.cpu_lora.lora_add`), over the slots' weights as
+    :class:`CpuLayout` holds them. One call where the batched form makes two
+    through torch (and the segments form two per adapter), and no arithmetic on
+    the zero blocks of the fused q/k/v and gate/up expands (``iterserve bench
+    lora``)."""
+
+    def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
+        from ..kernels import cpu_lora
+
+        assert slots.cpu_layout is not None
+        self.kernel, self.layout = cpu_lora.lora_add, slots.cpu_layout
+        # Slot s is index s - 1 of the layout's weights.
+        self.tiles = cpu_lora.tiles([(slot - 1, start, end) for slot, start, end in segments])
+        self.threads = torch.get_num_threads()
+
+    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        weights = self.layout.layers[layer].get(group)
+        if weights is None:
+            return
+        layout = self.layout
+        self.kernel(x, out, weights[0], weights[1], layout.ranks[group], self.tiles,
+                    layout.cols[group], layout.rmax, self.threads)  # fmt: skip
+
+
+class CpuLayout:
+    """Every slot's adapter weights as :mod:`iterserve.kernels.cpu_lora` reads them:
+    per layer and fused product, ``a [max_loras, T * rmax, in]`` and ``b
+    [max_loras, rmax, width]`` (``rmax``: ``max_lora_rank``; slot ``s`` at index
+    ``s - 1``), and per product the slots' ranks by target. A slot is written
+    when it loads an adapter, in place: no copy per step or per set of adapters
+    in a step. The weights take the model's dtype; their memory is that of
+    ``max_loras`` adapters of rank ``max_lora_rank`` on the products some loaded
+    adapter adapts."""
+
+    def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int,
+                 tp_size: int, dtype: torch.dtype):  # fmt: skip
+        self.config, self.max_loras, self.rmax, self.dtype = config, max_loras, max_lora_rank, dtype
+        self.cols = {g: np.array(c, dtype=np.int64)
+                     for g, c in group_columns(config, tp_size).items()}  # fmt: skip
+        self.targets = {g: [t for t in TARGETS if GROUPS[t] == g] for g in self.cols}
+        self.ranks = {g: np.zeros((max_loras, len(t)), dtype=np.int64)
+                      for g, t in self.targets.items()}  # fmt: skip
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(config.num_layers)
+        ]
+
+    def write(self, slot: int, parts: list[dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]]
+              ) -> None:  # fmt: skip
+        """Slot ``slot``'s adapter, as :func:`~iterserve.workers.lora.target_parts`
+        gives it; the slot's rows of products and targets it lacks are not read
+        again (their ranks are 0)."""
+        i = slot - 1
+        for ranks in self.ranks.values():
+            ranks[i] = 0
+        for layer, groups in enumerate(parts):
+            for group, targets in groups.items():
+                cols, names = self.cols[group], self.targets[group]
+                weights = self.layers[layer].get(group)
+                if weights is None:
+                    num_in = targets[0][1].shape[1]
+                    weights = (
+                        torch.zeros(self.max_loras, len(names) * self.rmax, num_in,
+                                    dtype=self.dtype),
+                        torch.zeros(self.max_loras, self.rmax, int(cols[-1]), dtype=self.dtype),
+                    )  # fmt: skip
+                    self.layers[layer][group] = weights
+                a, b = weights
+                for target, a_t, bt_t in targets:
+                    t, rank = names.index(target), a_t.shape[0]
+                    a[i, t * self.rmax : t * self.rmax + rank] = a_t
+                    b[i, :rank, cols[t] : cols[t + 1]] = bt_t
+                    self.ranks[group][i, t] = rank
+
+
 class LoraContext:
     """What every layer's LoRA site reads: the step's :class:`LoraBatch`, or None
     when the step has no adapted row (then a product costs one attribute check)."""
@@ -168,7 +268,7 @@ class LoraSlots:
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, tp_rank: int, tp_size: int, dtype: torch.dtype,
-                 device: Any):  # fmt: skip
+                 device: Any, cpu_kernel: bool = False):  # fmt: skip
         self.config, self.max_loras, self.max_lora_rank = config, max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.tp_rank, self.tp_size, self.dtype, self.device = tp_rank, tp_size, dtype, device
@@ -181,6 +281,17 @@ class LoraSlots:
         # The segmented Triton kernels (KernelLoraBatch): on a GPU.
         self.use_kernels = torch.device(device).type == "cuda"
         self.stacks: OrderedDict[tuple[int, ...], list[dict[str, LoraProduct]]] = OrderedDict()
+        # On a CPU, the compiled kernel (CpuLoraBatch) where asked for and it runs
+        # here; its weights are laid out as each slot loads.
+        self.cpu_layout: CpuLayout | None = None
+        if cpu_kernel and not self.use_kernels:
+            from ..kernels import cpu_lora
+
+            if cpu_lora.available(dtype):
+                self.cpu_layout = CpuLayout(config, max_loras=max_loras,
+                                            max_lora_rank=max_lora_rank, tp_size=tp_size,
+                                            dtype=dtype)  # fmt: skip
+        self.use_cpu_kernel = self.cpu_layout is not None
 
     def load(self, slot: int, adapter_id: int, path: str) -> None:
         if not 1 <= slot <= self.max_loras:
@@ -197,18 +308,27 @@ class LoraSlots:
         self.layers[slot] = shard_adapter(adapter, self.config, tp_rank=self.tp_rank,
                                           tp_size=self.tp_size, dtype=self.dtype,
                                           device=self.device)  # fmt: skip
+        if self.cpu_layout is not None:
+            self.cpu_layout.write(slot, target_parts(adapter, self.config, tp_rank=self.tp_rank,
+                                                     tp_size=self.tp_size))  # fmt: skip
         self.adapter_ids[slot] = adapter_id
 
     def batch(
         self, segments: list[tuple[int, int, int]]
-    ) -> LoraBatch | BatchedLoraBatch | KernelLoraBatch | None:
+    ) -> LoraBatch | BatchedLoraBatch | KernelLoraBatch | CpuLoraBatch | None:
         """The step's adapted rows: on a GPU through the segmented kernels; on a CPU
-        one adapter as its own products, several as batched ones
-        (:class:`BatchedLoraBatch`) unless ``batch_adapters`` is off."""
+        through the compiled kernel (:class:`CpuLoraBatch`) when the adapted rows
+        are at most :data:`CPU_KERNEL_MAX_ROWS`, unless ``use_cpu_kernel`` is off
+        or it cannot run; else one adapter as its own
+        products, several as batched ones (:class:`BatchedLoraBatch`) unless
+        ``batch_adapters`` is off."""
         if not segments:
             return None
         if self.use_kernels:
             return KernelLoraBatch(self, segments)
+        if (self.use_cpu_kernel and self.cpu_layout is not None
+                and segments[-1][2] - segments[0][1] <= CPU_KERNEL_MAX_ROWS):  # fmt: skip
+            return CpuLoraBatch(self, segments)
         if len(segments) > 1 and self.batch_adapters:
             return BatchedLoraBatch(self, segments)
         return LoraBatch(self, segments)

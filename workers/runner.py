@@ -202,6 +202,7 @@ class ModelRunner:
             self.config, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras or max_loras, tp_rank=self.tp_rank,
             tp_size=self.tp_size, dtype=self.dtype, device=self.device,
+            cpu_kernel=self.ops.name == "cpu",
         )  # fmt: skip
 
     def enable_draft(self, path: str | Path | None, max_model_len: int | None = None) -> None:

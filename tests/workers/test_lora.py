@@ -48,15 +48,21 @@ def test_one_adapter_alone_matches_peft(name, adapters, checkpoint_dir, hf_refer
     assert driver.run() == {"r0": ref.greedy(prompt)}
 
 
-@pytest.mark.parametrize("backend, batched", [("torch", True), ("cpu", True), ("cpu", False)])
+@pytest.mark.parametrize(
+    "backend, kernel, batched",
+    [("torch", False, True), ("cpu", True, True), ("cpu", False, True), ("cpu", False, False)],
+)
 def test_a_mixed_batch_of_adapters_and_base_matches_each_reference(
-    backend, batched, adapters, checkpoint_dir, hf_reference
+    backend, kernel, batched, adapters, checkpoint_dir, hf_reference
 ):
     """Eight sequences, two per adapter slot and two of the base model, in 7-token
     prefill pieces beside each other's decodes: each gets its own model's tokens,
-    with the step's adapters batched into one product or each on its own rows."""
+    with the step's adapters in one compiled call per product (the cpu backend's
+    default), batched into one torch product or each on its own rows."""
     names = ["qv8", "all16", "mlp4"]
     runner = lora_runner(checkpoint_dir, kernel_backend=backend)
+    assert runner.lora_slots.use_cpu_kernel == (backend == "cpu")
+    runner.lora_slots.use_cpu_kernel = kernel
     runner.lora_slots.batch_adapters = batched
     driver = PlanDriver(runner)
     for slot, name in enumerate(names, start=1):
