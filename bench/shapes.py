@@ -75,7 +75,8 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
 # The 144M Llama's layers under each architecture the loader takes, with that
 # architecture's own features as its checkpoints ship them (so that a figure
 # against vLLM compares what each costs there); MoE shapes keep the Llama's
-# active width: two experts of half its MLP per token.
+# active width: two experts of half its MLP per token. Gemma ties its embeddings,
+# as every Gemma checkpoint does (vLLM's Gemma has no separate LM head).
 _LLAMA_144M = {k: v for k, v in SHAPES["llama-144m"][1].items() if k != "model_type"}
 _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("with Mistral's sliding window (4096)", {"model_type": "mistral",
@@ -83,10 +84,10 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("with Qwen3's q/k norms", {"model_type": "qwen3"}),
     "gemma2": ("with Gemma 2's sandwich norms, GELU, soft caps, alternating 4096 window",
                {"model_type": "gemma2", "query_pre_attn_scalar": 64, "sliding_window": 4096,
-                "hidden_activation": "gelu_pytorch_tanh"}),
+                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
     "gemma3": ("with Gemma 3's q/k norms, 5 local (512 window) to 1 global layers",
                {"model_type": "gemma3_text", "query_pre_attn_scalar": 64, "sliding_window": 512,
-                "hidden_activation": "gelu_pytorch_tanh"}),
+                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
     "phi3": ("with Phi-4-mini's partial rotary (0.75)", {"model_type": "phi3",
                                                         "partial_rotary_factor": 0.75}),
     "mixtral": ("as Mixtral: 8 experts of MLP 1408, 2 a token", {

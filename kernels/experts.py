@@ -78,23 +78,33 @@ def fused_experts(
     each expert's two weights in oneDNN's layout (:func:`cpu_linear.pack`), used
     where given (the Triton kernel has no use for them)."""
     check_fused_experts(x, w13, w2, topk_ids, topk_weights, activation)
-    num_tokens, top_k = topk_ids.shape
-    act = ACTIVATIONS[activation]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
-    flat_weights = topk_weights.reshape(-1).float()
-    # (token, k) pairs sorted by expert: each expert's rows are one contiguous run.
+    # (token, k) pairs sorted by expert: each expert's rows are one contiguous run
+    # of the gathered rows. Only the products go expert by expert; the gather, the
+    # activation and the weighted sum run once over every pair (a step's cost on a
+    # CPU is as much the number of calls as their arithmetic).
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue  # no token chose it: nothing computed, nothing read
-        pairs = order[start : start + n]
-        start += n
-        tokens = pairs // top_k
-        w13_packed, w2_packed = packed[expert] if packed is not None else (None, None)
-        h = act(linear(x.index_select(0, tokens), w13[expert], None, w13_packed))
-        y = linear(h, w2[expert], None, w2_packed)  # [n, hidden]
-        out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
+    tokens = order // top_k
+    rows = x.index_select(0, tokens)  # [num_pairs, hidden]
+    runs = [(e, n) for e, n in enumerate(counts) if n]  # experts no token chose: nothing read
+    if not runs:
+        return torch.zeros_like(x)
+    bounds = [0]
+    for _, n in runs:
+        bounds.append(bounds[-1] + n)
+
+    def each_expert(inputs, weights, which):
+        parts = []
+        for (expert, _), start, end in zip(runs, bounds, bounds[1:]):
+            w_packed = packed[expert][which] if packed is not None else None
+            parts.append(linear(inputs[start:end], weights[expert], None, w_packed))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    h = ACTIVATIONS[activation](each_expert(rows, w13, 0))  # [num_pairs, inter]
+    y = each_expert(h, w2, 1)  # [num_pairs, hidden]
+    pair_weights = topk_weights.reshape(-1).float().index_select(0, order)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, y.float().mul_(pair_weights[:, None]))
     return out.to(x.dtype)

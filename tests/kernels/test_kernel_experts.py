@@ -49,6 +49,12 @@ def test_reference_experts_match_a_token_by_token_loop(activation):
                                atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
+def test_a_batch_of_no_tokens_gives_no_rows():
+    x, w13, w2, ids, weights = layer(3, 32, 24, 8, 2)
+    got = experts.fused_experts(x[:0], w13, w2, ids[:0], weights[:0])
+    assert got.shape == (0, 32) and got.dtype == x.dtype
+
+
 def test_reference_computes_each_expert_on_its_rows_only(monkeypatch):
     """Experts no token chose are never read (NaN weights change nothing), and the
     rows multiplied are the routed pairs, not the batch times every expert."""
