@@ -239,8 +239,12 @@ def main(args: argparse.Namespace) -> None:
 
     vocab = Tokenizer(tokenizer).vocab_size
     rng = np.random.default_rng(args.seed)
-    items = fixed_items(args.num_prompts, rng, args.input_len, args.output_len, vocab)
+    items = [fixed_items(args.num_prompts, rng, args.input_len, args.output_len, vocab)]
     warmup = fixed_items(args.warmups, rng, args.input_len, args.output_len, vocab)
+    # Each round its own prompts, the same for both servers: a prompt sent again in a
+    # later round would be a prefix-cache hit for whichever server keeps it.
+    items += [fixed_items(args.num_prompts, rng, args.input_len, args.output_len, vocab)
+              for _ in range(args.rounds - 1)]  # fmt: skip
     out_dir = tempfile.mkdtemp(prefix="iterserve-compare-")
     started = None
     if args.a_url:
@@ -255,7 +259,7 @@ def main(args: argparse.Namespace) -> None:
         for round_idx in range(args.rounds):
             order = (a, b) if round_idx % 2 == 0 else (b, a)
             for server in order:
-                server.runs.append(one_run(server, items, warmup, args.max_concurrency))
+                server.runs.append(one_run(server, items[round_idx], warmup, args.max_concurrency))
                 print(f"round {round_idx + 1}/{args.rounds} {server.name}: "
                       f"{server.runs[-1]['throughput_tok_s']} tok/s", file=sys.stderr)  # fmt: skip
         result = summarize_servers(a, b)
