@@ -127,7 +127,8 @@ def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkey
     clock = [0.0]
     calls = []
 
-    def fake_product(x, w, bias, pad):
+    def fake_product(x, w, bias, run_rows):
+        pad = run_rows > x.shape[0]
         calls.append(pad)
         clock[0] += padded_cost if pad else 1.0
 
@@ -140,3 +141,26 @@ def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkey
         assert calls.count(True) == calls.count(False) > 0
     finally:
         cpu_linear._cliff_here.cache_clear()
+
+
+@packs
+@pytest.mark.parametrize("rows", [65, 96, 97, 130, 511])
+def test_products_past_64_rows_run_at_a_multiple_of_32_and_keep_their_values(rows, monkeypatch):
+    """oneDNN compiles a kernel per row count: long batches reach it at one of few
+    counts, padded with zero rows whose outputs are dropped."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    packed = cpu_linear.pack(w)
+    seen = []
+    product = torch.ops.mkldnn._linear_pointwise
+
+    def spy(inputs, *args):
+        seen.append(inputs.shape[0])
+        return product(inputs, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    got = cpu_linear.linear(x, w.new_empty(0), None, packed)
+    assert seen == [-(-rows // 32) * 32] and got.shape == (rows, 48)
+    torch.testing.assert_close(got, product(x, packed, None, "none", [], ""), atol=0, rtol=0)
+    assert cpu_linear.bucket_rows(64) == 64 and cpu_linear.bucket_rows(7) == 7
