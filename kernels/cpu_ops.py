@@ -120,17 +120,23 @@ def rms_norm(
 
 
 @_jit()
+def _rotate_head(x, t, h, cos_sin, p, out, row):
+    """Head ``h`` of token ``t`` of ``x`` rotated to position ``p``, into head ``h``
+    of ``out``'s row ``row``."""
+    half = x.shape[2] // 2
+    for j in range(half):
+        c, s = cos_sin[p, j], cos_sin[p, half + j]
+        x1, x2 = load_f32(x, (t, h, j)), load_f32(x, (t, h, half + j))
+        store_f32(out, (row, h, j), x1 * c - x2 * s)
+        store_f32(out, (row, h, half + j), x2 * c + x1 * s)
+
+
+@_jit()
 def _rotate(x, positions, cos_sin, out):
-    tokens, heads, head_dim = x.shape
-    half = head_dim // 2
+    tokens, heads = x.shape[0], x.shape[1]
     for t in range(tokens):
-        p = positions[t]
         for h in range(heads):
-            for j in range(half):
-                c, s = cos_sin[p, j], cos_sin[p, half + j]
-                x1, x2 = load_f32(x, (t, h, j)), load_f32(x, (t, h, half + j))
-                store_f32(out, (t, h, j), x1 * c - x2 * s)
-                store_f32(out, (t, h, half + j), x2 * c + x1 * s)
+            _rotate_head(x, t, h, cos_sin, positions[t], out, t)
 
 
 @_jit()
@@ -178,7 +184,7 @@ def _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_
     and slot is checked before anything is written: returns -1, or the first bad
     token's index (``tokens + index`` for a slot past the cache)."""
     tokens, heads, head_dim = query.shape
-    kv_heads, half = key.shape[1], head_dim // 2
+    kv_heads = key.shape[1]
     for t in range(tokens):
         if positions[t] < 0 or positions[t] >= cos_sin.shape[0]:
             return t
@@ -187,20 +193,12 @@ def _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_
     for t in range(tokens):
         p = positions[t]
         for h in range(heads):
-            for j in range(half):
-                c, s = cos_sin[p, j], cos_sin[p, half + j]
-                x1, x2 = load_f32(query, (t, h, j)), load_f32(query, (t, h, half + j))
-                store_f32(q_out, (t, h, j), x1 * c - x2 * s)
-                store_f32(q_out, (t, h, half + j), x2 * c + x1 * s)
+            _rotate_head(query, t, h, cos_sin, p, q_out, t)
         slot = slots[t]
         if slot < 0:
             continue
         for h in range(kv_heads):
-            for j in range(half):
-                c, s = cos_sin[p, j], cos_sin[p, half + j]
-                x1, x2 = load_f32(key, (t, h, j)), load_f32(key, (t, h, half + j))
-                store_f32(k_slots, (slot, h, j), x1 * c - x2 * s)
-                store_f32(k_slots, (slot, h, half + j), x2 * c + x1 * s)
+            _rotate_head(key, t, h, cos_sin, p, k_slots, slot)
             for d in range(head_dim):
                 v_slots[slot, h, d] = value[t, h, d]
     return -1

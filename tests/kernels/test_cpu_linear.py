@@ -71,6 +71,19 @@ def test_a_bf16_runner_keeps_only_the_packed_products_and_the_embedding():
     assert runner.model.embed.numel() == runner.config.vocab_size * runner.config.hidden_size
 
 
+def rows_reaching_onednn(monkeypatch) -> list[int]:
+    """The row count of every packed product from here on, in order."""
+    seen: list[int] = []
+    product = torch.ops.mkldnn._linear_pointwise
+
+    def spy(inputs, *args):
+        seen.append(inputs.shape[0])
+        return product(inputs, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return seen
+
+
 @packs
 @pytest.mark.parametrize("rows", [17, 24, 32])
 def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
@@ -84,14 +97,7 @@ def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
     w = torch.randn(out_features, 256, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16()
     assert cpu_linear.pads_cliff_batches(w.shape, torch.bfloat16)
-    seen = []
-    product = torch.ops.mkldnn._linear_pointwise
-
-    def spy(inputs, *args):
-        seen.append(inputs.shape[0])
-        return product(inputs, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    product, seen = torch.ops.mkldnn._linear_pointwise, rows_reaching_onednn(monkeypatch)
     packed = cpu_linear.pack(w)
     got = cpu_linear.linear(x, w.new_empty(0), bias, packed)
     assert seen == [cpu_linear.CLIFF_ROWS[1] + 1]
@@ -152,14 +158,7 @@ def test_products_past_64_rows_run_at_a_multiple_of_32_and_keep_their_values(row
     x = torch.randn(rows, 64, generator=g).bfloat16()
     w = torch.randn(48, 64, generator=g).bfloat16()
     packed = cpu_linear.pack(w)
-    seen = []
-    product = torch.ops.mkldnn._linear_pointwise
-
-    def spy(inputs, *args):
-        seen.append(inputs.shape[0])
-        return product(inputs, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    product, seen = torch.ops.mkldnn._linear_pointwise, rows_reaching_onednn(monkeypatch)
     got = cpu_linear.linear(x, w.new_empty(0), None, packed)
     assert seen == [-(-rows // 32) * 32] and got.shape == (rows, 48)
     torch.testing.assert_close(got, product(x, packed, None, "none", [], ""), atol=0, rtol=0)
