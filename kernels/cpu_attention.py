@@ -20,7 +20,9 @@ blocked matrix products efficient, go to torch's CPU flash attention
 How a batch splits is read from its metadata once and reused by every layer
 (:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
 past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
-takes the reference path. A soft cap (Gemma 2), or a sliding window shorter
+takes the reference path. On CPUs with AVX-512 BF16 a bf16 cache takes a
+kernel whose products are register tiles (:mod:`.cpu_tiles`,
+:func:`_attend_one_tiles`). A soft cap (Gemma 2), or a sliding window shorter
 than the longest sequence, runs on a second set of compiled functions
 (:func:`_paged_attention_window_cap`): the plain ones stay as they are, since
 the window's offsets and the cap's branch in their loops slow every other
@@ -39,8 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from ..scheduler.blocks import blocks_for
-from . import checks, reference
+from . import checks, cpu_tiles, reference
 from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32, tanh_f32
+from .cpu_tiles import HEADS, POSITIONS, VALUES, pv_tile, qk_tile
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +221,145 @@ def _attend_all_parallel(q, k_cache, v_cache, tables, table_of, lengths, rows, s
                     scores, acc, qh, top, block_size, num_kv_heads)  # fmt: skip
 
 
+# The bf16 kernel on CPUs with AVX-512 BF16 (:mod:`.cpu_tiles`): the same rows,
+# reads and softmax as :func:`_attend_one`, its products made in register tiles.
+# A block's 16 positions against one query head are one score tile; a run of a
+# block's positions into up to 8 heads' accumulators one PV tile. The blocks
+# ahead are fetched a slice per tile, spread over the block being read: asked
+# for in one burst, as :func:`_attend_one` does, a block's 128 lines fill the
+# core's miss queue and the tiles stall behind them (0.55 against 0.48 ms a
+# layer at 32 rows over 160 positions, one core; 1.13 ms for :func:`_attend_one`).
+
+
+@_jit()
+def _prefetch_slice(rows, block, per_block, head_dim, part, parts):
+    """Slice ``part`` of ``parts`` of :func:`_prefetch_block`'s lines."""
+    step = 64 // rows.itemsize
+    lines = per_block * head_dim // step
+    first = block * per_block * head_dim
+    for line in range(part * lines // parts, (part + 1) * lines // parts):
+        prefetch_l2(rows, first + line * step)
+
+
+@_jit()
+def _attend_one_tiles(
+    q, k_flat, v_flat, table, length, next_table, next_length, row, scale, out, scores, acc, top,
+    block_size, num_kv_heads,
+):  # fmt: skip
+    """:func:`_attend_one` in tiles: ``k_flat``/``v_flat`` are the caches' bits as
+    1-D arrays, ``scores`` is ``[num_heads, length rounded up to a block]`` (a
+    score tile writes all 16 of its positions, the ones past ``length`` from
+    whatever their slots hold, and nothing reads those)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = (length + block_size - 1) // block_size
+    next_blocks = (next_length + block_size - 1) // block_size
+    per_block = block_size * num_kv_heads
+    stride = num_kv_heads * head_dim  # between a block's positions
+    width = scores.shape[1]
+    q_flat, s_flat, a_flat = q.reshape(-1), scores.reshape(-1), acc.reshape(-1)
+    chunks = head_dim // 32
+    q_row = row * num_heads * head_dim
+    for i in range(num_heads):
+        top[i] = np.float32(-3.0e38)
+    for j in range(num_blocks):
+        ahead = j + PREFETCH_BLOCKS
+        first = table[j] * per_block * head_dim
+        inside = min(block_size, length - j * block_size)
+        for o in range(0, inside, POSITIONS):
+            for h in range(num_kv_heads):
+                k_at = first + o * stride + h * head_dim
+                for i in range(h * group, (h + 1) * group):
+                    if o == 0 and ahead < num_blocks:
+                        _prefetch_slice(k_flat, table[ahead], per_block, head_dim, i, num_heads)
+                    elif o == 0 and ahead < 2 * num_blocks:
+                        _prefetch_slice(v_flat, table[ahead - num_blocks], per_block, head_dim, i,
+                                        num_heads)  # fmt: skip
+                    largest = qk_tile(q_flat, q_row + i * head_dim, k_flat, k_at, stride, chunks,
+                                      scale, s_flat, i * width + j * block_size + o,
+                                      min(POSITIONS, inside - o))  # fmt: skip
+                    top[i] = max(top[i], largest)
+    for i in range(num_heads):
+        head_scores, largest = scores[i], top[i]
+        total = np.float32(0.0)
+        for p in range(length):
+            e = exp_f32(head_scores[p] - largest)
+            head_scores[p] = e
+            total += e
+        top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
+        for d in range(head_dim):
+            acc[i, d] = 0.0
+    for j in range(num_blocks):
+        ahead = j + PREFETCH_BLOCKS
+        first = table[j] * per_block * head_dim
+        inside = min(block_size, length - j * block_size)
+        for h in range(num_kv_heads):
+            if ahead < num_blocks:
+                _prefetch_slice(v_flat, table[ahead], per_block, head_dim, h, num_kv_heads)
+            elif ahead - num_blocks < next_blocks:
+                _prefetch_slice(k_flat, next_table[ahead - num_blocks], per_block, head_dim, h,
+                                num_kv_heads)  # fmt: skip
+            for i in range(h * group, (h + 1) * group, HEADS):
+                heads = min(HEADS, (h + 1) * group - i)
+                for d in range(0, head_dim, VALUES):
+                    pv_tile(heads, a_flat, i * head_dim + d, head_dim, v_flat,
+                            first + h * head_dim + d, stride, s_flat, i * width + j * block_size,
+                            width, inside)  # fmt: skip
+    for i in range(num_heads):
+        for d in range(head_dim):
+            store_f32(out, (row, i, d), acc[i, d] * top[i])
+
+
+@_jit()
+def _attend_row_tiles(
+    q, k_flat, v_flat, tables, table_of, lengths, rows, r, scale, out, scores, acc, top,
+    block_size, num_kv_heads,
+):  # fmt: skip
+    n = lengths.shape[0]
+    following = min(r + 1, n - 1)
+    _attend_one_tiles(
+        q, k_flat, v_flat, tables[table_of[r]], lengths[r], tables[table_of[following]],
+        lengths[following] if r + 1 < n else 0, rows[r], scale, out, scores, acc, top,
+        block_size, num_kv_heads,
+    )  # fmt: skip
+
+
+@_jit()
+def _attend_all_tiles(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+    n = lengths.shape[0]
+    longest = 1
+    for r in range(n):
+        longest = max(longest, lengths[r])
+    scores = np.empty((num_heads, (longest + block_size - 1) // block_size * block_size),
+                      dtype=np.float32)  # fmt: skip
+    acc = np.empty((num_heads, head_dim), dtype=np.float32)
+    top = np.empty(num_heads, dtype=np.float32)
+    if n:  # the first row's first blocks; every later row's come with the row before
+        for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size)):
+            _prefetch_block(k_flat, tables[table_of[0], j], block_size * num_kv_heads, head_dim)
+    for r in range(n):
+        _attend_row_tiles(q, k_flat, v_flat, tables, table_of, lengths, rows, r, scale, out,
+                          scores, acc, top, block_size, num_kv_heads)  # fmt: skip
+
+
+@_jit(parallel=True)
+def _attend_all_parallel_tiles(q, k_cache, v_cache, tables, table_of, lengths, rows, scale, out):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+    n = lengths.shape[0]
+    for r in prange(n):
+        scores = np.empty((num_heads, (max(lengths[r], 1) + block_size - 1) // block_size
+                           * block_size), dtype=np.float32)  # fmt: skip
+        acc = np.empty((num_heads, head_dim), dtype=np.float32)
+        top = np.empty(num_heads, dtype=np.float32)
+        _attend_row_tiles(q, k_flat, v_flat, tables, table_of, lengths, rows, r, scale, out,
+                          scores, acc, top, block_size, num_kv_heads)  # fmt: skip
+
+
 # The variant for sliding windows and soft caps. A second set of functions rather
 # than arguments of the ones above: those are what every other model runs, and
 # the window's offsets and the cap's branch in their loops cost plain decode a
@@ -369,6 +511,22 @@ def _attend_all_parallel_window_cap(
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Whether this CPU runs the bf16 tiles (AVX-512 BF16); False turns them off.
+TILES = cpu_tiles.available()
+
+
+def _tiles_apply(query, k_cache) -> bool:
+    """Whether the tiles kernel attends these rows: a bf16 cache, :data:`TILES`,
+    blocks of whole score tiles and heads of whole 32-value chunks."""
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    return (
+        TILES
+        and query.dtype == torch.bfloat16
+        and block_size % POSITIONS == 0
+        and head_dim % VALUES == 0
+    )
+
+
 def _usable(query, k_cache, v_cache) -> bool:
     return (
         numba is not None
@@ -511,7 +669,11 @@ def paged_attention(
         parallel = threads > 1 and len(rows) > 1
         if parallel:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        (_attend_all_parallel if parallel else _attend_all)(
+        if _tiles_apply(query, k_cache):
+            kernel = _attend_all_parallel_tiles if parallel else _attend_all_tiles
+        else:
+            kernel = _attend_all_parallel if parallel else _attend_all
+        kernel(
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
             table_of, lengths, rows, np.float32(scale), as_array(out),
         )  # fmt: skip

@@ -260,3 +260,50 @@ def test_plain_attention_never_takes_the_window_and_cap_variant(monkeypatch):
     for window in (None, longest):
         got = cpu_attention.paged_attention(*b.args(), max_seq_len=longest, window=window)
         torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
+tiles = pytest.mark.skipif(not cpu_attention.TILES, reason="the CPU lacks AVX-512 BF16")
+
+
+@tiles
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(8, 2, 64), (4, 4, 32), (12, 1, 96), (9, 1, 64), (14, 2, 128), (6, 3, 64)],
+)
+@pytest.mark.parametrize("shape", [MIXED, LONG_DECODES], ids=["mixed", "long"])
+def test_bf16_tiles_attend_as_the_dense_attention(monkeypatch, block_size, num_heads,
+                                                  num_kv_heads, head_dim, shape):  # fmt: skip
+    """The register-tile kernel (on CPUs with AVX-512 BF16) for every group size a
+    PV tile splits (up to 8 heads a tile, 12 as 8 + 4), heads of one to four
+    32-value chunks, blocks of one and two score tiles, sequences ending inside
+    a tile; the plain kernel may not run."""
+    for name in ("_attend_all", "_attend_all_parallel"):
+        monkeypatch.setattr(cpu_attention, name, None)
+    b = on_cpu(make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                          seed=11))  # fmt: skip
+    serial, parallel = serial_and_parallel(b)
+    want = dense_attention(b).to(torch.bfloat16).double()
+    for got in (serial, parallel):
+        torch.testing.assert_close(got.double(), want, **BF16_STEP)
+
+
+@tiles
+def test_bf16_tiles_ignore_what_slots_past_a_sequence_hold():
+    """A score tile reads all 16 slots of its positions; the ones past the sequence
+    (here NaN and infinities) never reach the softmax or the output."""
+    b = on_cpu(make_batch(LONG_DECODES, 8, 2, 64, 16, torch.bfloat16, seed=12))
+    want = cpu_attention.paged_attention(*b.args())
+    for s, n in enumerate(b.seq_lens.tolist()):
+        last, used = b.block_tables[s, (n - 1) // 16], (n - 1) % 16 + 1
+        b.k_cache[last, used:] = float("nan")
+        b.v_cache[last, used:] = float("inf")
+    assert torch.equal(cpu_attention.paged_attention(*b.args()), want)
+
+
+@tiles
+def test_bf16_tiles_agree_with_the_plain_kernel(monkeypatch):
+    b = on_cpu(make_batch(MIXED + LONG_DECODES, 8, 2, 64, 16, torch.bfloat16, seed=13))
+    tiled = cpu_attention.paged_attention(*b.args())
+    monkeypatch.setattr(cpu_attention, "TILES", False)
+    torch.testing.assert_close(tiled, cpu_attention.paged_attention(*b.args()), **BF16_STEP)
