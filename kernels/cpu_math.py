@@ -26,10 +26,8 @@
   compiles it for the array's type, so the loops stay branch-free and vectorize
   (widening is a shift, rounding an add and a shift).
 
-Two host-side helpers hand tensors to the kernels: :func:`as_array` (a bf16
-tensor as its bits) and :func:`empty_apart`, an output placed so that a kernel
-streaming through its input and output in step does not stall on 4K aliasing
-(see there).
+A host-side helper hands tensors to the kernels: :func:`as_array` (a bf16
+tensor as its bits).
 
 On CPUs with AVX-512 the kernels are compiled for 512-bit vectors
 (:func:`use_wide_vectors`). LLVM's tuning for those CPUs prefers 256-bit ones
@@ -44,7 +42,6 @@ calls: the kernels that use them run only where numba imports.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -161,66 +158,6 @@ else:  # pragma: no cover
 
     exp_f32 = math.exp
     tanh_f32 = math.tanh
-
-
-# 4K aliasing: a core tells whether a load depends on a store still in flight
-# by the low 12 bits of their addresses first. A loop that reads x and writes out
-# at the same pace, where out lies a multiple of 4 KiB from x, makes every load
-# wait as if it read what the store writes: measured, SiLU·mul over [64, 5632]
-# bf16 takes 3.4 ms so placed and 0.5 ms 32 bytes off. Large tensors start at a
-# page boundary plus the allocator's header, so such placements are the rule.
-# Row by row, out's offset from x moves by the difference of their row strides,
-# so the distances that occur over the rows are d0 + k·g (mod 4 KiB), where g is
-# the gcd of 4 KiB and that difference: out is placed so that every one of them
-# stays as far from 0 as it can (half of g), for every stream the kernel reads.
-PAGE = 4096
-# Outputs start on a 64-byte line, at one of these offsets into a spare page.
-_OFFSETS = range(0, PAGE, 64)
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return t.stride(0) * t.element_size() if t.dim() > 1 else 0
-
-
-def empty_apart(shape: tuple[int, ...], dtype: torch.dtype, *inputs: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` for a kernel that writes
-    it row by row while it reads each of ``inputs`` row by row at the same pace,
-    placed so that no row's stores look, modulo 4 KiB, like the loads beside
-    them (see above). A second stream within an input's rows (the up half beside
-    the gate half) needs no entry: its offset is a whole row of the output, a
-    multiple of every ``g``. A view into a buffer one page longer, 64-byte aligned."""
-    numel = math.prod(shape)
-    item = dtype.itemsize
-    buffer = torch.empty(numel + PAGE // item, dtype=dtype)
-    row = math.prod(shape[1:]) * item
-    streams = []
-    for t in inputs:
-        g = math.gcd((row - _row_bytes(t)) % PAGE, PAGE)
-        streams.append((g, (buffer.data_ptr() - t.data_ptr()) % g))
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return buffer.as_strided(shape, strides[::-1], _best_offset(tuple(streams)) // item)
-
-
-@functools.lru_cache(maxsize=1024)
-def _best_offset(streams: tuple[tuple[int, int], ...]) -> int:
-    """The offset in :data:`_OFFSETS` farthest, over every stream ``(g, phase)``,
-    from a multiple of ``g`` (the first such offset). A step allocates alike every
-    time, so the same few questions recur: they are answered once; a new one is
-    answered for all 64 offsets at once (~10 µs: the addresses of fresh tensors
-    vary, so a small step asks a dozen new ones)."""
-    if not streams:
-        return 0
-    g = np.array([stream[0] for stream in streams], dtype=np.int64)[:, None]
-    phase = np.array([stream[1] for stream in streams], dtype=np.int64)[:, None]
-    d = (phase + _OFFSET_ARRAY[None, :]) % g
-    margin = np.minimum(d, g - d).min(axis=0)
-    return int(_OFFSET_ARRAY[int(margin.argmax())])
-
-
-_OFFSET_ARRAY = np.arange(_OFFSETS.start, _OFFSETS.stop, _OFFSETS.step, dtype=np.int64)
 
 
 def as_array(tensor: torch.Tensor):

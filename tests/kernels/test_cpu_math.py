@@ -1,7 +1,7 @@
 """The numba kernels' helpers: the vectorizable exponential is as close to e**x as
 libm's over fp32's normal range and clamps outside it; a prefetch never changes
 what is read; a bf16 tensor's bits are read as torch reads them and fp32 values
-rounded as torch rounds them; outputs are placed apart from their inputs."""
+rounded as torch rounds them."""
 
 import numpy as np
 import pytest
@@ -16,7 +16,6 @@ if cpu_attention.available():
 
     from iterserve.kernels.cpu_math import (
         as_array,
-        empty_apart,
         exp_f32,
         load_f32,
         prefetch_l2,
@@ -160,23 +159,6 @@ def test_fp32_arrays_are_read_and_written_as_they_are():
     _round_all(x, x, rounded)
     for y in (out, widened, rounded):
         assert np.array_equal(y.view(np.uint32), x.view(np.uint32))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "out_width,in_width", [(1024, 1024), (2816, 5632), (1024, 1536), (704, 1408)]
-)
-def test_an_output_is_placed_apart_from_its_input_on_every_row(dtype, out_width, in_width):
-    """The distance between row i of the output and row i of the input, modulo a
-    page, stays at least 64 bytes from 0 (widths of whole 64-element vectors, as
-    models have: narrower strides can leave no room off the lattice)."""
-    x = torch.empty(32, in_width, dtype=dtype)
-    out = empty_apart((32, out_width), dtype, x)
-    assert out.shape == (32, out_width) and out.dtype == dtype and out.is_contiguous()
-    assert out.data_ptr() % 64 == 0
-    for row in range(32):
-        d = (out[row].data_ptr() - x[row].data_ptr()) % 4096
-        assert min(d, 4096 - d) >= 64
 
 
 def test_kernels_compile_for_512_bit_vectors_where_the_cpu_has_them():
