@@ -662,7 +662,10 @@ def paged_attention(
     )
     plan = _plan(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
                  query_start_loc)  # fmt: skip
-    out = attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
+    if plan.pieces.long:
+        out = attend_long_pieces(query, k_cache, v_cache, block_tables, plan.pieces, scale)
+    else:  # every row is the row kernel's to write
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if plan.rows is not None:
         tables, table_of, lengths, rows = plan.rows
         threads = torch.get_num_threads()

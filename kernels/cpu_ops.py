@@ -40,11 +40,15 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def _compiled(*tensors: object) -> bool:
     """Whether the compiled kernels take these arguments (else the reference, whose
-    checks name whatever is wrong with them)."""
-    return available() and all(
-        isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype in DTYPES
-        for t in tensors
+    checks name whatever is wrong with them). ``is_cpu`` rather than ``device``,
+    which builds a device object: these guards run before every op of a layer,
+    cold after each product (docs/kernels.md)."""
+    return _AVAILABLE and all(
+        isinstance(t, torch.Tensor) and t.is_cpu and t.dtype in DTYPES for t in tensors
     )
+
+
+_AVAILABLE = available()
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +63,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def _on_cpu(index: object) -> bool:
-    return isinstance(index, torch.Tensor) and index.device.type == "cpu"
+    return isinstance(index, torch.Tensor) and index.is_cpu
 
 
 # Rounded where the reference rounds (Hugging Face's order): the sum with the
