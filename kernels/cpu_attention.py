@@ -276,7 +276,7 @@ def _attend_one_tiles(
                         _prefetch_slice(v_flat, table[ahead - num_blocks], per_block, head_dim, i,
                                         num_heads)  # fmt: skip
                     largest = qk_tile(q_flat, q_row + i * head_dim, k_flat, k_at, stride, chunks,
-                                      scale, s_flat, i * width + j * block_size + o,
+                                      scale, s_flat, i * width + j * block_size + o, 0,
                                       min(POSITIONS, inside - o))  # fmt: skip
                     top[i] = max(top[i], largest)
     for i in range(num_heads):
@@ -507,6 +507,161 @@ def _attend_all_parallel_window_cap(
                                num_kv_heads)  # fmt: skip
 
 
+# The tiles kernel under a window or a soft cap (Gemma 2 and 3 in bf16): a row
+# reads positions ``start..length - 1`` from the block holding ``start`` on,
+# its scores indexed from that block's first slot; score tiles start at 16-slot
+# boundaries, so the slots of the first tile before ``start`` are scored too
+# and then left out of the largest score, the softmax and the PV tiles.
+
+
+@_jit()
+def _attend_one_tiles_window_cap(
+    q, k_flat, v_flat, table, start, length, next_table, next_start, next_length, row, scale,
+    soft_cap, out, scores, acc, top, block_size, num_kv_heads,
+):  # fmt: skip
+    """:func:`_attend_one_tiles` over positions ``start..length - 1``, each scaled
+    score capped as ``soft_cap * tanh(score / soft_cap)`` (0: uncapped) in the
+    softmax pass, as :func:`_attend_one_window_cap` does."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    first_block = start // block_size
+    num_blocks = (length + block_size - 1) // block_size - first_block
+    next_first = next_start // block_size
+    next_blocks = (next_length + block_size - 1) // block_size - next_first
+    per_block = block_size * num_kv_heads
+    stride = num_kv_heads * head_dim
+    width = scores.shape[1]
+    q_flat, s_flat, a_flat = q.reshape(-1), scores.reshape(-1), acc.reshape(-1)
+    chunks = head_dim // 32
+    q_row = row * num_heads * head_dim
+    skip = start - first_block * block_size  # the first block's slots before the window
+    count = length - first_block * block_size  # score indices 0..count - 1, from `skip` on read
+    for i in range(num_heads):
+        top[i] = np.float32(-3.0e38)
+    for jj in range(num_blocks):
+        j = first_block + jj
+        ahead = jj + PREFETCH_BLOCKS
+        first = table[j] * per_block * head_dim
+        inside = min(block_size, length - j * block_size)
+        for o in range(skip // POSITIONS * POSITIONS if jj == 0 else 0, inside, POSITIONS):
+            valid = min(POSITIONS, inside - o)
+            lowest = max(skip - o, 0) if jj == 0 else 0  # the tile's slots before the window
+            for h in range(num_kv_heads):
+                k_at = first + o * stride + h * head_dim
+                for i in range(h * group, (h + 1) * group):
+                    if o == 0 and ahead < num_blocks:
+                        _prefetch_slice(k_flat, table[first_block + ahead], per_block, head_dim,
+                                        i, num_heads)  # fmt: skip
+                    elif o == 0 and ahead < 2 * num_blocks:
+                        _prefetch_slice(v_flat, table[first_block + ahead - num_blocks], per_block,
+                                        head_dim, i, num_heads)  # fmt: skip
+                    largest = qk_tile(q_flat, q_row + i * head_dim, k_flat, k_at, stride, chunks,
+                                      scale, s_flat, i * width + jj * block_size + o, lowest,
+                                      valid)  # fmt: skip
+                    top[i] = max(top[i], largest)
+    for i in range(num_heads):
+        # a view from the window's first slot: a loop from a nonzero start does not
+        # vectorize (the softmax took as long as the rest of the kernel)
+        head_scores = scores[i, skip:count]
+        total = np.float32(0.0)
+        if soft_cap > 0:
+            inv_cap = np.float32(1.0) / soft_cap
+            largest = soft_cap * tanh_f32(top[i] * inv_cap)
+            for p in range(count - skip):
+                e = exp_f32(soft_cap * tanh_f32(head_scores[p] * inv_cap) - largest)
+                head_scores[p] = e
+                total += e
+        else:
+            largest = top[i]
+            for p in range(count - skip):
+                e = exp_f32(head_scores[p] - largest)
+                head_scores[p] = e
+                total += e
+        top[i] = np.float32(1.0) / total  # from here on: the head's normaliser
+        for d in range(head_dim):
+            acc[i, d] = 0.0
+    for jj in range(num_blocks):
+        j = first_block + jj
+        ahead = jj + PREFETCH_BLOCKS
+        first = table[j] * per_block * head_dim
+        inside = min(block_size, length - j * block_size)
+        begin = skip if jj == 0 else 0
+        for h in range(num_kv_heads):
+            if ahead < num_blocks:
+                _prefetch_slice(v_flat, table[first_block + ahead], per_block, head_dim, h,
+                                num_kv_heads)  # fmt: skip
+            elif ahead - num_blocks < next_blocks:
+                _prefetch_slice(k_flat, next_table[next_first + ahead - num_blocks], per_block,
+                                head_dim, h, num_kv_heads)  # fmt: skip
+            for i in range(h * group, (h + 1) * group, HEADS):
+                heads = min(HEADS, (h + 1) * group - i)
+                for d in range(0, head_dim, VALUES):
+                    pv_tile(heads, a_flat, i * head_dim + d, head_dim, v_flat,
+                            first + begin * stride + h * head_dim + d, stride, s_flat,
+                            i * width + jj * block_size + begin, width, inside - begin)  # fmt: skip
+    for i in range(num_heads):
+        for d in range(head_dim):
+            store_f32(out, (row, i, d), acc[i, d] * top[i])
+
+
+@_jit()
+def _attend_row_tiles_window_cap(
+    q, k_flat, v_flat, tables, table_of, starts, lengths, rows, r, scale, soft_cap, out, scores,
+    acc, top, block_size, num_kv_heads,
+):  # fmt: skip
+    n = lengths.shape[0]
+    following = min(r + 1, n - 1)
+    _attend_one_tiles_window_cap(
+        q, k_flat, v_flat, tables[table_of[r]], starts[r], lengths[r],
+        tables[table_of[following]], starts[following], lengths[following] if r + 1 < n else 0,
+        rows[r], scale, soft_cap, out, scores, acc, top, block_size, num_kv_heads,
+    )  # fmt: skip
+
+
+@_jit()
+def _attend_all_tiles_window_cap(
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+):  # fmt: skip
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+    n = lengths.shape[0]
+    longest = 1
+    for r in range(n):
+        longest = max(longest, lengths[r])
+    scores = np.empty((num_heads, (longest + block_size - 1) // block_size * block_size),
+                      dtype=np.float32)  # fmt: skip
+    acc = np.empty((num_heads, head_dim), dtype=np.float32)
+    top = np.empty(num_heads, dtype=np.float32)
+    if n:  # the first row's first blocks; every later row's come with the row before
+        first = starts[0] // block_size
+        for j in range(min(PREFETCH_BLOCKS, (lengths[0] + block_size - 1) // block_size - first)):
+            _prefetch_block(k_flat, tables[table_of[0], first + j], block_size * num_kv_heads,
+                            head_dim)  # fmt: skip
+    for r in range(n):
+        _attend_row_tiles_window_cap(q, k_flat, v_flat, tables, table_of, starts, lengths, rows,
+                                     r, scale, soft_cap, out, scores, acc, top, block_size,
+                                     num_kv_heads)  # fmt: skip
+
+
+@_jit(parallel=True)
+def _attend_all_parallel_tiles_window_cap(
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+):  # fmt: skip
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
+    n = lengths.shape[0]
+    for r in prange(n):
+        scores = np.empty((num_heads, (max(lengths[r], 1) + block_size - 1) // block_size
+                           * block_size), dtype=np.float32)  # fmt: skip
+        acc = np.empty((num_heads, head_dim), dtype=np.float32)
+        top = np.empty(num_heads, dtype=np.float32)
+        _attend_row_tiles_window_cap(q, k_flat, v_flat, tables, table_of, starts, lengths, rows,
+                                     r, scale, soft_cap, out, scores, acc, top, block_size,
+                                     num_kv_heads)  # fmt: skip
+
+
 # The dtypes the kernel takes (a bf16 cache is read as fp32, :mod:`.cpu_math`).
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -707,7 +862,13 @@ def _paged_attention_window_cap(query, k_cache, v_cache, block_tables, seq_lens,
         parallel = threads > 1 and len(rows) > 1
         if parallel:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        (_attend_all_parallel_window_cap if parallel else _attend_all_window_cap)(
+        if _tiles_apply(query, k_cache):
+            kernel = (
+                _attend_all_parallel_tiles_window_cap if parallel else _attend_all_tiles_window_cap
+            )
+        else:
+            kernel = _attend_all_parallel_window_cap if parallel else _attend_all_window_cap
+        kernel(
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
             table_of, starts, lengths, rows, np.float32(scale),
             np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),

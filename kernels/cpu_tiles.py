@@ -13,7 +13,7 @@ the work in vector registers, written directly as LLVM IR:
   into fp32 lanes, 32 values an instruction, one accumulator a position; the
   16 accumulators are then summed lane-wise in one transposing tree (each
   level adds two halves of two vectors), so that lane ``o`` of the result is
-  position ``o``'s score. Also returns the largest of the first ``valid``.
+  position ``o``'s score. Also returns the largest of the lanes a row reads.
 - :func:`pv_tile`: ``acc[g] += Σ_o w[g, o] · v[o]`` over a run of positions,
   for up to 8 query heads and 32 of the head's values: every V row is read
   and widened once for all the heads, whose accumulators stay in registers
@@ -116,21 +116,23 @@ if numba is not None:
         return builder.extract_element(vector, _I32(0))
 
     @intrinsic
-    def qk_tile(typingctx, q, q_index, k, k_index, k_stride, chunks, scale, scores, s_index, valid):
+    def qk_tile(typingctx, q, q_index, k, k_index, k_stride, chunks, scale, scores, s_index,
+                lowest, valid):  # fmt: skip
         """Writes ``scores.flat[s_index + o]`` for ``o`` < 16: ``scale`` times the
         dot product of ``q.flat[q_index:][:32 * chunks]`` with
         ``k.flat[k_index + o * k_stride:][:32 * chunks]`` (bf16 bits), and
-        returns the largest of the first ``valid`` (1..16). The other lanes are
-        written too, from whatever the rows past ``valid`` hold."""
+        returns the largest of lanes ``lowest`` to ``valid - 1`` (0 <= lowest <
+        valid <= 16). The other lanes are written too, from whatever their rows
+        hold."""
         signature = types.float32(q, q_index, k, k_index, k_stride, chunks, scale, scores,
-                                  s_index, valid)  # fmt: skip
+                                  s_index, lowest, valid)  # fmt: skip
 
         def codegen(context, builder, sig, args):
             q_data = context.make_array(sig.args[0])(context, builder, args[0]).data
             k_data = context.make_array(sig.args[2])(context, builder, args[2]).data
             s_data = context.make_array(sig.args[7])(context, builder, args[7]).data
             q_index, k_index, k_stride, chunks = (_i64(builder, args[i]) for i in (1, 3, 4, 5))
-            s_index, valid = _i64(builder, args[8]), args[9]
+            s_index, lowest, valid = _i64(builder, args[8]), args[9], args[10]
             sums = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
                     for _ in range(POSITIONS)]  # fmt: skip
             with cgutils.for_range(builder, chunks) as loop:
@@ -144,8 +146,10 @@ if numba is not None:
             lanes = builder.fmul(lanes, _splat(builder, args[6]), flags=_FAST)
             target = builder.bitcast(builder.gep(s_data, [s_index]), _V16F.as_pointer())
             builder.store(lanes, target, align=4)
-            inside = builder.icmp_signed(
-                "<", _mask(range(16)), builder.trunc(_splat_int(builder, valid), _V16I)
+            lanes_64 = ir.Constant(ir.VectorType(_I64, 16), list(range(16)))
+            inside = builder.and_(
+                builder.icmp_signed(">=", lanes_64, _splat_int(builder, lowest)),
+                builder.icmp_signed("<", lanes_64, _splat_int(builder, valid)),
             )
             lowest = ir.Constant(_V16F, [-3.0e38] * 16)
             return _largest(builder, builder.select(inside, lanes, lowest))

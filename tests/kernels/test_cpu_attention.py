@@ -221,8 +221,8 @@ def test_a_windowed_row_reads_no_block_before_its_window():
     window, block_size = 10, 4
     b = on_cpu(make_batch(LONG_DECODES + MIXED, 4, 2, 64, block_size, torch.float32, seed=13))
     want = ref.paged_attention(*b.args(), window=window)
-    poison = b.k_cache.shape[0] - 1  # one of the spare blocks nobody owns
-    assert poison not in b.block_tables.tolist()
+    # a spare block nobody owns
+    poison = max(set(range(b.k_cache.shape[0])) - set(b.block_tables.flatten().tolist()))
     b.k_cache[poison] = float("nan")
     b.v_cache[poison] = float("nan")
     for s, (n, q_len) in enumerate(zip(b.seq_lens.tolist(), b.q_lens, strict=True)):
@@ -307,3 +307,56 @@ def test_bf16_tiles_agree_with_the_plain_kernel(monkeypatch):
     tiled = cpu_attention.paged_attention(*b.args())
     monkeypatch.setattr(cpu_attention, "TILES", False)
     torch.testing.assert_close(tiled, cpu_attention.paged_attention(*b.args()), **BF16_STEP)
+
+
+@tiles
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window,soft_cap", [(1, None), (7, None), (20, 1.5), (40, None),
+                                             (None, 1.5), (1000, 30.0)])  # fmt: skip
+@pytest.mark.parametrize("shape", [MIXED, LONG_DECODES, PIECES], ids=["mixed", "long", "pieces"])
+def test_bf16_tiles_take_windows_and_soft_caps(monkeypatch, block_size, window, soft_cap, shape):
+    """Windows starting inside a score tile, inside a later one and at a block's
+    start, and soft caps, on the tiles kernel (neither the plain variant nor the
+    reference is called)."""
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
+    b = on_cpu(make_batch(shape, 8, 2, 64, block_size, torch.bfloat16, seed=17))
+    b.query = b.query * 4  # scores large enough for a cap to bite
+    for name in ("_attend_all_window_cap", "_attend_all_parallel_window_cap"):
+        monkeypatch.setattr(cpu_attention, name, None)
+    monkeypatch.setattr(ref, "paged_attention", None)
+    serial, parallel = serial_and_parallel_with(b, window=window, soft_cap=soft_cap)
+    want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
+    for got in (serial, parallel):
+        torch.testing.assert_close(got.double(), want, **BF16_STEP)
+
+
+def serial_and_parallel_with(b, **kw):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = cpu_attention.paged_attention(*b.args(), **kw)
+        torch.set_num_threads(2)
+        return serial, cpu_attention.paged_attention(*b.args(), **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@tiles
+def test_bf16_tiles_read_no_block_before_a_window():
+    """The blocks wholly before a row's window may have been handed on: poisoned,
+    they change nothing; the slots of the window's first block before it are
+    scored by the tile and left out."""
+    window, block_size = 21, 16
+    b = on_cpu(make_batch(LONG_DECODES, 8, 2, 64, block_size, torch.bfloat16, seed=18))
+    want = cpu_attention.paged_attention(*b.args(), window=window)
+    poison = max(set(range(b.k_cache.shape[0])) - set(b.block_tables.flatten().tolist()))
+    b.k_cache[poison] = float("nan")
+    b.v_cache[poison] = float("nan")
+    for s, n in enumerate(b.seq_lens.tolist()):
+        b.block_tables[s, : max(0, n - window) // block_size] = poison
+    got = cpu_attention.paged_attention(*b.args(), max_seq_len=int(b.seq_lens.max()),
+                                        window=window)  # fmt: skip
+    assert torch.equal(got, want)
+    torch.testing.assert_close(
+        got.double(), dense_attention(b, window, None).to(torch.bfloat16).double(), **BF16_STEP
+    )
