@@ -34,6 +34,9 @@ from . import checks, reference
 from .cpu_attention import _jit, available
 from .cpu_math import as_array, load_f32, round_to, store_f32
 
+if available():
+    from .cpu_tiles import rotate_tile
+
 # The dtypes the compiled kernels take; numba has no fp16 arithmetic.
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -210,6 +213,66 @@ def _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_
     return -1
 
 
+@_jit()
+def _rotate_store_rows_bf16(
+    query, q_stride, key, k_stride, value, v_stride, positions, cos_sin, q_out, k_slots, v_slots,
+    slots,
+):  # fmt: skip
+    """:func:`_rotate_store_rows` for bf16 heads of a multiple of 32 values, each
+    head one :func:`.cpu_tiles.rotate_tile`. ``query``, ``key`` and ``value`` are
+    1-D bits spanning their rows, which start ``*_stride`` elements apart (the
+    rows of one ``qkv`` product); ``q_out`` is ``[tokens, heads * head_dim]``,
+    the caches' slots ``[slot, kv_heads * head_dim]``."""
+    tokens, q_width = q_out.shape
+    head_dim = cos_sin.shape[1]
+    width = k_slots.shape[1]
+    heads, kv_heads = q_width // head_dim, width // head_dim
+    chunks = head_dim // 32
+    q_out_flat, k_cache_flat = q_out.reshape(-1), k_slots.reshape(-1)
+    for t in range(tokens):
+        if positions[t] < 0 or positions[t] >= cos_sin.shape[0]:
+            return t
+        if slots[t] >= k_slots.shape[0]:
+            return tokens + t
+    for t in range(tokens):
+        at = positions[t] * head_dim
+        for h in range(heads):
+            rotate_tile(query, t * q_stride + h * head_dim, cos_sin, at, q_out_flat,
+                        t * q_width + h * head_dim, chunks)  # fmt: skip
+        slot = slots[t]
+        if slot < 0:
+            continue
+        for h in range(kv_heads):
+            rotate_tile(key, t * k_stride + h * head_dim, cos_sin, at, k_cache_flat,
+                        slot * width + h * head_dim, chunks)  # fmt: skip
+        row = t * v_stride
+        for d in range(width):
+            v_slots[slot, d] = value[row + d]
+    return -1
+
+
+def _rows_span(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` ([tokens, heads, head_dim], each row's heads side by side) as a 1-D
+    view from its first element to its last, and its row stride."""
+    tokens, heads, head_dim = x.shape
+    stride = x.stride(0)
+    return x.as_strided(((tokens - 1) * stride + heads * head_dim,), (1,)), stride
+
+
+def _rotates_in_tiles(query, key, value, cos_sin_cache, head_dim) -> bool:
+    """Whether :func:`_rotate_store_rows_bf16` takes these rows: bf16 heads of a
+    multiple of 32 values, each row's heads side by side, at least one row, a
+    contiguous cos/sin table as wide as a head."""
+    return (
+        query.dtype == torch.bfloat16
+        and head_dim % 32 == 0
+        and cos_sin_cache.shape[1] == head_dim
+        and cos_sin_cache.is_contiguous()
+        and query.shape[0] > 0
+        and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
+    )
+
+
 def rotary_store_kv(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -238,11 +301,20 @@ def rotary_store_kv(
     _, _, num_kv_heads, head_dim = k_cache.shape
     pos, slots = positions.numpy(), slot_mapping.numpy()
     q_out = torch.empty(query.shape, dtype=query.dtype)
-    bad = _rotate_store_rows(
-        as_array(query), as_array(key), as_array(value), pos, cos_sin_cache.numpy(),
-        as_array(q_out), as_array(k_cache.view(-1, num_kv_heads, head_dim)),
-        as_array(v_cache.view(-1, num_kv_heads, head_dim)), slots,
-    )  # fmt: skip
+    if _rotates_in_tiles(query, key, value, cos_sin_cache, head_dim):
+        (q, q_stride), (k, k_stride), (v, v_stride) = map(_rows_span, (query, key, value))
+        bad = _rotate_store_rows_bf16(
+            as_array(q), q_stride, as_array(k), k_stride, as_array(v), v_stride, pos,
+            cos_sin_cache.numpy(), as_array(q_out.view(q_out.shape[0], -1)),
+            as_array(k_cache.view(-1, num_kv_heads * head_dim)),
+            as_array(v_cache.view(-1, num_kv_heads * head_dim)), slots,
+        )  # fmt: skip
+    else:
+        bad = _rotate_store_rows(
+            as_array(query), as_array(key), as_array(value), pos, cos_sin_cache.numpy(),
+            as_array(q_out), as_array(k_cache.view(-1, num_kv_heads, head_dim)),
+            as_array(v_cache.view(-1, num_kv_heads, head_dim)), slots,
+        )  # fmt: skip
     if bad >= pos.shape[0]:
         reference.check_largest_slot(int(slots[bad - pos.shape[0]]), k_cache)
     elif bad >= 0:

@@ -19,6 +19,13 @@ the work in vector registers, written directly as LLVM IR:
   and widened once for all the heads, whose accumulators stay in registers
   across the run (2 vectors a head, 16 at most).
 
+- :func:`rotate_tile`: one bf16 head rotated by a position's cos/sin rows,
+  16 pairs a vector, each result rounded to bf16 as torch rounds (to nearest
+  even, NaN kept NaN) in integer lanes. The loop it replaces in
+  :mod:`.cpu_ops` ran one head of 32 pairs at a time through strided 3-D
+  indexing, ~1.5 ns an element at 512 tokens. It uses no bf16 instruction: any
+  vector CPU runs it.
+
 The products of :func:`qk_tile` are exact in fp32 (bf16 has an 8-bit
 significand) and are summed in fp32, in another order than a loop would; the
 weights of :func:`pv_tile` stay fp32. Both read bf16 tensors as their
@@ -108,6 +115,23 @@ if numba is not None:
             ]
             width = half
         return vectors[0]
+
+    def _rounded_bits(builder, vector):
+        """16 fp32 as the bits of the nearest bf16 (ties to even; a NaN keeps its
+        top half, quiet bit set), as :func:`.cpu_math.round_to` rounds one."""
+        bits = builder.bitcast(vector, _V16I)
+
+        def splat(value):
+            return ir.Constant(_V16I, [value] * 16)
+
+        high = builder.lshr(bits, splat(16))
+        lsb = builder.and_(high, splat(1))
+        rounded = builder.lshr(builder.add(builder.add(bits, splat(0x7FFF)), lsb), splat(16))
+        is_nan = builder.icmp_unsigned(
+            ">", builder.and_(bits, splat(0x7FFFFFFF)), splat(0x7F800000)
+        )
+        quiet = builder.or_(high, splat(0x40))
+        return builder.trunc(builder.select(is_nan, quiet, rounded), _V16H)
 
     def _largest(builder, vector):
         for width in (8, 4, 2, 1):
@@ -209,6 +233,39 @@ if numba is not None:
             return signature, codegen
 
         return tile
+
+    @intrinsic
+    def rotate_tile(typingctx, x, x_index, cos_sin, cs_index, out, out_index, chunks):
+        """``out.flat[out_index:][:32 * chunks]`` = the 32 * chunks bf16 values at
+        ``x.flat[x_index:]`` rotated as pairs ``(j, j + half)``, ``half = 16 *
+        chunks``: ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` with
+        ``cos``, ``sin`` the fp32 ``cos_sin.flat[cs_index + j]`` and
+        ``[cs_index + half + j]``; products and sums rounded as torch's separate
+        fp32 ops round them (not fused), each result then to bf16."""
+        signature = types.void(x, x_index, cos_sin, cs_index, out, out_index, chunks)
+
+        def codegen(context, builder, sig, args):
+            x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            cs_data = context.make_array(sig.args[2])(context, builder, args[2]).data
+            out_data = context.make_array(sig.args[4])(context, builder, args[4]).data
+            x_index, cs_index, out_index, chunks = (_i64(builder, args[i]) for i in (1, 3, 5, 6))
+            half = builder.mul(chunks, _I64(16))
+            with cgutils.for_range(builder, chunks) as loop:
+                j = builder.mul(loop.index, _I64(16))
+                x1 = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
+                x2 = _widen(builder, _load(builder, x_data,
+                                           builder.add(builder.add(x_index, half), j), _V16H))  # fmt: skip
+                cos = _load(builder, cs_data, builder.add(cs_index, j), _V16F)
+                sin = _load(builder, cs_data, builder.add(builder.add(cs_index, half), j), _V16F)
+                first = builder.fsub(builder.fmul(x1, cos), builder.fmul(x2, sin))
+                second = builder.fadd(builder.fmul(x2, cos), builder.fmul(x1, sin))
+                for value, at in ((first, j), (second, builder.add(half, j))):
+                    target = builder.gep(out_data, [builder.add(out_index, at)])
+                    builder.store(_rounded_bits(builder, value),
+                                  builder.bitcast(target, _V16H.as_pointer()), align=2)  # fmt: skip
+            return context.get_dummy_value()
+
+        return signature, codegen
 
     _pv1, _pv2, _pv3, _pv4, _pv5, _pv6, _pv7, _pv8 = (_pv_tile(h) for h in range(1, HEADS + 1))
 

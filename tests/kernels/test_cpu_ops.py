@@ -167,12 +167,22 @@ def test_bad_arguments_are_named_as_by_the_reference():
                          torch.tensor([0]))  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_store_kv_equals_rotary_then_store(dtype):
+@pytest.mark.parametrize(
+    "dtype,head_dim",
+    [
+        (torch.float32, 8),
+        (torch.bfloat16, 8),
+        (torch.bfloat16, 64),
+        (torch.bfloat16, 96),
+    ],  # fmt: skip
+)
+def test_rotary_store_kv_equals_rotary_then_store(dtype, head_dim):
     """The fused op returns the rotated query and writes the rotated key and the
     value to their slots, as the two ops one after the other do; negative slots
-    are skipped."""
-    heads, kv_heads, head_dim, tokens = 4, 2, 8, 6
+    are skipped. bf16 heads of 64 and 96 values take the vector tiles
+    (``cpu_tiles.rotate_tile``), whose fp32 products and sums round as the
+    reference's separate ops do: equal to the bit."""
+    heads, kv_heads, tokens = 4, 2, 6
     cos_sin = build_cos_sin_cache(head_dim, 32, 10000.0, None)
     g = torch.Generator().manual_seed(15)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
@@ -180,10 +190,12 @@ def test_rotary_store_kv_equals_rotary_then_store(dtype):
     q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))
     positions = torch.tensor([0, 1, 31, 7, 7, 12])
     slots = torch.tensor([3, -1, 0, 15, 9, 4])
-    got = [c.to(dtype) for c in _caches(heads=kv_heads)]
-    want = [c.to(dtype) for c in _caches(heads=kv_heads)]
+    got = [c.to(dtype) for c in _caches(heads=kv_heads, head_dim=head_dim)]
+    want = [c.to(dtype) for c in _caches(heads=kv_heads, head_dim=head_dim)]
     got_q = cpu_ops.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
     want_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, *want, slots)
+    if head_dim % 32 == 0:
+        assert torch.equal(got_q, want_q) and torch.equal(got[0], want[0])
     torch.testing.assert_close(got_q, want_q, **TOLERANCE[dtype])
     torch.testing.assert_close(got[0], want[0], **TOLERANCE[dtype])
     assert torch.equal(got[1], want[1])  # values are copied: exact
