@@ -35,7 +35,7 @@ from .cpu_attention import _jit, available
 from .cpu_math import as_array, load_f32, round_to, store_f32
 
 if available():
-    from .cpu_tiles import rotate_tile
+    from .cpu_tiles import add_square_sum_tile, rotate_tile, scale_tile, square_sum_tile
 
 # The dtypes the compiled kernels take; numba has no fp16 arithmetic.
 DTYPES = (torch.float32, torch.bfloat16)
@@ -103,6 +103,33 @@ def _add_rms_norm_rows(x, residual, weight, eps, out, summed):
             store_f32(out, (i, j), load_f32(weight, j) * normed)
 
 
+@_jit()
+def _rms_norm_rows_bf16(x, weight, eps, out):
+    """:func:`_rms_norm_rows` for bf16 rows of a multiple of 16 values, in vector
+    tiles (:mod:`.cpu_tiles`); ``x`` and ``out`` as ``[rows, width]`` bits."""
+    rows, width = x.shape
+    chunks = width // 16
+    x_flat, out_flat = x.reshape(-1), out.reshape(-1)
+    for i in range(rows):
+        total = square_sum_tile(x_flat, i * width, chunks)
+        inv = np.float32(1.0 / math.sqrt(total / width + eps))
+        scale_tile(x_flat, i * width, weight, inv, out_flat, i * width, chunks)
+
+
+@_jit()
+def _add_rms_norm_rows_bf16(x, residual, weight, eps, out, summed):
+    """:func:`_add_rms_norm_rows` in vector tiles, as :func:`_rms_norm_rows_bf16`."""
+    rows, width = x.shape
+    chunks = width // 16
+    x_flat, r_flat = x.reshape(-1), residual.reshape(-1)
+    out_flat, s_flat = out.reshape(-1), summed.reshape(-1)
+    for i in range(rows):
+        total = add_square_sum_tile(x_flat, i * width, r_flat, i * width, s_flat, i * width,
+                                    chunks)  # fmt: skip
+        inv = np.float32(1.0 / math.sqrt(total / width + eps))
+        scale_tile(s_flat, i * width, weight, inv, out_flat, i * width, chunks)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -115,13 +142,21 @@ def rms_norm(
     checks.check_rms_norm(x, weight, eps, residual)
     # Plain allocations: placing the outputs off their inputs' 4K alias cost more
     # than it saved in every decode step measured (docs/kernels.md, 4K aliasing).
+    # vector tiles for bf16 rows that are contiguous, in whole tiles
+    tiles = (
+        x.dtype == weight.dtype == torch.bfloat16
+        and x.shape[1] % 16 == 0
+        and x.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+    )
     if residual is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        _rms_norm_rows(as_array(x), as_array(weight), float(eps), as_array(out))
+        kernel = _rms_norm_rows_bf16 if tiles else _rms_norm_rows
+        kernel(as_array(x), as_array(weight), float(eps), as_array(out))
         return out
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _add_rms_norm_rows(
+    (_add_rms_norm_rows_bf16 if tiles else _add_rms_norm_rows)(
         as_array(x), as_array(residual), as_array(weight), float(eps), as_array(out),
         as_array(summed),
     )  # fmt: skip

@@ -98,9 +98,14 @@ def test_store_kv_refuses_a_slot_past_the_cache_before_writing():
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_bf16_rms_norm_rounds_where_the_reference_rounds(rows, with_residual):
+@pytest.mark.parametrize("contiguous", [True, False], ids=["tiles", "strided"])
+def test_bf16_rms_norm_rounds_where_the_reference_rounds(rows, with_residual, contiguous):
+    """Contiguous rows of whole 16-value tiles run on ``cpu_tiles``' vector tiles,
+    strided ones on the loop; both round where the reference rounds."""
     g = torch.Generator().manual_seed(11)
     x = (_strided(rows, 96, seed=12) * 3).bfloat16()
+    if not contiguous:
+        x = torch.cat([x, x[:, :16]], dim=1)[:, :96]
     residual = torch.randn(rows, 96, generator=g).bfloat16() if with_residual else None
     weight = (torch.rand(96, generator=g) + 0.5).bfloat16()
     got, want = cpu_ops.rms_norm(x, weight, 1e-6, residual), ref.rms_norm(x, weight, 1e-6, residual)
