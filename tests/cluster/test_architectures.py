@@ -142,8 +142,14 @@ def test_server_matches_transformers(name, served, serve_url):
     app = f"arch-{name}"
     url = deploy(serve_url, app, model=str(path), config={**ENGINE, "kernel_backend": "cpu"})
     try:
-        got, stats = asyncio.run(_complete_all(url, name))
+        # Preemption needs the long prompts decoding at once; how many of the six
+        # requests overlap depends on when each reaches the engine, so the round
+        # is repeated (at most three times) until one has preempted.
+        for _ in range(3):
+            got, stats = asyncio.run(_complete_all(url, name))
+            assert got == expected
+            if stats["num_preemptions"] > 0:
+                break
     finally:
         undeploy(app)
-    assert got == expected
     assert stats["num_preemptions"] > 0
