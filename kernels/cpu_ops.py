@@ -222,6 +222,19 @@ def rotary_embedding(
 
 
 @_jit()
+def _first_bad_token(positions, num_positions, slots, num_slots):
+    """The first token whose position is outside ``[0, num_positions)`` (its
+    index) or whose slot is past the cache (``tokens + index``), or -1."""
+    tokens = positions.shape[0]
+    for t in range(tokens):
+        if positions[t] < 0 or positions[t] >= num_positions:
+            return t
+        if slots[t] >= num_slots:
+            return tokens + t
+    return -1
+
+
+@_jit()
 def _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_slots, slots):
     """:func:`_rotate` of the query into ``q_out`` and of the key into its cache
     slot, the value copied beside it; a negative slot is skipped. Every position
@@ -229,11 +242,9 @@ def _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_
     token's index (``tokens + index`` for a slot past the cache)."""
     tokens, heads, head_dim = query.shape
     kv_heads = key.shape[1]
-    for t in range(tokens):
-        if positions[t] < 0 or positions[t] >= cos_sin.shape[0]:
-            return t
-        if slots[t] >= k_slots.shape[0]:
-            return tokens + t
+    bad = _first_bad_token(positions, cos_sin.shape[0], slots, k_slots.shape[0])
+    if bad >= 0:
+        return bad
     for t in range(tokens):
         p = positions[t]
         for h in range(heads):
@@ -264,11 +275,9 @@ def _rotate_store_rows_bf16(
     heads, kv_heads = q_width // head_dim, width // head_dim
     chunks = head_dim // 32
     q_out_flat, k_cache_flat = q_out.reshape(-1), k_slots.reshape(-1)
-    for t in range(tokens):
-        if positions[t] < 0 or positions[t] >= cos_sin.shape[0]:
-            return t
-        if slots[t] >= k_slots.shape[0]:
-            return tokens + t
+    bad = _first_bad_token(positions, cos_sin.shape[0], slots, k_slots.shape[0])
+    if bad >= 0:
+        return bad
     for t in range(tokens):
         at = positions[t] * head_dim
         for h in range(heads):
