@@ -90,6 +90,13 @@ if numba is not None:
             builder.bitcast(builder.gep(base, [index]), vector.as_pointer()), align=2
         )
 
+    def _store(builder, base, index, value):
+        """Stores the vector ``value`` at element ``index`` of ``base`` (aligned to
+        one element: 4 bytes for fp32 lanes, 2 for bf16 bits)."""
+        align = 4 if isinstance(value.type.element, ir.FloatType) else 2
+        target = builder.bitcast(builder.gep(base, [index]), value.type.as_pointer())
+        builder.store(value, target, align=align)
+
     def _widen(builder, bits):
         """16 bf16 (their bits) as 16 fp32: the bits become the top half, exact."""
         wide = builder.shl(builder.zext(bits, _V16I), ir.Constant(_V16I, [16] * 16))
@@ -185,8 +192,7 @@ if numba is not None:
                     builder.store(builder.call(_DPBF16, [qv, kv, builder.load(sums[o])]), sums[o])
             lanes = _lane_sums(builder, [builder.load(s) for s in sums])
             lanes = builder.fmul(lanes, _splat(builder, args[6]), flags=_FAST)
-            target = builder.bitcast(builder.gep(s_data, [s_index]), _V16F.as_pointer())
-            builder.store(lanes, target, align=4)
+            _store(builder, s_data, s_index, lanes)
             lanes_64 = ir.Constant(ir.VectorType(_I64, 16), list(range(16)))
             inside = builder.and_(
                 builder.icmp_signed(">=", lanes_64, _splat_int(builder, lowest)),
@@ -243,8 +249,7 @@ if numba is not None:
                                 builder.fadd(total, product, flags=_FAST), sums[2 * g + c]
                             )
                 for place, total in zip(places, sums):
-                    target = builder.bitcast(builder.gep(acc_data, [place]), _V16F.as_pointer())
-                    builder.store(builder.load(total), target, align=4)
+                    _store(builder, acc_data, place, builder.load(total))
                 return context.get_dummy_value()
 
             return signature, codegen
@@ -277,9 +282,8 @@ if numba is not None:
                 first = builder.fsub(builder.fmul(x1, cos), builder.fmul(x2, sin))
                 second = builder.fadd(builder.fmul(x2, cos), builder.fmul(x1, sin))
                 for value, at in ((first, j), (second, builder.add(half, j))):
-                    target = builder.gep(out_data, [builder.add(out_index, at)])
-                    builder.store(_rounded_bits(builder, value),
-                                  builder.bitcast(target, _V16H.as_pointer()), align=2)  # fmt: skip
+                    bits = _rounded_bits(builder, value)
+                    _store(builder, out_data, builder.add(out_index, at), bits)
             return context.get_dummy_value()
 
         return signature, codegen
@@ -319,8 +323,7 @@ if numba is not None:
                 a = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
                 b = _widen(builder, _load(builder, r_data, builder.add(r_index, j), _V16H))
                 v, bits = _bf16_round_trip(builder, builder.fadd(a, b))
-                target = builder.gep(out_data, [builder.add(out_index, j)])
-                builder.store(bits, builder.bitcast(target, _V16H.as_pointer()), align=2)
+                _store(builder, out_data, builder.add(out_index, j), bits)
                 square = builder.fmul(v, v, flags=_FAST)
                 builder.store(builder.fadd(builder.load(total), square, flags=_FAST), total)
             return _lane_total(builder, builder.load(total))
@@ -344,9 +347,8 @@ if numba is not None:
                 v = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
                 normed, _ = _bf16_round_trip(builder, builder.fmul(v, inv))
                 w = _widen(builder, _load(builder, w_data, j, _V16H))
-                target = builder.gep(out_data, [builder.add(out_index, j)])
-                builder.store(_rounded_bits(builder, builder.fmul(w, normed)),
-                              builder.bitcast(target, _V16H.as_pointer()), align=2)  # fmt: skip
+                bits = _rounded_bits(builder, builder.fmul(w, normed))
+                _store(builder, out_data, builder.add(out_index, j), bits)
             return context.get_dummy_value()
 
         return signature, codegen
