@@ -48,14 +48,15 @@ def test_cpu_attention_takes_a_strided_query():
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
-def serial_and_parallel(b):
-    """The batch attended with one torch thread, then with two."""
+def serial_and_parallel(b, **kw):
+    """The batch attended with one torch thread, then with two (``kw``: a window,
+    a soft cap)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        serial = cpu_attention.paged_attention(*b.args())
+        serial = cpu_attention.paged_attention(*b.args(), **kw)
         torch.set_num_threads(2)
-        return serial, cpu_attention.paged_attention(*b.args())
+        return serial, cpu_attention.paged_attention(*b.args(), **kw)
     finally:
         torch.set_num_threads(threads)
 
@@ -200,14 +201,7 @@ def test_windows_and_soft_caps_run_on_the_kernel_as_the_reference_computes_them(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_window_and_cap_rows_split_across_threads_alike(dtype):
     b = on_cpu(make_batch(LONG_DECODES * 3 + PIECES, 8, 2, 64, 16, dtype, seed=15))
-    threads = torch.get_num_threads()
-    try:
-        got = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            got.append(cpu_attention.paged_attention(*b.args(), window=40, soft_cap=5.0))
-    finally:
-        torch.set_num_threads(threads)
+    got = serial_and_parallel(b, window=40, soft_cap=5.0)
     tolerance = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else BF16_STEP
     torch.testing.assert_close(got[1], got[0], **tolerance)
     want = ref.paged_attention(*b.args(), window=40, soft_cap=5.0)
@@ -324,21 +318,10 @@ def test_bf16_tiles_take_windows_and_soft_caps(monkeypatch, block_size, window, 
     for name in ("_attend_all_window_cap", "_attend_all_parallel_window_cap"):
         monkeypatch.setattr(cpu_attention, name, None)
     monkeypatch.setattr(ref, "paged_attention", None)
-    serial, parallel = serial_and_parallel_with(b, window=window, soft_cap=soft_cap)
+    serial, parallel = serial_and_parallel(b, window=window, soft_cap=soft_cap)
     want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
     for got in (serial, parallel):
         torch.testing.assert_close(got.double(), want, **BF16_STEP)
-
-
-def serial_and_parallel_with(b, **kw):
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        serial = cpu_attention.paged_attention(*b.args(), **kw)
-        torch.set_num_threads(2)
-        return serial, cpu_attention.paged_attention(*b.args(), **kw)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @tiles
