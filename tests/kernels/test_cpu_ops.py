@@ -150,6 +150,20 @@ def test_silu_mul_matches_reference(dtype, rows):
     torch.testing.assert_close(got, ref.silu_mul(x), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_gelu_tanh_mul_matches_reference_and_transformers_in_dtype(dtype, rows):
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn(rows, 2 * 88, generator=g) * 4).to(dtype)
+    got = cpu_ops.gelu_tanh_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, 88)
+    torch.testing.assert_close(got, ref.gelu_tanh_mul(x), **TOLERANCE[dtype])
+    # Gemma's MLP in the checkpoint's dtype: the activation rounded, then the product.
+    assert torch.equal(got, ACT2FN["gelu_pytorch_tanh"](x[:, :88]) * x[:, 88:])
+
+
 def test_fp16_takes_the_reference_path():
     x, weight = torch.randn(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16)
     assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
