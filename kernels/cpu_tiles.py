@@ -19,6 +19,10 @@ the work in vector registers, written directly as LLVM IR:
   and widened once for all the heads, whose accumulators stay in registers
   across the run (2 vectors a head, 16 at most).
 
+- :func:`rows_tile`: the same tile for a LoRA product's rows (up to 8) and 16
+  or 32 values, over bf16 or fp32 operands, into fp32 sums or into bf16 rows
+  read once and rounded once (:mod:`.cpu_lora`).
+
 - :func:`rotate_tile`: one bf16 head rotated by a position's cos/sin rows,
   16 pairs a vector, each result rounded to bf16 as torch rounds (to nearest
   even, NaN kept NaN) in integer lanes. The loop it replaces in
@@ -55,6 +59,8 @@ POSITIONS = 16
 VALUES = 32
 # The most query heads one PV tile carries (16 of a CPU's 32 vector registers).
 HEADS = 8
+# The most rows one :func:`rows_tile` carries (as many as a PV tile's heads).
+ROWS = HEADS
 
 
 def available() -> bool:
@@ -209,7 +215,7 @@ if numba is not None:
         vector = builder.insert_element(ir.Constant(vector_type, None), value, _I32(0))
         return builder.shuffle_vector(vector, vector, _mask([0] * 16))
 
-    def _pv_tile(heads: int):
+    def _pv_tile(heads: int, vectors: int = 2):
         @intrinsic
         def tile(typingctx, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index,
                  w_stride, count):  # fmt: skip
@@ -223,33 +229,46 @@ if numba is not None:
                 acc_index, acc_stride, v_index, v_stride, w_index, w_stride, count = (
                     _i64(builder, args[i]) for i in (1, 2, 4, 5, 7, 8, 9)
                 )
+                # bf16 bits (uint16) are widened; fp32 values are read as they are.
+                wide = sig.args[3].dtype == types.float32
+                # A bf16 ``acc`` (its bits) is widened once and rounded once, at the end.
+                acc_bits = sig.args[0].dtype == types.uint16
                 places = [
                     builder.add(acc_index, builder.add(builder.mul(acc_stride, _I64(g)), _I64(16 * c)))
                     for g in range(heads)
-                    for c in range(2)
+                    for c in range(vectors)
                 ]  # fmt: skip
                 sums = [
-                    cgutils.alloca_once_value(builder, _load(builder, acc_data, place, _V16F))
+                    cgutils.alloca_once_value(
+                        builder,
+                        _widen(builder, _load(builder, acc_data, place, _V16H))
+                        if acc_bits
+                        else _load(builder, acc_data, place, _V16F),
+                    )
                     for place in places
                 ]
                 with cgutils.for_range(builder, count) as loop:
                     row = builder.add(v_index, builder.mul(loop.index, v_stride))
                     values = [
-                        _widen(builder, _load(builder, v_data, builder.add(row, _I64(16 * c)), _V16H))
-                        for c in range(2)
+                        _load(builder, v_data, builder.add(row, _I64(16 * c)), _V16F)
+                        if wide
+                        else _widen(builder, _load(builder, v_data, builder.add(row, _I64(16 * c)), _V16H))
+                        for c in range(vectors)
                     ]  # fmt: skip
                     for g in range(heads):
                         at = builder.add(builder.add(w_index, builder.mul(w_stride, _I64(g))),
                                          loop.index)  # fmt: skip
                         weight = _splat(builder, builder.load(builder.gep(w_data, [at])))
-                        for c in range(2):
-                            total = builder.load(sums[2 * g + c])
+                        for c in range(vectors):
+                            total = builder.load(sums[vectors * g + c])
                             product = builder.fmul(weight, values[c], flags=_FAST)
                             builder.store(
-                                builder.fadd(total, product, flags=_FAST), sums[2 * g + c]
+                                builder.fadd(total, product, flags=_FAST), sums[vectors * g + c]
                             )
                 for place, total in zip(places, sums):
-                    _store(builder, acc_data, place, builder.load(total))
+                    total = builder.load(total)
+                    _store(builder, acc_data, place,
+                           _rounded_bits(builder, total) if acc_bits else total)  # fmt: skip
                 return context.get_dummy_value()
 
             return signature, codegen
@@ -379,3 +398,36 @@ if numba is not None:
             _pv7(*args)
         else:
             _pv8(*args)
+
+    _rows16 = tuple(_pv_tile(h, 1) for h in range(1, ROWS + 1))
+    _r16_1, _r16_2, _r16_3, _r16_4, _r16_5, _r16_6, _r16_7, _r16_8 = _rows16
+
+    @numba.njit(inline="always")
+    def rows_tile(rows, lanes, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index,
+                  w_stride, count):  # fmt: skip
+        """:func:`pv_tile` for ``rows`` (1..8) rows of ``w`` and ``lanes`` (16 or 32)
+        values: ``acc.flat[acc_index + g * acc_stride + d] += Σ_{o < count}
+        w.flat[w_index + g * w_stride + o] * v.flat[v_index + o * v_stride + d]``,
+        ``v`` as bf16 bits or fp32, ``acc`` fp32 or bf16 bits (read once, its
+        sums rounded once when written back). A LoRA shrink (``w`` the rows, ``v``
+        A by input) and expand (``w`` the shrunk rows, ``v`` B^T) are each this."""
+        args = (acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride, count)
+        if lanes == VALUES:
+            pv_tile(rows, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride,
+                    count)  # fmt: skip
+        elif rows == 1:
+            _r16_1(*args)
+        elif rows == 2:
+            _r16_2(*args)
+        elif rows == 3:
+            _r16_3(*args)
+        elif rows == 4:
+            _r16_4(*args)
+        elif rows == 5:
+            _r16_5(*args)
+        elif rows == 6:
+            _r16_6(*args)
+        elif rows == 7:
+            _r16_7(*args)
+        else:
+            _r16_8(*args)

@@ -66,13 +66,14 @@ def order_by_adapter(
 
 
 # The compiled CPU kernel (CpuLoraBatch) serves steps of at most this many adapted
-# rows; longer ones (prefill pieces) take the torch forms, whose oneDNN products
-# cost little more for more rows. Per layer of the demo model, bf16, four adapters
-# of rank 16 on every projection, called in a loop: 4 rows an adapter 81 us against
-# 201 batched, 16 rows 223 against 212, 32 rows 428 against 255, 128 rows 1511
-# against 403; inside a decode step the torch forms' calls cost ~250 us a layer
-# more and the kernel's ~60, which puts the two even near 32 rows an adapter.
-CPU_KERNEL_MAX_ROWS = 128
+# rows; longer ones take the torch forms, whose oneDNN products cost little more
+# for more rows. With the kernel's register tiles, whole prefill steps of the demo
+# model (bf16, rank 16 on every projection, one thread, alternating in one
+# process): 8 prompts of 16 tokens over 4 adapters 6.96 ms against 7.75 batched
+# (base 4.71), 16 of 32 over 8 adapters 16.3 against 16.4 (base 11.1), 32 of 32
+# over 8 adapters 30.5 against 29.7; past that the two are even, and the torch
+# forms meet a new oneDNN kernel for every row count they have not seen.
+CPU_KERNEL_MAX_ROWS = 512
 
 
 class LoraBatch:
@@ -195,8 +196,9 @@ class CpuLoraBatch:
 
 class CpuLayout:
     """Every slot's adapter weights as :mod:`iterserve.kernels.cpu_lora` reads them:
-    per layer and fused product, ``a [max_loras, T * rmax, in]`` and ``b
-    [max_loras, rmax, width]`` (``rmax``: ``max_lora_rank``; slot ``s`` at index
+    per layer and fused product, ``a [max_loras, T, in, rpad]`` (A transposed,
+    ranks padded to ``cpu_lora.padded_rank(rmax)``) and ``b [max_loras, rmax,
+    width]`` (``rmax``: ``max_lora_rank``; slot ``s`` at index
     ``s - 1``), and per product the slots' ranks by target. A slot is written
     when it loads an adapter, in place: no copy per step or per set of adapters
     in a step. The weights take the model's dtype; their memory is that of
@@ -228,9 +230,11 @@ class CpuLayout:
                 cols, names = self.cols[group], self.targets[group]
                 weights = self.layers[layer].get(group)
                 if weights is None:
+                    from ..kernels.cpu_lora import padded_rank
+
                     num_in = targets[0][1].shape[1]
                     weights = (
-                        torch.zeros(self.max_loras, len(names) * self.rmax, num_in,
+                        torch.zeros(self.max_loras, len(names), num_in, padded_rank(self.rmax),
                                     dtype=self.dtype),
                         torch.zeros(self.max_loras, self.rmax, int(cols[-1]), dtype=self.dtype),
                     )  # fmt: skip
@@ -238,7 +242,7 @@ class CpuLayout:
                 a, b = weights
                 for target, a_t, bt_t in targets:
                     t, rank = names.index(target), a_t.shape[0]
-                    a[i, t * self.rmax : t * self.rmax + rank] = a_t
+                    a[i, t, :, :rank] = a_t.t()
                     b[i, :rank, cols[t] : cols[t + 1]] = bt_t
                     self.ranks[group][i, t] = rank
 
