@@ -11,6 +11,7 @@ import torch
 from iterserve.scheduler.messages import NewSequence, ScheduledSeq, StepPlan
 from iterserve.scheduler.sampling import SamplingParams
 from iterserve.scheduler.seq_table import PlanMismatchError, SequenceTable
+from iterserve.workers import batch
 from iterserve.workers.batch import Staging, build_batch, layout_batch
 
 BS, SCRATCH, PAD = 4, 99, 0
@@ -70,9 +71,12 @@ def random_step(rng: random.Random, decode: bool = False):
     return StepPlan(1, scheduled=scheduled, padding_slots=plan.padding_slots), table
 
 
+@pytest.mark.parametrize("few_rows", [0, 10**6], ids=["torch", "lists"])
 @pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
 @pytest.mark.parametrize("seed", range(12))
-def test_layout_matches_a_per_sequence_construction(seed, decode):
+def test_layout_matches_a_per_sequence_construction(seed, decode, few_rows, monkeypatch):
+    # Both ways of working out positions and slots: torch ops, or lists for few rows.
+    monkeypatch.setattr(batch, "FEW_ROWS", few_rows)
     plan, table = random_step(random.Random(seed), decode)
     host = layout_batch(
         plan, table, block_size=BS, scratch_block=SCRATCH, pad_token_id=PAD, max_position=1000
