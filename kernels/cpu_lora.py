@@ -127,11 +127,14 @@ def _add_parallel(x, out, a, b, ranks, tiles, cols, rmax):
         _shrink_expand(x, out, a, b, ranks, tiles[i], cols, rmax)
 
 
-def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             ranks: np.ndarray, tiles: np.ndarray, cols: np.ndarray, rmax: int,
-             threads: int = 1) -> torch.Tensor:  # fmt: skip
+def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor | np.ndarray,
+             b: torch.Tensor | np.ndarray, ranks: np.ndarray, tiles: np.ndarray,
+             cols: np.ndarray, rmax: int, threads: int = 1) -> torch.Tensor:  # fmt: skip
     """Adds every tile's LoRA delta to ``out`` (in place; see the module
-    docstring for the layout of ``a``, ``b``, ``cols``); returns ``out``."""
+    docstring for the layout of ``a``, ``b``, ``cols``); returns ``out``. ``a``
+    and ``b`` may be given as their :func:`.cpu_math.as_array` views already,
+    made once for weights that stay (a call after a layer's products finds every
+    conversion cold: ~5 µs each)."""
     if not x.is_contiguous():
         x = x.contiguous()
     if out.stride(1) != 1:
@@ -141,5 +144,9 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         fn = _add_parallel
     else:
         fn = _add_serial
-    fn(as_array(x), as_array(out), as_array(a), as_array(b), ranks, tiles, cols, rmax)
+    if isinstance(a, torch.Tensor):
+        a = as_array(a)
+    if isinstance(b, torch.Tensor):
+        b = as_array(b)
+    fn(as_array(x), as_array(out), a, b, ranks, tiles, cols, rmax)
     return out

@@ -186,7 +186,7 @@ class CpuLoraBatch:
         self.threads = torch.get_num_threads()
 
     def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        weights = self.layout.layers[layer].get(group)
+        weights = self.layout.arrays[layer].get(group)
         if weights is None:
             return
         layout = self.layout
@@ -216,6 +216,10 @@ class CpuLayout:
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(config.num_layers)
         ]
+        # The same weights as the kernel reads them (numpy views, made once).
+        self.arrays: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [
+            {} for _ in range(config.num_layers)
+        ]
 
     def write(self, slot: int, parts: list[dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]]
               ) -> None:  # fmt: skip
@@ -231,6 +235,7 @@ class CpuLayout:
                 weights = self.layers[layer].get(group)
                 if weights is None:
                     from ..kernels.cpu_lora import padded_rank
+                    from ..kernels.cpu_math import as_array
 
                     num_in = targets[0][1].shape[1]
                     weights = (
@@ -239,6 +244,7 @@ class CpuLayout:
                         torch.zeros(self.max_loras, self.rmax, int(cols[-1]), dtype=self.dtype),
                     )  # fmt: skip
                     self.layers[layer][group] = weights
+                    self.arrays[layer][group] = (as_array(weights[0]), as_array(weights[1]))
                 a, b = weights
                 for target, a_t, bt_t in targets:
                     t, rank = names.index(target), a_t.shape[0]
