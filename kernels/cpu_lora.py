@@ -18,7 +18,7 @@ fp32 sums, with no zero blocks, over the adapter slots' weights laid out as
 
 for the ``T`` targets fused into the product (q, k, v; gate, up; or one).
 Rows go :data:`TILE` at a time (a "tile"). Both halves are register tiles
-(:func:`.cpu_tiles.rows_tile`): the shrink keeps the tile's rows × 16 ranks of
+(:func:`.cpu_tiles.rows16_tile`, :func:`.cpu_tiles.pv_tile`): the shrink keeps the tile's rows × 16 ranks of
 sums in vector registers while it runs down the inputs (one A row read, widened
 and multiplied into every row of the tile), the expand the rows × 32 output
 columns, read from ``out`` and written back once, while it runs down the ranks. Lanes past a target's rank are computed
@@ -45,7 +45,7 @@ from .cpu_attention import _jit, numba, prange
 from .cpu_math import as_array, load_f32, store_f32
 
 if numba is not None:
-    from .cpu_tiles import ROWS, VALUES, rows_tile
+    from .cpu_tiles import ROWS, VALUES, pv_tile, rows16_tile
 
     TILE = ROWS
 else:  # pragma: no cover - numba is a dependency
@@ -98,13 +98,13 @@ def _shrink_expand(x, out, a, b, ranks, tile, cols, rmax):
         shrunk[:] = 0.0
         a_at = ((slot * num_targets + t) * num_in) * rpad
         for q in range(0, rank, RANK_LANES):
-            rows_tile(n, RANK_LANES, shrunk, q, rpad, a, a_at + q, rpad, xs, 0, num_in, num_in)
+            rows16_tile(n, shrunk, q, rpad, a, a_at + q, rpad, xs, 0, num_in, num_in)
         c0, c1 = cols[t], cols[t + 1]
         b_at = slot * rmax * width
         c = c0
         while c + VALUES <= c1:
-            rows_tile(n, VALUES, out, first * out_stride + c, out_stride, b, b_at + c, width,
-                      shrunk, 0, rpad, rank)  # fmt: skip
+            pv_tile(n, out, first * out_stride + c, out_stride, b, b_at + c, width, shrunk, 0,
+                    rpad, rank)  # fmt: skip
             c += VALUES
         for i in range(n):  # the columns past the last whole tile
             row, s_i = out[first + i], shrunk[i]

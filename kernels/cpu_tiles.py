@@ -19,9 +19,9 @@ the work in vector registers, written directly as LLVM IR:
   and widened once for all the heads, whose accumulators stay in registers
   across the run (2 vectors a head, 16 at most).
 
-- :func:`rows_tile`: the same tile for a LoRA product's rows (up to 8) and 16
-  or 32 values, over bf16 or fp32 operands, into fp32 sums or into bf16 rows
-  read once and rounded once (:mod:`.cpu_lora`).
+- :func:`rows16_tile`: the same tile for 16 values. Both take bf16 or fp32
+  operands and add into fp32 sums or into bf16 rows read once and rounded once:
+  a LoRA product's shrink and expand (:mod:`.cpu_lora`).
 
 - :func:`rotate_tile`: one bf16 head rotated by a position's cos/sin rows,
   16 pairs a vector, each result rounded to bf16 as torch rounds (to nearest
@@ -59,7 +59,7 @@ POSITIONS = 16
 VALUES = 32
 # The most query heads one PV tile carries (16 of a CPU's 32 vector registers).
 HEADS = 8
-# The most rows one :func:`rows_tile` carries (as many as a PV tile's heads).
+# The most rows one :func:`rows16_tile` carries (as many as a PV tile's heads).
 ROWS = HEADS
 
 
@@ -403,19 +403,18 @@ if numba is not None:
     _r16_1, _r16_2, _r16_3, _r16_4, _r16_5, _r16_6, _r16_7, _r16_8 = _rows16
 
     @numba.njit(inline="always")
-    def rows_tile(rows, lanes, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index,
-                  w_stride, count):  # fmt: skip
-        """:func:`pv_tile` for ``rows`` (1..8) rows of ``w`` and ``lanes`` (16 or 32)
-        values: ``acc.flat[acc_index + g * acc_stride + d] += Σ_{o < count}
-        w.flat[w_index + g * w_stride + o] * v.flat[v_index + o * v_stride + d]``,
-        ``v`` as bf16 bits or fp32, ``acc`` fp32 or bf16 bits (read once, its
-        sums rounded once when written back). A LoRA shrink (``w`` the rows, ``v``
-        A by input) and expand (``w`` the shrunk rows, ``v`` B^T) are each this."""
+    def rows16_tile(rows, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index,
+                    w_stride, count):  # fmt: skip
+        """:func:`pv_tile` for 16 values rather than 32: ``acc.flat[acc_index + g *
+        acc_stride + d] += Σ_{o < count} w.flat[w_index + g * w_stride + o] *
+        v.flat[v_index + o * v_stride + d]`` for ``g`` < ``rows`` (1..8), ``d`` <
+        16. Either tile takes ``v`` as bf16 bits or fp32 and ``acc`` as fp32 or
+        bf16 bits (read once, its sums rounded once when written back): a LoRA
+        shrink (``w`` the rows, ``v`` A by input) is this one, its expand (``w``
+        the shrunk rows, ``v`` B^T) :func:`pv_tile`. Each call site inlines every
+        variant of the tile it names, so the two are apart."""
         args = (acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride, count)
-        if lanes == VALUES:
-            pv_tile(rows, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride,
-                    count)  # fmt: skip
-        elif rows == 1:
+        if rows == 1:
             _r16_1(*args)
         elif rows == 2:
             _r16_2(*args)
