@@ -25,13 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
-from . import checks, cpu_ops
+from . import checks, reference
 from .cpu_linear import linear
 
 # In the tensors' dtype, as Hugging Face's expert MLPs compute them (fp32 tensors:
-# the references' arithmetic); a 512-token bf16 prefill step of the 144M-shaped
+# the fp32 references' values); a 512-token bf16 prefill step of the 144M-shaped
 # Mixtral took 366 ms with the references' fp32 round trip, 347 ms with these.
-ACTIVATIONS = {"silu": cpu_ops.silu_mul, "gelu_tanh": cpu_ops.gelu_tanh_mul}
+ACTIVATIONS = {"silu": reference.silu_mul_in_dtype, "gelu_tanh": reference.gelu_tanh_mul_in_dtype}
 
 
 def route(

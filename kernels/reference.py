@@ -354,6 +354,22 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(xf[:, :d]).mul_(xf[:, d:]).to(x.dtype)
 
 
+def silu_mul_in_dtype(x: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` in the tensor's dtype, as Hugging Face's MLPs compute it
+    there: the SiLU rounded, then the product rounded (fp32: the same values)."""
+    checks.check_silu_mul(x)
+    d = x.shape[1] // 2
+    return torch.nn.functional.silu(x[:, :d]).mul_(x[:, d:])
+
+
+def gelu_tanh_mul_in_dtype(x: torch.Tensor) -> torch.Tensor:
+    """:func:`gelu_tanh_mul` in the tensor's dtype, as Hugging Face's Gemma MLP
+    computes it there (fp32: the same values)."""
+    checks.check_silu_mul(x)
+    d = x.shape[1] // 2
+    return torch.nn.functional.gelu(x[:, :d], approximate="tanh").mul_(x[:, d:])
+
+
 def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     """``gelu(x[:, :d]) * x[:, d:]`` with GELU's tanh approximation (Gemma's
     ``gelu_pytorch_tanh``), computed in fp32, returned in x's dtype."""
