@@ -372,61 +372,47 @@ if numba is not None:
 
         return signature, codegen
 
-    _pv1, _pv2, _pv3, _pv4, _pv5, _pv6, _pv7, _pv8 = (_pv_tile(h) for h in range(1, HEADS + 1))
+    def _by_rows(lanes: int, what: str):
+        """One entry for the 8 variants of a tile of ``lanes`` values, by its rows:
+        the intrinsics are built per row count, and a kernel picks one at run time."""
+        t1, t2, t3, t4, t5, t6, t7, t8 = (_pv_tile(h, lanes // 16) for h in range(1, HEADS + 1))
 
-    @numba.njit(inline="always")
-    def pv_tile(heads, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride,
-                count):  # fmt: skip
-        """For ``g`` < ``heads`` (1..8) and ``d`` < 32: ``acc.flat[acc_index + g *
+        @numba.njit(inline="always")
+        def tile(rows, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride,
+                 count):  # fmt: skip
+            args = (acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride, count)
+            if rows == 1:
+                t1(*args)
+            elif rows == 2:
+                t2(*args)
+            elif rows == 3:
+                t3(*args)
+            elif rows == 4:
+                t4(*args)
+            elif rows == 5:
+                t5(*args)
+            elif rows == 6:
+                t6(*args)
+            elif rows == 7:
+                t7(*args)
+            else:
+                t8(*args)
+
+        tile.__doc__ = what
+        return tile
+
+    pv_tile = _by_rows(
+        VALUES,
+        """For ``g`` < ``rows`` (1..8) and ``d`` < 32: ``acc.flat[acc_index + g *
         acc_stride + d] += Σ_{o < count} w.flat[w_index + g * w_stride + o] *
-        v.flat[v_index + o * v_stride + d]`` (``acc`` and ``w`` fp32, ``v`` bf16
-        bits)."""
-        args = (acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride, count)
-        if heads == 1:
-            _pv1(*args)
-        elif heads == 2:
-            _pv2(*args)
-        elif heads == 3:
-            _pv3(*args)
-        elif heads == 4:
-            _pv4(*args)
-        elif heads == 5:
-            _pv5(*args)
-        elif heads == 6:
-            _pv6(*args)
-        elif heads == 7:
-            _pv7(*args)
-        else:
-            _pv8(*args)
-
-    _rows16 = tuple(_pv_tile(h, 1) for h in range(1, ROWS + 1))
-    _r16_1, _r16_2, _r16_3, _r16_4, _r16_5, _r16_6, _r16_7, _r16_8 = _rows16
-
-    @numba.njit(inline="always")
-    def rows16_tile(rows, acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index,
-                    w_stride, count):  # fmt: skip
-        """:func:`pv_tile` for 16 values rather than 32: ``acc.flat[acc_index + g *
-        acc_stride + d] += Σ_{o < count} w.flat[w_index + g * w_stride + o] *
-        v.flat[v_index + o * v_stride + d]`` for ``g`` < ``rows`` (1..8), ``d`` <
-        16. Either tile takes ``v`` as bf16 bits or fp32 and ``acc`` as fp32 or
-        bf16 bits (read once, its sums rounded once when written back): a LoRA
-        shrink (``w`` the rows, ``v`` A by input) is this one, its expand (``w``
-        the shrunk rows, ``v`` B^T) :func:`pv_tile`. Each call site inlines every
-        variant of the tile it names, so the two are apart."""
-        args = (acc, acc_index, acc_stride, v, v_index, v_stride, w, w_index, w_stride, count)
-        if rows == 1:
-            _r16_1(*args)
-        elif rows == 2:
-            _r16_2(*args)
-        elif rows == 3:
-            _r16_3(*args)
-        elif rows == 4:
-            _r16_4(*args)
-        elif rows == 5:
-            _r16_5(*args)
-        elif rows == 6:
-            _r16_6(*args)
-        elif rows == 7:
-            _r16_7(*args)
-        else:
-            _r16_8(*args)
+        v.flat[v_index + o * v_stride + d]``. ``v`` as bf16 bits or fp32, ``acc``
+        fp32 or bf16 bits (read once, its sums rounded once when written back);
+        ``w`` fp32. The attention's PV product, and a LoRA expand (``w`` the
+        shrunk rows, ``v`` B^T).""",
+    )
+    rows16_tile = _by_rows(
+        16,
+        """:func:`pv_tile` for 16 values rather than 32 (``d`` < 16): a LoRA shrink
+        (``w`` the rows, ``v`` A by input). Apart from :func:`pv_tile` because
+        each call site inlines every variant of the tile it names.""",
+    )
