@@ -18,22 +18,24 @@ fp32 sums, with no zero blocks, over the adapter slots' weights laid out as
 
 for the ``T`` targets fused into the product (q, k, v; gate, up; or one).
 Rows go :data:`TILE` at a time (a "tile"). Both halves are register tiles
-(:func:`.cpu_tiles.rows16_tile`, :func:`.cpu_tiles.pv_tile`): the shrink keeps the tile's rows × 16 ranks of
-sums in vector registers while it runs down the inputs (one A row read, widened
-and multiplied into every row of the tile), the expand the rows × 32 output
-columns, read from ``out`` and written back once, while it runs down the ranks. Lanes past a target's rank are computed
+(:func:`.cpu_tiles.rows16_tile`, :func:`.cpu_tiles.pv_tile`): the shrink keeps
+the tile's rows × 16 ranks of sums in vector registers while it runs down the
+inputs (one A row read, widened and multiplied into every row of the tile); the
+expand keeps the rows × 32 output columns, read from ``out`` and written back
+once, while it runs down the ranks. Lanes past a target's rank are computed
 from whatever the padding holds and never read; output columns past the last
 multiple of 32 of a target go through a plain loop. B rows past a slot's rank
-are never read, so ranks below ``rmax`` cost only their padding to 16.
+are never read, so ranks below ``rmax`` (``b``'s second dimension) cost only
+their padding to 16.
 
 The kernel this replaced read A by rank, ending every dot product in a
-horizontal sum: 78 → ~20 µs for the demo model's q/k/v product at 64 rows of
+horizontal sum: 77 → ~30 µs for the demo model's q/k/v product at 64 rows of
 four rank-16 adapters (docs/kernels.md).
 
 fp32 and bf16 (a bf16 tensor read and written as its bits, :mod:`.cpu_math`);
-``out`` is rounded once, after its delta is added; its rows must be contiguous. Compiled on first use (a few
-seconds) and cached on disk; with more than one torch thread the tiles are split
-across numba's threads.
+``out`` is rounded once, after its delta is added; its rows must be contiguous.
+Compiled on first use (a few seconds) and cached on disk; with more than one
+torch thread the tiles are split across numba's threads.
 """
 
 from __future__ import annotations
@@ -75,14 +77,14 @@ def tiles(segments: list[tuple[int, int, int]]) -> np.ndarray:
 
 
 @_jit()
-def _shrink_expand(x, out, a, b, ranks, tile, cols, rmax):
+def _shrink_expand(x, out, a, b, ranks, tile, cols):
     """One tile: ``out[rows, c] += sum_q (x[rows] . a[slot, t, :, q]) b[slot, q, c]``
     for the target ``t`` owning column ``c`` (each column is one target's: its
     sum is added to ``out`` and rounded once)."""
     slot, first, end = tile[0], tile[1], tile[2]
     n = end - first
     num_targets, num_in, rpad = a.shape[1], a.shape[2], a.shape[3]
-    width = b.shape[2]
+    rmax, width = b.shape[1], b.shape[2]
     out_stride = out.strides[0] // out.itemsize
     # The tile's rows in fp32, once (each is read once per 16 ranks of each target).
     xs = np.empty((TILE, num_in), dtype=np.float32)
@@ -116,20 +118,20 @@ def _shrink_expand(x, out, a, b, ranks, tile, cols, rmax):
 
 
 @_jit()
-def _add_serial(x, out, a, b, ranks, tiles, cols, rmax):
+def _add_serial(x, out, a, b, ranks, tiles, cols):
     for i in range(tiles.shape[0]):
-        _shrink_expand(x, out, a, b, ranks, tiles[i], cols, rmax)
+        _shrink_expand(x, out, a, b, ranks, tiles[i], cols)
 
 
 @_jit(parallel=True)
-def _add_parallel(x, out, a, b, ranks, tiles, cols, rmax):
+def _add_parallel(x, out, a, b, ranks, tiles, cols):
     for i in prange(tiles.shape[0]):
-        _shrink_expand(x, out, a, b, ranks, tiles[i], cols, rmax)
+        _shrink_expand(x, out, a, b, ranks, tiles[i], cols)
 
 
 def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor | np.ndarray,
              b: torch.Tensor | np.ndarray, ranks: np.ndarray, tiles: np.ndarray,
-             cols: np.ndarray, rmax: int, threads: int = 1) -> torch.Tensor:  # fmt: skip
+             cols: np.ndarray, threads: int = 1) -> torch.Tensor:  # fmt: skip
     """Adds every tile's LoRA delta to ``out`` (in place; see the module
     docstring for the layout of ``a``, ``b``, ``cols``); returns ``out``. ``a``
     and ``b`` may be given as their :func:`.cpu_math.as_array` views already,
@@ -148,5 +150,5 @@ def lora_add(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor | np.ndarray,
         a = as_array(a)
     if isinstance(b, torch.Tensor):
         b = as_array(b)
-    fn(as_array(x), as_array(out), a, b, ranks, tiles, cols, rmax)
+    fn(as_array(x), as_array(out), a, b, ranks, tiles, cols)
     return out

@@ -191,7 +191,7 @@ class CpuLoraBatch:
             return
         layout = self.layout
         self.kernel(x, out, weights[0], weights[1], layout.ranks[group], self.tiles,
-                    layout.cols[group], layout.rmax, self.threads)  # fmt: skip
+                    layout.cols[group], self.threads)  # fmt: skip
 
 
 class CpuLayout:
@@ -207,7 +207,10 @@ class CpuLayout:
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int,
                  tp_size: int, dtype: torch.dtype):  # fmt: skip
+        from ..kernels.cpu_lora import padded_rank
+
         self.config, self.max_loras, self.rmax, self.dtype = config, max_loras, max_lora_rank, dtype
+        self.rpad = padded_rank(max_lora_rank)
         self.cols = {g: np.array(c, dtype=np.int64)
                      for g, c in group_columns(config, tp_size).items()}  # fmt: skip
         self.targets = {g: [t for t in TARGETS if GROUPS[t] == g] for g in self.cols}
@@ -226,6 +229,8 @@ class CpuLayout:
         """Slot ``slot``'s adapter, as :func:`~iterserve.workers.lora.target_parts`
         gives it; the slot's rows of products and targets it lacks are not read
         again (their ranks are 0)."""
+        from ..kernels.cpu_math import as_array
+
         i = slot - 1
         for ranks in self.ranks.values():
             ranks[i] = 0
@@ -234,12 +239,9 @@ class CpuLayout:
                 cols, names = self.cols[group], self.targets[group]
                 weights = self.layers[layer].get(group)
                 if weights is None:
-                    from ..kernels.cpu_lora import padded_rank
-                    from ..kernels.cpu_math import as_array
-
                     num_in = targets[0][1].shape[1]
                     weights = (
-                        torch.zeros(self.max_loras, len(names), num_in, padded_rank(self.rmax),
+                        torch.zeros(self.max_loras, len(names), num_in, self.rpad,
                                     dtype=self.dtype),
                         torch.zeros(self.max_loras, self.rmax, int(cols[-1]), dtype=self.dtype),
                     )  # fmt: skip
