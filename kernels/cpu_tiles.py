@@ -30,6 +30,10 @@ the work in vector registers, written directly as LLVM IR:
   indexing, ~1.5 ns an element at 512 tokens. It uses no bf16 instruction: any
   vector CPU runs it.
 
+- :func:`silu_mul_tile`: a gated MLP's bf16 SiLU·mul, 16 values a vector, the
+  exponential as :func:`.cpu_math.exp_f32`'s polynomial; ~1.6x torch's two
+  passes at 32 to 512 rows of 2816 values (0.53 against 0.83 ns a value).
+
 - :func:`square_sum_tile`, :func:`add_square_sum_tile` and
   :func:`scale_tile`: RMSNorm's two passes over a bf16 row, 16 values a
   vector, rounding where :func:`.cpu_ops.rms_norm` rounds (the residual sum,
@@ -111,6 +115,8 @@ if numba is not None:
     _DPBF16 = ir.InlineAsm(
         ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "vdpbf16ps $2, $1, $0", "=v,v,v,0"
     )
+
+    _CVT_BF16 = ir.InlineAsm(ir.FunctionType(_V16H, [_V16F]), "vcvtneps2bf16 $1, $0", "=v,v")
 
     def _lane_sums(builder, vectors):
         """One vector whose lane ``o`` is the sum of the lanes of ``vectors[o]`` (16
@@ -367,6 +373,66 @@ if numba is not None:
                 normed, _ = _bf16_round_trip(builder, builder.fmul(v, inv))
                 w = _widen(builder, _load(builder, w_data, j, _V16H))
                 bits = _rounded_bits(builder, builder.fmul(w, normed))
+                _store(builder, out_data, builder.add(out_index, j), bits)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    def _vector_call(builder, name, *values):
+        """The LLVM intrinsic ``name`` (e.g. ``llvm.floor``) on 16 fp32 lanes."""
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16F, [_V16F] * len(values)), f"{name}.v16f32"
+        )
+        return builder.call(fn, list(values))
+
+    def _exp(builder, x):
+        """e**x in 16 lanes, as :func:`.cpu_math.exp_f32` computes one (its clamp,
+        its split of ln 2, its polynomial), so that a tile and a loop agree."""
+
+        def c(value):
+            return ir.Constant(_V16F, [value] * 16)
+
+        x = _vector_call(builder, "llvm.maxnum", x, c(-87.33654))
+        x = _vector_call(builder, "llvm.minnum", x, c(88.0))
+        n = _vector_call(
+            builder, "llvm.floor", builder.fadd(builder.fmul(x, c(1.4426950408889634)), c(0.5))
+        )
+        r = builder.fsub(x, builder.fmul(n, c(0.693359375)))
+        r = builder.fadd(r, builder.fmul(n, c(2.12194440e-4)))
+        p = c(1.9875691500e-4)
+        for term in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                     5.0000001201e-1):  # fmt: skip
+            p = builder.fadd(builder.fmul(p, r), c(term))
+        p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
+        exponent = builder.shl(
+            builder.add(builder.fptosi(n, _V16I), ir.Constant(_V16I, [127] * 16)),
+            ir.Constant(_V16I, [23] * 16),
+        )
+        return builder.fmul(p, builder.bitcast(exponent, _V16F))
+
+    @intrinsic
+    def silu_mul_tile(typingctx, x, x_index, up_index, out, out_index, chunks):
+        """``out.flat[out_index:][:16 * chunks]`` = ``round(silu(g)) * u``, rounded,
+        for the bf16 ``g`` at ``x.flat[x_index:]`` and ``u`` at ``x.flat[up_index:]``:
+        a gated MLP's activation as Hugging Face computes it in bf16 (the SiLU
+        ``g / (1 + e**-g)`` in fp32, rounded; the product in fp32, rounded). Each
+        rounding is one ``vcvtneps2bf16`` (to nearest even, as torch rounds but
+        for inputs below fp32's normal range, which it takes as zero): the
+        integer rounding of :func:`rotate_tile` made the tile ~1.25x slower."""
+        signature = types.void(x, x_index, up_index, out, out_index, chunks)
+
+        def codegen(context, builder, sig, args):
+            x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            out_data = context.make_array(sig.args[3])(context, builder, args[3]).data
+            x_index, up_index, out_index, chunks = (_i64(builder, args[i]) for i in (1, 2, 4, 5))
+            one = ir.Constant(_V16F, [1.0] * 16)
+            with cgutils.for_range(builder, chunks) as loop:
+                j = builder.mul(loop.index, _I64(16))
+                g = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
+                u = _widen(builder, _load(builder, x_data, builder.add(up_index, j), _V16H))
+                silu = builder.fdiv(g, builder.fadd(one, _exp(builder, builder.fneg(g))))
+                silu = _widen(builder, builder.call(_CVT_BF16, [silu]))
+                bits = builder.call(_CVT_BF16, [builder.fmul(silu, u)])
                 _store(builder, out_data, builder.add(out_index, j), bits)
             return context.get_dummy_value()
 

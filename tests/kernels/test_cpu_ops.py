@@ -155,6 +155,22 @@ def test_gated_activation_matches_reference_and_transformers_in_dtype(op, act, d
     assert torch.equal(got, ACT2FN[act](x[:, :88]) * x[:, 88:])
 
 
+def test_bf16_silu_mul_equals_transformers_bit_for_bit_over_many_values():
+    """The vector tile (on CPUs with AVX-512 BF16) and its scalar tail: rows of
+    whole tiles plus a remainder, values from deep in the SiLU's tail to large."""
+    from transformers.activations import ACT2FN
+
+    g = torch.Generator().manual_seed(16)
+    x = (torch.randn(96, 2 * 1032, generator=g) * 12).bfloat16()
+    got = cpu_ops.silu_mul(x)
+    assert torch.equal(got, ACT2FN["silu"](x[:, :1032]) * x[:, 1032:])
+    # a strided view takes torch's ops, with the same values
+    wide = torch.zeros(96, 2 * 1032 + 8, dtype=torch.bfloat16)
+    wide[:, : 2 * 1032] = x
+    assert torch.equal(cpu_ops.silu_mul(wide[:, : 2 * 1032]), got)
+    assert cpu_ops.silu_mul(x[:0]).shape == (0, 1032)
+
+
 def test_fp16_takes_the_reference_path():
     x, weight = torch.randn(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16)
     assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
