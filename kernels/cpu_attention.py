@@ -644,21 +644,28 @@ def _row_arrays(block_tables, pieces: reference.Pieces) -> tuple:
 
 
 def attend_long_pieces(query, k_cache, v_cache, block_tables, pieces: reference.Pieces, scale):
-    """A zeroed output with the rows of ``pieces.long`` attended by torch's CPU flash
-    attention: each piece's blocks gathered into contiguous ``[seq_len, kv_heads,
-    head_dim]`` K and V (one copy of what it reads), its rows seeing the positions
-    up to their own: causal from the corner when the piece starts the sequence,
-    else through a mask (row ``i`` of a piece after ``context`` cached positions
-    sees positions ``0..context + i``)."""
-    out = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+    """An output with the rows of ``pieces.long`` attended by torch's CPU flash
+    attention, the other rows left for the row kernel to write (unset). Each
+    piece reads its K and V as ``[seq_len, kv_heads, head_dim]``: a view of the
+    cache where its blocks are consecutive (the allocator hands a sequence
+    consecutive blocks), else its blocks gathered (one copy of what it reads). Its
+    rows see the positions up to their own: causal from the corner when the piece
+    starts the sequence, else through a mask (row ``i`` of a piece after
+    ``context`` cached positions sees positions ``0..context + i``)."""
+    out = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     for s in pieces.long:
         q_begin, q_end, seq_len = pieces.starts[s], pieces.starts[s + 1], pieces.lens[s]
         q_len = q_end - q_begin
-        blocks = block_tables[s, : blocks_for(seq_len, block_size)].long()
-        # [1, kv_heads, seq_len, head_dim] views over the gathered blocks
-        k = reference._gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)
-        v = reference._gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)
+        ids = block_tables[s, : blocks_for(seq_len, block_size)].tolist()
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            k = k_cache[ids[0] : ids[0] + len(ids)].reshape(-1, num_kv_heads, head_dim)
+            v = v_cache[ids[0] : ids[0] + len(ids)].reshape(-1, num_kv_heads, head_dim)
+        else:
+            blocks = torch.tensor(ids, dtype=torch.int64)
+            k = reference._gather_blocks(k_cache, blocks).view(-1, num_kv_heads, head_dim)
+            v = reference._gather_blocks(v_cache, blocks).view(-1, num_kv_heads, head_dim)
+        # [1, kv_heads, seq_len, head_dim] views
         k, v = k[:seq_len].transpose(0, 1)[None], v[:seq_len].transpose(0, 1)[None]
         q = query[q_begin:q_end].transpose(0, 1)[None]  # [1, num_heads, q_len, head_dim]
         context = seq_len - q_len

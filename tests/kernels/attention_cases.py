@@ -43,14 +43,18 @@ class Batch:
         )
 
 
-def make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0) -> Batch:
-    """Random K/V written through store_kv into shuffled cache blocks."""
+def make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
+               consecutive=False) -> Batch:  # fmt: skip
+    """Random K/V written through store_kv into shuffled cache blocks (``consecutive``:
+    each sequence's blocks one run, as the allocator mostly hands them out)."""
     g = torch.Generator().manual_seed(seed)
     q_lens = [q for _, q in shape]
     seq_lens = [c + q for c, q in shape]
     blocks_needed = [blocks_for(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_needed) + 3  # a few spare blocks that nobody owns
     order = torch.randperm(num_blocks, generator=g).tolist()
+    if consecutive:
+        order = list(range(num_blocks))
     max_blocks = max(blocks_needed) + 1  # one unused column, left as 0
     block_tables = torch.zeros(len(shape), max_blocks, dtype=torch.int32)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)

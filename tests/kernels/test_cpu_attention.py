@@ -123,6 +123,23 @@ def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_pieces_on_consecutive_blocks_read_the_cache_in_place(monkeypatch, dtype):
+    """A long piece whose blocks are one run reads them as a view of the cache rather
+    than a gathered copy: the same values as from shuffled blocks."""
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    gathers = []
+    real = ref._gather_blocks
+    monkeypatch.setattr(ref, "_gather_blocks", lambda *a: gathers.append(1) or real(*a))
+    runs, shuffled = (on_cpu(make_batch(PIECES, 8, 2, 64, 16, dtype, seed=6, consecutive=c))
+                      for c in (True, False))  # fmt: skip
+    in_place = cpu_attention.paged_attention(*runs.args())
+    assert not gathers
+    torch.testing.assert_close(in_place, cpu_attention.paged_attention(*shuffled.args()),
+                               atol=0, rtol=0)  # fmt: skip
+    assert gathers  # the shuffled pieces of several blocks were gathered
+
+
 # torch's flash attention rounds the softmax weights to bf16 before they multiply V
 # (as transformers' bf16 attention does): an output's error is then a bf16 step of
 # the largest values it sums (|V| ~ 1 here), not of itself.
