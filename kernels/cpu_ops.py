@@ -13,10 +13,10 @@ and the rotary embedding's broadcast multiplies alone cost a 2048-token prefill
 - :func:`rotary_store_kv`: the two above in one call, the rotated key written
   straight into its slot.
 
-- :func:`silu_mul`: a gated MLP's SiLU·mul in one pass over each row, for bf16
-  rows on CPUs with AVX-512 BF16 (:func:`.cpu_tiles.silu_mul_tile`); elsewhere
-  torch's ops in the tensors' dtype (:func:`.reference.silu_mul_in_dtype`),
-  whose vectorized exponential beats a compiled scalar loop.
+- :func:`silu_mul`: a gated MLP's SiLU·mul in one pass over each bf16 row
+  (:func:`.cpu_tiles.silu_mul_tile`); fp32 takes torch's ops
+  (:func:`.reference.silu_mul_in_dtype`), whose vectorized exponential beats a
+  compiled scalar loop.
 - ``gelu_tanh_mul`` is torch's, in the tensors' dtype.
 
 Every kernel serves fp32 and bf16 tensors alike (:mod:`.cpu_math`: a bf16
@@ -45,7 +45,6 @@ if available():
         silu_mul_tile,
         square_sum_tile,
     )
-    from .cpu_tiles import available as tiles_available
 
 # The dtypes the compiled kernels take; numba has no fp16 arithmetic.
 DTYPES = (torch.float32, torch.bfloat16)
@@ -62,9 +61,6 @@ def _compiled(*tensors: object) -> bool:
 
 
 _AVAILABLE = available()
-# The SiLU·mul tile rounds with ``vcvtneps2bf16`` (AVX-512 BF16); the other tiles
-# use no bf16 instruction.
-_TILES = _AVAILABLE and tiles_available()
 
 
 # The gated activations, in the tensor's dtype as Hugging Face's MLPs compute them
@@ -97,11 +93,11 @@ def _silu_mul_rows_bf16(x, out):
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """:func:`reference.silu_mul_in_dtype` (the SiLU of ``x[:, :d]`` rounded to the
     dtype, times ``x[:, d:]``, rounded), in one pass over each row for contiguous
-    bf16 rows on a CPU with AVX-512 BF16. Equal to torch's in tests over millions
-    of values; its exponential saturates where torch's overflows, so a row holding
-    ``-inf`` gets ``-inf·u`` where torch gets NaN."""
+    bf16 rows. Equal to torch's in tests over millions of values; its exponential
+    saturates where torch's overflows, so a row holding ``-inf`` gets ``-inf·u``
+    where torch gets NaN."""
     if not (
-        _TILES
+        _AVAILABLE
         and isinstance(x, torch.Tensor)
         and x.dtype == torch.bfloat16
         and x.is_cpu

@@ -171,6 +171,37 @@ def test_bf16_silu_mul_equals_transformers_bit_for_bit_over_many_values():
     assert cpu_ops.silu_mul(x[:0]).shape == (0, 1032)
 
 
+@pytest.mark.parametrize("bf16_instruction", [False, True], ids=["integer", "vcvtneps2bf16"])
+def test_tiles_round_to_bf16_alike_with_or_without_the_bf16_instruction(
+    monkeypatch, bf16_instruction
+):
+    """The tiles round with ``vcvtneps2bf16`` where the CPU has AVX-512 BF16, else in
+    integer lanes: either way the rotary and SiLU·mul tiles give torch's values to
+    the bit (each kernel compiled afresh, uncached, with one rounding or the other)."""
+    import numba
+    from transformers.activations import ACT2FN
+
+    from iterserve.kernels import cpu_tiles
+
+    if bf16_instruction and not cpu_tiles.available():
+        pytest.skip("the CPU has no AVX-512 BF16")
+    monkeypatch.setattr(cpu_tiles, "_HAS_BF16", bf16_instruction)
+    for name in ("_rotate_store_rows_bf16", "_silu_mul_rows_bf16"):
+        monkeypatch.setattr(cpu_ops, name, numba.njit(getattr(cpu_ops, name).py_func))
+    g = torch.Generator().manual_seed(17)
+    x = (torch.randn(9, 2 * 200, generator=g) * 6).bfloat16()
+    assert torch.equal(cpu_ops.silu_mul(x), ACT2FN["silu"](x[:, :200]) * x[:, 200:])
+    cos_sin = build_cos_sin_cache(64, 32, 10000.0, None)
+    qkv = torch.randn(5, 8 * 64, generator=g).bfloat16()
+    q, k, v = (t.reshape(5, -1, 64) for t in qkv.split([256, 128, 128], dim=-1))
+    positions, slots = torch.tensor([0, 3, 31, 9, 9]), torch.tensor([1, 0, 4, 15, 2])
+    got = [c.bfloat16() for c in _caches(heads=2, head_dim=64)]
+    want = [c.bfloat16() for c in _caches(heads=2, head_dim=64)]
+    got_q = cpu_ops.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
+    want_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, *want, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got[0], want[0])
+
+
 def test_fp16_takes_the_reference_path():
     x, weight = torch.randn(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16)
     assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
