@@ -15,8 +15,9 @@ softmax's exponentials in vector registers (:mod:`.cpu_math`).
 Short prefill pieces run here too, row by row, each row seeing the positions up
 to its own (:data:`SHORT_PIECE_WORK`); longer pieces, whose many rows make
 blocked matrix products efficient, go to torch's CPU flash attention
-(:func:`attend_long_pieces`: their blocks gathered once, then
-``scaled_dot_product_attention``, which keeps K/V shared across each GQA group).
+(:func:`attend_long_pieces`: their blocks read in place where they are one run,
+else gathered once, then ``scaled_dot_product_attention``, which keeps K/V
+shared across each GQA group).
 How a batch splits is read from its metadata once and reused by every layer
 (:func:`_plan`). fp32 and bf16 (a bf16 cache is read as fp32 as it streams
 past, :mod:`.cpu_math`; scores and sums stay fp32); numba has no fp16, which
