@@ -96,14 +96,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     bf16 rows. Equal to torch's in tests over millions of values; its exponential
     saturates where torch's overflows, so a row holding ``-inf`` gets ``-inf·u``
     where torch gets NaN."""
-    if not (
-        _AVAILABLE
-        and isinstance(x, torch.Tensor)
-        and x.dtype == torch.bfloat16
-        and x.is_cpu
-        and x.dim() == 2
-        and x.is_contiguous()
-    ):
+    if not (_compiled(x) and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()):
         return reference.silu_mul_in_dtype(x)
     checks.check_silu_mul(x)
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
