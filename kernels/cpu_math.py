@@ -56,6 +56,16 @@ except ImportError:  # pragma: no cover - numba is a dependency
     numba = None
 
 
+# Cephes' ``expf`` (:func:`exp_f32`): the inputs it takes; ln 2 as ``a - b``, ``a``
+# with few enough bits that its multiples are exact; the polynomial's coefficients
+# from the highest power down.
+EXP_RANGE = (-87.33654, 88.0)
+LOG2_E = 1.4426950408889634
+EXP_LN2 = (0.693359375, 2.12194440e-4)
+EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+            1.6666665459e-1, 5.0000001201e-1)  # fmt: skip
+
+
 def use_wide_vectors() -> bool:
     """Compile the kernels for 512-bit vectors where the CPU has AVX-512 (see the
     module docstring): the host's features less LLVM's ``prefer-256-bit`` tuning.
@@ -121,17 +131,19 @@ if numba is not None:
     @numba.njit(inline="always", fastmath=True)
     def exp_f32(x):
         """e**x for an fp32 ``x`` in [-87.3, 88] (2**-126 to 1.7e38, fp32's normal
-        range); ``x`` outside it is taken as the nearer end."""
-        x = min(max(x, np.float32(-87.33654)), np.float32(88.0))
-        n = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))  # round(x/ln 2)
+        range); ``x`` outside it is taken as the nearer end. The constants are
+        :data:`EXP_RANGE`, :data:`EXP_LN2` and :data:`EXP_POLY` (a vector tile's
+        exponential reads the same, :mod:`.cpu_tiles`)."""
+        x = min(max(x, np.float32(EXP_RANGE[0])), np.float32(EXP_RANGE[1]))
+        n = math.floor(x * np.float32(LOG2_E) + np.float32(0.5))  # round(x/ln 2)
         # x - n ln 2, with ln 2 split in two so the product is exact
-        r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
+        r = x - n * np.float32(EXP_LN2[0]) + n * np.float32(EXP_LN2[1])
+        p = np.float32(EXP_POLY[0])
+        p = p * r + np.float32(EXP_POLY[1])
+        p = p * r + np.float32(EXP_POLY[2])
+        p = p * r + np.float32(EXP_POLY[3])
+        p = p * r + np.float32(EXP_POLY[4])
+        p = p * r + np.float32(EXP_POLY[5])
         p = p * r * r + r + np.float32(1.0)
         return p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
 

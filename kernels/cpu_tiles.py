@@ -53,6 +53,8 @@ compiles them into the kernels that call them.
 
 from __future__ import annotations
 
+from .cpu_math import EXP_LN2, EXP_POLY, EXP_RANGE, LOG2_E
+
 try:
     import numba
     from llvmlite import binding, ir
@@ -406,16 +408,13 @@ if numba is not None:
         def c(value):
             return ir.Constant(_V16F, [value] * 16)
 
-        x = _vector_call(builder, "llvm.maxnum", x, c(-87.33654))
-        x = _vector_call(builder, "llvm.minnum", x, c(88.0))
-        n = _vector_call(
-            builder, "llvm.floor", builder.fadd(builder.fmul(x, c(1.4426950408889634)), c(0.5))
-        )
-        r = builder.fsub(x, builder.fmul(n, c(0.693359375)))
-        r = builder.fadd(r, builder.fmul(n, c(2.12194440e-4)))
-        p = c(1.9875691500e-4)
-        for term in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-                     5.0000001201e-1):  # fmt: skip
+        x = _vector_call(builder, "llvm.maxnum", x, c(EXP_RANGE[0]))
+        x = _vector_call(builder, "llvm.minnum", x, c(EXP_RANGE[1]))
+        n = _vector_call(builder, "llvm.floor", builder.fadd(builder.fmul(x, c(LOG2_E)), c(0.5)))
+        r = builder.fsub(x, builder.fmul(n, c(EXP_LN2[0])))
+        r = builder.fadd(r, builder.fmul(n, c(EXP_LN2[1])))
+        p = c(EXP_POLY[0])
+        for term in EXP_POLY[1:]:
             p = builder.fadd(builder.fmul(p, r), c(term))
         p = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
         exponent = builder.shl(
