@@ -231,6 +231,10 @@ if numba is not None:
 
         return signature, codegen
 
+    def _splat_i32(builder, value):
+        vector = builder.insert_element(ir.Constant(_V16I, None), value, _I32(0))
+        return builder.shuffle_vector(vector, vector, _mask([0] * 16))
+
     def _splat_int(builder, value):
         value = _i64(builder, value)
         vector_type = ir.VectorType(_I64, 16)
@@ -444,6 +448,128 @@ if numba is not None:
                 silu, _ = _bf16_round_trip(builder, silu)
                 bits = _rounded_bits(builder, builder.fmul(silu, u))
                 _store(builder, out_data, builder.add(out_index, j), bits)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    # 2**f for |f| <= 1/2: a degree-5 polynomial fitted at Chebyshev nodes (from the
+    # highest power down), within 1.1e-7 of the value there (about two fp32 steps).
+    _POW2_POLY = (1.3400432166e-3, 9.6760370979e-3, 5.5503272142e-2, 0.24022107356,
+                  0.69314720671, 1.0000000755)  # fmt: skip
+    # AVX-512F's ``vscalefps``: x * 2**floor(n), to zero below fp32's range.
+    _SCALEF = ir.InlineAsm(ir.FunctionType(_V16F, [_V16F, _V16F]), "vscalefps $2, $1, $0", "=v,v,v")
+
+    def _pow2(builder, t):
+        """2**t in 16 lanes: ``t`` split into the nearest integer ``n`` and the rest
+        ``f``, 2**f by :data:`_POW2_POLY` in fused multiply-adds, then scaled by
+        2**n in one ``vscalefps`` (which gives 0 below fp32's range). Cheaper than
+        :func:`_exp` (no clamps, no split constant, fused products) for a softmax
+        whose weights are rounded to bf16. Needs AVX-512F."""
+
+        def c(value):
+            return ir.Constant(_V16F, [value] * 16)
+
+        n = _vector_call(builder, "llvm.rint", t)
+        f = builder.fsub(t, n)
+        p = c(_POW2_POLY[0])
+        for term in _POW2_POLY[1:]:
+            p = _vector_call(builder, "llvm.fma", p, f, c(term))
+        return builder.call(_SCALEF, [p, n])
+
+    @intrinsic
+    def softmax_tile(typingctx, scores, s_index, weights, w_index, seen, width, scale):
+        """One attention row's softmax: for ``o`` < ``width`` (a multiple of 16),
+        ``weights.flat[w_index + o]`` = ``e**(scale * (s_o - max))`` rounded to bf16
+        for ``o`` < ``seen``, else 0, where ``s_o`` = ``scores.flat[s_index + o]``
+        (fp32; ``max`` over the ``seen`` ones; ``scale`` > 0). Returns the sum of the
+        unrounded weights. The scores past ``seen`` are read, never used."""
+        signature = types.float32(scores, s_index, weights, w_index, seen, width, scale)
+
+        def codegen(context, builder, sig, args):
+            s_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            w_data = context.make_array(sig.args[2])(context, builder, args[2]).data
+            s_index, w_index, seen, width = (_i64(builder, args[i]) for i in (1, 3, 4, 5))
+            whole = builder.sdiv(seen, _I64(16))  # chunks of 16 the row sees all of
+            part = builder.icmp_signed("!=", builder.srem(seen, _I64(16)), _I64(0))
+            lanes = ir.Constant(_V16I, list(range(16)))
+            tail = builder.trunc(builder.sub(seen, builder.mul(whole, _I64(16))), _I32)
+            seen_in_tail = builder.icmp_signed("<", lanes, _splat_i32(builder, tail))
+
+            def scores_at(chunk):
+                return _load(
+                    builder, s_data, builder.add(s_index, builder.mul(chunk, _I64(16))), _V16F
+                )
+
+            lowest = ir.Constant(_V16F, [-3.0e38] * 16)
+            top = cgutils.alloca_once_value(builder, lowest)
+
+            def keep_larger(x):
+                t = builder.load(top)
+                builder.store(builder.select(builder.fcmp_ordered(">", x, t), x, t), top)
+
+            with cgutils.for_range(builder, whole) as loop:
+                keep_larger(scores_at(loop.index))
+            with builder.if_then(part):
+                keep_larger(builder.select(seen_in_tail, scores_at(whole), lowest))
+            # e**(scale * (s - max)) as 2**(s * c - max * c), one fused multiply-add
+            c = builder.fmul(args[6], ir.Constant(_F32, LOG2_E))
+            scale = _splat(builder, c)
+            top = _splat(
+                builder, builder.fneg(builder.fmul(_largest(builder, builder.load(top)), c))
+            )
+            total = cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16))
+            zero = ir.Constant(_V16F, [0.0] * 16)
+
+            def weigh(chunk, inside=None):
+                e = _pow2(builder, _vector_call(builder, "llvm.fma", scores_at(chunk), scale, top))
+                if inside is not None:
+                    e = builder.select(inside, e, zero)
+                builder.store(builder.fadd(builder.load(total), e, flags=_FAST), total)
+                at = builder.add(w_index, builder.mul(chunk, _I64(16)))
+                _store(builder, w_data, at, _rounded_bits(builder, e))
+
+            with cgutils.for_range(builder, whole) as loop:
+                weigh(loop.index)
+            with builder.if_then(part):
+                weigh(whole, seen_in_tail)
+            written = builder.add(whole, builder.zext(part, _I64))
+            zeros = ir.Constant(_V16H, [0] * 16)
+            with cgutils.for_range(
+                builder, builder.sub(builder.sdiv(width, _I64(16)), written)
+            ) as loop:
+                at = builder.add(w_index, builder.mul(builder.add(written, loop.index), _I64(16)))
+                _store(builder, w_data, at, zeros)
+            return _lane_total(builder, builder.load(total))
+
+        return signature, codegen
+
+    @intrinsic
+    def divide_rows_tile(typingctx, x, x_index, x_stride, sums, rows, out, out_index, out_stride,
+                         chunks):  # fmt: skip
+        """For ``i`` < ``rows``: the 16 * chunks fp32 at ``x.flat[x_index + i *
+        x_stride:]`` times ``1 / sums[i]``, rounded to bf16 into ``out.flat[out_index
+        + i * out_stride:]``: attention's output rows divided by their weights'
+        sums."""
+        signature = types.void(x, x_index, x_stride, sums, rows, out, out_index, out_stride, chunks)
+
+        def codegen(context, builder, sig, args):
+            x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            sums_data = context.make_array(sig.args[3])(context, builder, args[3]).data
+            out_data = context.make_array(sig.args[5])(context, builder, args[5]).data
+            x_index, x_stride, rows, out_index, out_stride, chunks = (
+                _i64(builder, args[i]) for i in (1, 2, 4, 6, 7, 8)
+            )
+            with cgutils.for_range(builder, rows) as row:
+                total = builder.load(builder.gep(sums_data, [row.index]))
+                inverse = _splat(builder, builder.fdiv(ir.Constant(_F32, 1.0), total))
+                x_at = builder.add(x_index, builder.mul(row.index, x_stride))
+                out_at = builder.add(out_index, builder.mul(row.index, out_stride))
+                with cgutils.for_range(builder, chunks) as loop:
+                    j = builder.mul(loop.index, _I64(16))
+                    value = builder.fmul(
+                        _load(builder, x_data, builder.add(x_at, j), _V16F), inverse
+                    )
+                    _store(builder, out_data, builder.add(out_at, j), _rounded_bits(builder, value))
             return context.get_dummy_value()
 
         return signature, codegen

@@ -126,8 +126,10 @@ def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_pieces_on_consecutive_blocks_read_the_cache_in_place(monkeypatch, dtype):
     """A long piece whose blocks are one run reads them as a view of the cache rather
-    than a gathered copy: the same values as from shuffled blocks."""
+    than a gathered copy: the same values as from shuffled blocks. (Torch's flash
+    attention's path; the AMX kernel reads through the table, test_cpu_amx.py.)"""
     monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_attention, "AMX", False)
     gathers = []
     real = ref._gather_blocks
     monkeypatch.setattr(ref, "_gather_blocks", lambda *a: gathers.append(1) or real(*a))
