@@ -400,3 +400,61 @@ def scratch(longest: int, head_dim: int) -> tuple:
         np.empty((ROWS, 1, head_dim), dtype=np.uint16),
         np.empty((ROWS, head_dim), dtype=np.float32),
     )
+
+
+# Decode scores: for one query row and one KV head, the group's query heads against
+# 16 positions of a cache block in one product, K read from the cache in place.
+# Tiles: K (0, 16 positions x 32 values), the group's query (1, 16 pairs of values x
+# the group's heads), the scores (2, 16 positions x the group's heads, fp32).
+GROUPS = (1, 2, 4, 8, 16)
+
+
+@_jit
+def configure_group_tiles(config, group):
+    """``config`` (64 bytes) set for :func:`group_scores` with ``group`` query
+    heads a KV head, and loaded."""
+    config[:] = 0
+    config[0] = 1
+    widths = config[16:32].view(np.uint16)
+    widths[0] = ROW_BYTES
+    widths[1] = 4 * group
+    widths[2] = 4 * group
+    config[48] = ROWS
+    config[49] = ROWS
+    config[50] = ROWS
+    configure_tiles(config)
+
+
+@_jit
+def pack_group_queries(q_words, row, num_kv_heads, group, packed):
+    """``packed`` (32-bit) as :func:`group_scores`'s right-hand tiles for query row
+    ``row`` (``q_words``: the query's bf16 pairs, ``[rows, heads, head_dim / 2]``):
+    element ``((h * chunks + c) * 16 + r) * group + g`` is head ``h * group + g``'s
+    pair ``16c + r``."""
+    pairs = q_words.shape[2]
+    chunks = pairs // ROWS
+    for h in range(num_kv_heads):
+        for g in range(group):
+            for p in range(pairs):
+                c, r = p // ROWS, p % ROWS
+                packed[((h * chunks + c) * ROWS + r) * group + g] = q_words[row, h * group + g, p]
+
+
+if numba is not None:
+    _load_k_rows, _load_group_q = _load(0), _load(1)
+    _zero_group, _group_product, _store_group = _zero(2), _product(2, 0, 1), _store(2)
+
+
+@_jit
+def group_scores(k_flat, k_at, k_row_bytes, packed, kv_head, chunks, group, tile):
+    """``tile[o * group + g]`` = the dot product of position ``o``'s K (16 rows of
+    ``k_flat`` from element ``k_at`` on, ``k_row_bytes`` apart, a head of ``32 *
+    chunks`` values) with query head ``g`` of KV head ``kv_head``'s group, from
+    ``packed`` (:func:`pack_group_queries`). Tiles as :func:`configure_group_tiles`
+    sets them."""
+    _zero_group()
+    for c in range(chunks):
+        _load_k_rows(k_flat, k_at + c * 2 * ROWS, k_row_bytes)
+        _load_group_q(packed, ((kv_head * chunks + c) * ROWS) * group, 4 * group)
+        _group_product()
+    _store_group(tile, 0, 4 * group)

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..scheduler.blocks import blocks_for
 from . import checks, cpu_amx, cpu_tiles, reference
 from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32, tanh_f32
-from .cpu_tiles import HEADS, POSITIONS, VALUES, pv_tile, qk_tile
+from .cpu_tiles import HEADS, POSITIONS, VALUES, pv_tile, qk_tile, spread_scores
 
 logger = logging.getLogger(__name__)
 
@@ -256,16 +256,22 @@ def _prefetch_slice(rows, block, per_block, head_dim, part, parts):
 @_jit()
 def _attend_one_tiles(
     q, k_flat, v_flat, table, start, length, next_table, next_start, next_length, row, scale,
-    soft_cap, out, scores, acc, top, block_size, num_kv_heads,
+    soft_cap, out, scores, acc, top, block_size, num_kv_heads, amx, packed, tile, config,
 ):  # fmt: skip
     """:func:`_attend_one_window_cap` in tiles: positions ``start..length - 1``,
     each scaled score capped as ``soft_cap * tanh(score / soft_cap)`` (0:
     uncapped) in the softmax pass. ``k_flat``/``v_flat`` are the caches' bits as
     1-D arrays, ``scores`` is ``[num_heads, length rounded up to a block]`` (a
     score tile writes all 16 of its positions, the ones past ``length`` from
-    whatever their slots hold, and nothing reads those)."""
+    whatever their slots hold, and nothing reads those). With ``amx`` the scores
+    of a KV head's group of query heads come from one AMX product a 16-position
+    tile (:func:`.cpu_amx.group_scores`; ``packed``, ``tile`` and ``config`` its
+    scratch), else from a :func:`.cpu_tiles.qk_tile` a query head."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
+    if amx:
+        cpu_amx.pack_group_queries(q.view(np.uint32), row, num_kv_heads, group, packed)
+        cpu_amx.configure_group_tiles(config, group)
     first_block = start // block_size
     num_blocks = (length + block_size - 1) // block_size - first_block
     next_first = next_start // block_size
@@ -290,6 +296,18 @@ def _attend_one_tiles(
             lowest = max(skip - o, 0) if jj == 0 else 0  # the tile's slots before the window
             for h in range(num_kv_heads):
                 k_at = first + o * stride + h * head_dim
+                if amx:
+                    if o == 0 and ahead < num_blocks:
+                        _prefetch_slice(k_flat, table[first_block + ahead], per_block, head_dim,
+                                        h, num_kv_heads)  # fmt: skip
+                    elif o == 0 and ahead < 2 * num_blocks:
+                        _prefetch_slice(v_flat, table[first_block + ahead - num_blocks], per_block,
+                                        head_dim, h, num_kv_heads)  # fmt: skip
+                    cpu_amx.group_scores(k_flat, k_at, stride * 2, packed, h, chunks, group, tile)
+                    spread_scores(group, tile, scale, s_flat,
+                                  h * group * width + jj * block_size + o, width, top, h * group,
+                                  lowest, valid)  # fmt: skip
+                    continue
                 for i in range(h * group, (h + 1) * group):
                     if o == 0 and ahead < num_blocks:
                         _prefetch_slice(k_flat, table[first_block + ahead], per_block, head_dim,
@@ -301,6 +319,8 @@ def _attend_one_tiles(
                                       scale, s_flat, i * width + jj * block_size + o, lowest,
                                       valid)  # fmt: skip
                     top[i] = max(top[i], largest)
+    if amx:
+        cpu_amx.release_tiles()
     for i in range(num_heads):
         # a view from the window's first slot: a loop from a nonzero start does not
         # vectorize (the softmax took as long as the rest of the kernel)
@@ -349,23 +369,25 @@ def _attend_one_tiles(
 @_jit()
 def _attend_row_tiles(
     q, k_flat, v_flat, tables, table_of, starts, lengths, rows, r, scale, soft_cap, out, scores,
-    acc, top, block_size, num_kv_heads,
+    acc, top, block_size, num_kv_heads, amx, packed, tile, config,
 ):  # fmt: skip
     n = lengths.shape[0]
     following = min(r + 1, n - 1)
     _attend_one_tiles(
         q, k_flat, v_flat, tables[table_of[r]], starts[r], lengths[r],
         tables[table_of[following]], starts[following], lengths[following] if r + 1 < n else 0,
-        rows[r], scale, soft_cap, out, scores, acc, top, block_size, num_kv_heads,
+        rows[r], scale, soft_cap, out, scores, acc, top, block_size, num_kv_heads, amx, packed,
+        tile, config,
     )  # fmt: skip
 
 
 @_jit()
 def _attend_all_tiles(
-    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out, amx
 ):  # fmt: skip
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    packed, tile, config = _amx_scratch(num_heads, num_kv_heads, head_dim)
     k_flat, v_flat = k_cache.reshape(-1), v_cache.reshape(-1)
     n = lengths.shape[0]
     longest = 1
@@ -382,12 +404,24 @@ def _attend_all_tiles(
                             head_dim)  # fmt: skip
     for r in range(n):
         _attend_row_tiles(q, k_flat, v_flat, tables, table_of, starts, lengths, rows, r, scale,
-                          soft_cap, out, scores, acc, top, block_size, num_kv_heads)  # fmt: skip
+                          soft_cap, out, scores, acc, top, block_size, num_kv_heads, amx, packed,
+                          tile, config)  # fmt: skip
+
+
+@_jit()
+def _amx_scratch(num_heads, num_kv_heads, head_dim):
+    """:func:`.cpu_amx.group_scores`'s scratch for one thread: the packed query,
+    a score tile and the tile configuration."""
+    return (
+        np.empty(num_heads * head_dim // 2, dtype=np.uint32),
+        np.empty(POSITIONS * (num_heads // num_kv_heads), dtype=np.float32),
+        np.empty(64, dtype=np.uint8),
+    )
 
 
 @_jit(parallel=True)
 def _attend_all_parallel_tiles(
-    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out
+    q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap, out, amx
 ):  # fmt: skip
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -398,8 +432,10 @@ def _attend_all_parallel_tiles(
                            * block_size), dtype=np.float32)  # fmt: skip
         acc = np.empty((num_heads, head_dim), dtype=np.float32)
         top = np.empty(num_heads, dtype=np.float32)
+        packed, tile, config = _amx_scratch(num_heads, num_kv_heads, head_dim)
         _attend_row_tiles(q, k_flat, v_flat, tables, table_of, starts, lengths, rows, r, scale,
-                          soft_cap, out, scores, acc, top, block_size, num_kv_heads)  # fmt: skip
+                          soft_cap, out, scores, acc, top, block_size, num_kv_heads, amx, packed,
+                          tile, config)  # fmt: skip
 
 
 # The loop kernels' variant for sliding windows and soft caps. A second set of
@@ -572,6 +608,13 @@ def _amx_applies(query) -> bool:
         and query.shape[2] % VALUES == 0
         and query.stride(2) == 1
     )
+
+
+def _amx_groups_apply(query, k_cache) -> bool:
+    """Whether the tiles kernel takes its scores from AMX products
+    (:func:`.cpu_amx.group_scores`): :data:`AMX` and a group of 1, 2, 4, 8 or 16
+    query heads a KV head."""
+    return AMX and query.shape[1] // k_cache.shape[2] in cpu_amx.GROUPS
 
 
 def _tiles_apply(query, k_cache) -> bool:
@@ -771,7 +814,7 @@ def paged_attention(
         if _tiles_apply(query, k_cache):
             (_attend_all_parallel_tiles if parallel else _attend_all_tiles)(
                 *arrays, _row_starts(plan, None), lengths, rows, np.float32(scale),
-                np.float32(0.0), as_array(out),
+                np.float32(0.0), as_array(out), _amx_groups_apply(query, k_cache),
             )  # fmt: skip
         else:
             (_attend_all_parallel if parallel else _attend_all)(
@@ -820,5 +863,6 @@ def _paged_attention_window_cap(query, k_cache, v_cache, block_tables, seq_lens,
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
             table_of, starts, lengths, rows, np.float32(scale),
             np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
+            *((_amx_groups_apply(query, k_cache),) if _tiles_apply(query, k_cache) else ()),
         )  # fmt: skip
     return out

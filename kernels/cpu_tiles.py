@@ -574,6 +574,77 @@ if numba is not None:
 
         return signature, codegen
 
+    def _spread_scores(group: int):
+        @intrinsic
+        def spread(typingctx, tile, scale, scores, s_index, width, top, top_index, lowest,
+                   valid):  # fmt: skip
+            """For ``g`` < ``group``, ``o`` < 16: ``scores.flat[s_index + g * width + o]``
+            = ``scale * tile[o * group + g]`` (fp32), and ``top.flat[top_index + g]``
+            raised to the largest of head ``g``'s lanes ``lowest..valid - 1``: a
+            group's score tile, positions by heads, as rows of heads."""
+            signature = types.void(tile, scale, scores, s_index, width, top, top_index, lowest,
+                                   valid)  # fmt: skip
+
+            def codegen(context, builder, sig, args):
+                t_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                s_data = context.make_array(sig.args[2])(context, builder, args[2]).data
+                top_data = context.make_array(sig.args[5])(context, builder, args[5]).data
+                s_index, width, top_index = (_i64(builder, args[i]) for i in (3, 4, 6))
+                scale = _splat(builder, args[1])
+                vectors = [_load(builder, t_data, _I64(16 * v), _V16F) for v in range(group)]
+                while len(vectors) > 1:  # one vector of all 16 * group scores
+                    size = 16 * (group // len(vectors))
+                    vectors = [
+                        builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * size),
+                                                                 list(range(2 * size))))
+                        for a, b in zip(vectors[0::2], vectors[1::2])
+                    ]  # fmt: skip
+                every = vectors[0]
+                lanes_64 = ir.Constant(ir.VectorType(_I64, 16), list(range(16)))
+                inside = builder.and_(
+                    builder.icmp_signed(">=", lanes_64, _splat_int(builder, args[7])),
+                    builder.icmp_signed("<", lanes_64, _splat_int(builder, args[8])),
+                )
+                lowest = ir.Constant(_V16F, [-3.0e38] * 16)
+                for g in range(group):
+                    head = every if group == 1 else builder.shuffle_vector(
+                        every, every, _mask([o * group + g for o in range(16)])
+                    )  # fmt: skip
+                    head = builder.fmul(head, scale, flags=_FAST)
+                    at = builder.add(s_index, builder.mul(width, _I64(g)))
+                    _store(builder, s_data, at, head)
+                    largest = _largest(builder, builder.select(inside, head, lowest))
+                    place = builder.gep(top_data, [builder.add(top_index, _I64(g))])
+                    old = builder.load(place)
+                    builder.store(
+                        builder.select(builder.fcmp_ordered(">", largest, old), largest, old),
+                        place,
+                    )
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return spread
+
+    _s1, _s2, _s4, _s8, _s16 = (_spread_scores(g) for g in (1, 2, 4, 8, 16))
+
+    @numba.njit(inline="always")
+    def spread_scores(group, tile, scale, scores, s_index, width, top, top_index, lowest, valid):
+        """A group's score tile (positions by heads, ``group`` of 1, 2, 4, 8 or 16
+        heads) scaled into rows of ``scores``, ``width`` apart, and each head's
+        largest valid score into ``top`` (:func:`_spread_scores`)."""
+        args = (tile, scale, scores, s_index, width, top, top_index, lowest, valid)
+        if group == 1:
+            _s1(*args)
+        elif group == 2:
+            _s2(*args)
+        elif group == 4:
+            _s4(*args)
+        elif group == 8:
+            _s8(*args)
+        else:
+            _s16(*args)
+
     def _by_rows(lanes: int, what: str):
         """One entry for the 8 variants of a tile of ``lanes`` values, by its rows:
         the intrinsics are built per row count, and a kernel picks one at run time."""

@@ -130,3 +130,54 @@ def test_amx_reads_a_strided_query_in_place(monkeypatch):
     got = cpu_attention.paged_attention(*b.args())
     torch.testing.assert_close(got.double(), dense_attention(b).to(torch.bfloat16).double(),
                                **FLASH_BF16)  # fmt: skip
+
+
+# Decode rows and short pieces on the tiles kernel: contexts inside one score tile,
+# across blocks, at a block's edge; a short piece of a few rows.
+ROWS = [(0, 1), (15, 1), (16, 1), (300, 1), (47, 1), (129, 1), (20, 3)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (16, 2), (16, 1)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (20, None), (None, 1.5)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_group_scores_in_amx_equal_the_score_tiles(monkeypatch, num_heads, num_kv_heads, window,
+                                                   soft_cap, block_size):  # fmt: skip
+    """Every group size AMX takes (1 to 16 query heads a KV head), with and
+    without a window and a soft cap: the same scores as the vector tiles'
+    (both exact bf16 products summed in fp32), so the same outputs but for the
+    sums' order, and dense attention's to a bf16 step."""
+    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)
+    b = on_cpu(make_batch(ROWS, num_heads, num_kv_heads, 64, block_size, torch.bfloat16, seed=27))
+    kw = dict(window=window, soft_cap=soft_cap, max_seq_len=int(b.seq_lens.max()))
+    assert cpu_attention._amx_groups_apply(b.query, b.k_cache)
+    amx = cpu_attention.paged_attention(*b.args(), **kw)
+    monkeypatch.setattr(cpu_attention, "AMX", False)
+    tiles = cpu_attention.paged_attention(*b.args(), **kw)
+    torch.testing.assert_close(amx, tiles, atol=1e-6, rtol=2**-7)
+    want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
+    torch.testing.assert_close(amx.double(), want, atol=1e-6, rtol=2**-7)
+
+
+def test_group_scores_ignore_what_slots_past_a_sequence_hold():
+    b = on_cpu(make_batch(ROWS, 8, 2, 64, 16, torch.bfloat16, seed=28))
+    want = cpu_attention.paged_attention(*b.args())
+    for s, n in enumerate(b.seq_lens.tolist()):
+        last, used = b.block_tables[s, (n - 1) // 16], (n - 1) % 16 + 1
+        b.k_cache[last, used:] = float("nan")
+        b.v_cache[last, used:] = float("inf")
+    assert torch.equal(cpu_attention.paged_attention(*b.args()), want)
+
+
+def test_group_scores_run_on_every_thread():
+    """Each of numba's threads sets up its own tiles (a thread's AMX state is its
+    own): two threads attend as one."""
+    b = on_cpu(make_batch(ROWS * 3, 8, 2, 64, 16, torch.bfloat16, seed=29))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = cpu_attention.paged_attention(*b.args())
+        torch.set_num_threads(2)
+        parallel = cpu_attention.paged_attention(*b.args())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=2**-7)
