@@ -130,39 +130,29 @@ if numba is not None:
 
         return types.void(), codegen
 
-    @functools.cache
-    def _load(tile: int):
-        @intrinsic
-        def load(typingctx, array, index, stride):
-            """Tile ``tile`` from ``array``'s element ``index`` on, its rows
-            ``stride`` bytes apart."""
+    def _tile_memory(text: str, what: str):
+        """Intrinsics, one per tile number, of ``text`` (an instruction moving a
+        tile to or from memory, ``{tile}`` its tile) at ``array``'s element
+        ``index``, rows ``stride`` bytes apart."""
 
-            def codegen(context, builder, sig, args):
-                address = _address(context, builder, sig.args[0], args[0], args[1])
-                _asm(builder, f"tileloadd ($0,$1,1), %tmm{tile}",
-                     [address, _stride(builder, args[2])])  # fmt: skip
-                return context.get_dummy_value()
+        @functools.cache
+        def make(tile: int):
+            @intrinsic
+            def access(typingctx, array, index, stride):
+                def codegen(context, builder, sig, args):
+                    address = _address(context, builder, sig.args[0], args[0], args[1])
+                    _asm(builder, text.format(tile=tile), [address, _stride(builder, args[2])])
+                    return context.get_dummy_value()
 
-            return types.void(array, index, stride), codegen
+                return types.void(array, index, stride), codegen
 
-        return load
+            access.__doc__ = what
+            return access
 
-    @functools.cache
-    def _store(tile: int):
-        @intrinsic
-        def store(typingctx, array, index, stride):
-            """Tile ``tile`` into ``array`` from its element ``index`` on, its rows
-            ``stride`` bytes apart."""
+        return make
 
-            def codegen(context, builder, sig, args):
-                address = _address(context, builder, sig.args[0], args[0], args[1])
-                _asm(builder, f"tilestored %tmm{tile}, ($0,$1,1)",
-                     [address, _stride(builder, args[2])])  # fmt: skip
-                return context.get_dummy_value()
-
-            return types.void(array, index, stride), codegen
-
-        return store
+    _load = _tile_memory("tileloadd ($0,$1,1), %tmm{tile}", "A tile loaded from memory.")
+    _store = _tile_memory("tilestored %tmm{tile}, ($0,$1,1)", "A tile stored to memory.")
 
     @functools.cache
     def _zero(tile: int):

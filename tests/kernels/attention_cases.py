@@ -109,3 +109,12 @@ def dense_attention(b: Batch, window: int | None = None, soft_cap: float | None 
             out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v[lo : p + 1])
             row += 1
     return out
+
+
+def poison_past_ends(b: Batch, block_size: int) -> None:
+    """NaN in the K slots and infinities in the V slots past each sequence's end
+    in its last block: what a kernel reads there must never reach an output."""
+    for s, n in enumerate(b.seq_lens.tolist()):
+        last, used = b.block_tables[s, (n - 1) // block_size], (n - 1) % block_size + 1
+        b.k_cache[last, used:] = float("nan")
+        b.v_cache[last, used:] = float("inf")

@@ -7,7 +7,7 @@ import torch
 
 from iterserve.kernels import cpu_amx, cpu_attention, cpu_tiles
 from iterserve.kernels import reference as ref
-from tests.kernels.attention_cases import dense_attention, make_batch
+from tests.kernels.attention_cases import dense_attention, make_batch, poison_past_ends
 from tests.kernels.test_cpu_attention import FLASH_BF16, PIECES, on_cpu
 
 pytestmark = pytest.mark.skipif(not cpu_attention.AMX, reason="the CPU lacks AMX-BF16")
@@ -62,10 +62,7 @@ def test_amx_ignores_what_slots_past_a_sequence_hold(monkeypatch):
     no_flash(monkeypatch)
     b = on_cpu(make_batch(AMX_PIECES, 8, 2, 64, 16, torch.bfloat16, seed=23))
     want = cpu_attention.paged_attention(*b.args())
-    for s, n in enumerate(b.seq_lens.tolist()):
-        last, used = b.block_tables[s, (n - 1) // 16], (n - 1) % 16 + 1
-        b.k_cache[last, used:] = float("nan")
-        b.v_cache[last, used:] = float("inf")
+    poison_past_ends(b, 16)
     assert torch.equal(cpu_attention.paged_attention(*b.args()), want)
 
 
@@ -161,10 +158,7 @@ def test_group_scores_in_amx_equal_the_score_tiles(monkeypatch, num_heads, num_k
 def test_group_scores_ignore_what_slots_past_a_sequence_hold():
     b = on_cpu(make_batch(ROWS, 8, 2, 64, 16, torch.bfloat16, seed=28))
     want = cpu_attention.paged_attention(*b.args())
-    for s, n in enumerate(b.seq_lens.tolist()):
-        last, used = b.block_tables[s, (n - 1) // 16], (n - 1) % 16 + 1
-        b.k_cache[last, used:] = float("nan")
-        b.v_cache[last, used:] = float("inf")
+    poison_past_ends(b, 16)
     assert torch.equal(cpu_attention.paged_attention(*b.args()), want)
 
 

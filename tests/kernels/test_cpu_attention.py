@@ -6,7 +6,13 @@ import torch
 
 from iterserve.kernels import cpu_attention, cpu_ops, get_ops
 from iterserve.kernels import reference as ref
-from tests.kernels.attention_cases import DECODE, MIXED, dense_attention, make_batch
+from tests.kernels.attention_cases import (
+    DECODE,
+    MIXED,
+    dense_attention,
+    make_batch,
+    poison_past_ends,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
 
@@ -307,10 +313,7 @@ def test_bf16_tiles_ignore_what_slots_past_a_sequence_hold():
     (here NaN and infinities) never reach the softmax or the output."""
     b = on_cpu(make_batch(LONG_DECODES, 8, 2, 64, 16, torch.bfloat16, seed=12))
     want = cpu_attention.paged_attention(*b.args())
-    for s, n in enumerate(b.seq_lens.tolist()):
-        last, used = b.block_tables[s, (n - 1) // 16], (n - 1) % 16 + 1
-        b.k_cache[last, used:] = float("nan")
-        b.v_cache[last, used:] = float("inf")
+    poison_past_ends(b, 16)
     assert torch.equal(cpu_attention.paged_attention(*b.args()), want)
 
 
