@@ -595,7 +595,7 @@ TILES = cpu_tiles.available()
 
 
 # Whether this CPU runs AMX-BF16 tiles (and Linux lets this process use them); False
-# turns the AMX prefill attention off.
+# turns the AMX prefill attention and the AMX decode scores off.
 AMX = cpu_amx.available()
 
 
@@ -686,16 +686,26 @@ def _plan(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start
     return plan
 
 
+def _piece_arrays(block_tables, pieces: reference.Pieces, seqs) -> tuple:
+    """For the pieces of sequences ``seqs``, as int64 arrays: their block tables,
+    their first rows in the batch, their query lengths and their sequences'
+    lengths."""
+    starts = pieces.starts
+    tables = block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64))
+    return (
+        tables.to(torch.int64).numpy(),
+        np.array([starts[s] for s in seqs], dtype=np.int64),
+        np.array([starts[s + 1] - starts[s] for s in seqs], dtype=np.int64),
+        np.array([pieces.lens[s] for s in seqs], dtype=np.int64),
+    )
+
+
 def _row_arrays(block_tables, pieces: reference.Pieces) -> tuple:
     """Every query row of ``pieces.together`` for the kernel: its sequence's table,
     its row in the batch and how many positions it sees (row ``i`` of a piece of
     ``q_len`` rows: the first ``seq_len - q_len + i + 1``)."""
-    seqs, starts = pieces.together, pieces.starts
-    tables = block_tables.index_select(0, torch.tensor(seqs, dtype=torch.int64))
-    tables = tables.to(torch.int64).numpy()
-    first = np.array([starts[s] for s in seqs], dtype=np.int64)
-    q_lens = np.array([starts[s + 1] - starts[s] for s in seqs], dtype=np.int64)
-    seq_lens = np.array([pieces.lens[s] for s in seqs], dtype=np.int64)
+    seqs = pieces.together
+    tables, first, q_lens, seq_lens = _piece_arrays(block_tables, pieces, seqs)
     if int(q_lens.max()) == 1:  # decode rows only, one per sequence
         return tables, np.arange(len(seqs), dtype=np.int64), seq_lens, first
     table_of = np.repeat(np.arange(len(seqs), dtype=np.int64), q_lens)
@@ -749,16 +759,8 @@ def _amx_arrays(plan: _Plan, block_tables, head_dim: int) -> tuple:
     layer of a batch attends the same pieces)."""
     arrays = plan.amx.get(head_dim)
     if arrays is None:
-        pieces, long = plan.pieces, plan.pieces.long
-        tables = block_tables.index_select(0, torch.tensor(long, dtype=torch.int64))
-        seq_lens = np.array([pieces.lens[s] for s in long], dtype=np.int64)
-        arrays = (
-            tables.to(torch.int64).numpy(),
-            np.array([pieces.starts[s] for s in long], dtype=np.int64),
-            np.array([pieces.starts[s + 1] - pieces.starts[s] for s in long], dtype=np.int64),
-            seq_lens,
-            cpu_amx.scratch(int(seq_lens.max()), head_dim),
-        )
+        pieces = _piece_arrays(block_tables, plan.pieces, plan.pieces.long)
+        arrays = (*pieces, cpu_amx.scratch(int(pieces[3].max()), head_dim))
         plan.amx[head_dim] = arrays
     return arrays
 
@@ -857,12 +859,13 @@ def _paged_attention_window_cap(query, k_cache, v_cache, block_tables, seq_lens,
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         if _tiles_apply(query, k_cache):
             kernel = _attend_all_parallel_tiles if parallel else _attend_all_tiles
+            amx = (_amx_groups_apply(query, k_cache),)  # the tiles' one argument more
         else:
             kernel = _attend_all_parallel_window_cap if parallel else _attend_all_window_cap
+            amx = ()
         kernel(
             as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
             table_of, starts, lengths, rows, np.float32(scale),
-            np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
-            *((_amx_groups_apply(query, k_cache),) if _tiles_apply(query, k_cache) else ()),
+            np.float32(0.0 if soft_cap is None else soft_cap), as_array(out), *amx,
         )  # fmt: skip
     return out
