@@ -204,6 +204,17 @@ def check_rotary_embedding(positions, query, key, cos_sin_cache) -> None:
     )
 
 
+def check_qkv(qkv, num_heads, num_kv_heads, head_dim) -> None:
+    """``qkv``: one product's rows of ``num_heads`` query heads, then
+    ``num_kv_heads`` key and as many value heads, of ``head_dim`` values each."""
+    qkv = check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    check_dim("qkv", qkv, 1, width, "(num_heads + 2 * num_kv_heads) * head_dim")
+
+
 def check_silu_mul(x) -> None:
     x = check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     if x.shape[1] % 2 != 0:

@@ -654,6 +654,10 @@ class _Plan:
     starts: dict = field(default_factory=dict)
     # the AMX kernel's arrays for the long pieces and its scratch, by head size
     amx: dict = field(default_factory=dict)
+    # what :func:`.cpu_ops.rotary_store_attend` read from the step's positions and
+    # slot mapping, checked once: (positions, slot_mapping, their versions or None,
+    # their arrays)
+    rope: tuple | None = None
 
 
 _last_plan: list[_Plan | None] = [None]  # the plan of the batch the layers last attended
@@ -664,19 +668,13 @@ def _plan(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start
     since (the next layer of the same forward), else a new one. The plan holds its
     tensors, so an identity check cannot match a new tensor at a freed address."""
     inputs = (block_tables, seq_lens, query_start_loc, num_tokens, num_heads, block_size)
+    last = _reused_plan(inputs)
+    if last is not None:
+        return last
     if any(t.is_inference() for t in inputs[:3]):  # no version counter: never reused
         versions = None
     else:
         versions = (block_tables._version, seq_lens._version, query_start_loc._version)
-    last = _last_plan[0]
-    if (
-        versions is not None
-        and last is not None
-        and all(x is y for x, y in zip(last.inputs, inputs[:3]))
-        and last.inputs[3:] == inputs[3:]
-        and last.versions == versions
-    ):
-        return last
     pieces = reference.split_pieces(num_tokens, block_size, block_tables, seq_lens,
                                     query_start_loc, SHORT_PIECE_WORK // num_heads)  # fmt: skip
     plan = _Plan(
@@ -684,6 +682,22 @@ def _plan(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start
     )
     _last_plan[0] = plan
     return plan
+
+
+def _reused_plan(inputs: tuple) -> _Plan | None:
+    """The last plan if it was built from ``inputs`` (metadata tensors, then the
+    token, head and block counts) and the tensors are unchanged since, else None."""
+    last = _last_plan[0]
+    if (
+        last is None
+        or last.versions is None
+        or not all(x is y for x, y in zip(last.inputs, inputs[:3]))
+        or last.inputs[3:] != inputs[3:]
+    ):
+        return None
+    block_tables, seq_lens, query_start_loc = inputs[:3]
+    versions = (block_tables._version, seq_lens._version, query_start_loc._version)
+    return last if versions == last.versions else None
 
 
 def _piece_arrays(block_tables, pieces: reference.Pieces, seqs) -> tuple:

@@ -29,12 +29,13 @@ dtype and cached on disk.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
 
-from . import checks, reference
-from .cpu_attention import _jit, available
+from . import checks, cpu_attention, reference
+from .cpu_attention import _attend_all_tiles, _jit, available
 from .cpu_math import as_array, exp_f32, load_f32, round_to, store_f32
 
 if available():
@@ -61,6 +62,27 @@ def _compiled(*tensors: object) -> bool:
 
 
 _AVAILABLE = available()
+
+
+# Long-lived tensors' arrays (a layer's caches, a rotary table), by the tensor's
+# identity while it lives: (weak reference, data address, arrays or None).
+_LONG_LIVED: dict[int, tuple] = {}
+
+
+def _long_lived_arrays(tensor: torch.Tensor, make):
+    """``make(tensor)``, made once for ``tensor`` (while it lives at the same
+    address): a layer's ops run every step on the same caches and tables, and
+    the arrays and checks they need cost more than the kernels' dispatch."""
+    if not isinstance(tensor, torch.Tensor):
+        return make(tensor)
+    key = id(tensor)
+    entry = _LONG_LIVED.get(key)
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor.data_ptr():
+        return entry[2]
+    arrays = make(tensor)
+    forget = weakref.ref(tensor, lambda _, key=key: _LONG_LIVED.pop(key, None))
+    _LONG_LIVED[key] = (forget, tensor.data_ptr(), arrays)
+    return arrays
 
 
 # The gated activations, in the tensor's dtype as Hugging Face's MLPs compute them
@@ -399,6 +421,13 @@ def rotary_store_kv(
             as_array(q_out), as_array(k_cache.view(-1, num_kv_heads, head_dim)),
             as_array(v_cache.view(-1, num_kv_heads, head_dim)), slots,
         )  # fmt: skip
+    _refuse_bad_token(bad, pos, slots, cos_sin_cache, k_cache)
+    return q_out
+
+
+def _refuse_bad_token(bad: int, pos: np.ndarray, slots: np.ndarray, cos_sin_cache, k_cache):
+    """Raises for what :func:`_rotate_store_rows` found (``bad``, -1 for nothing):
+    a position outside the rotary table, or a slot past the cache."""
     if bad >= pos.shape[0]:
         reference.check_largest_slot(int(slots[bad - pos.shape[0]]), k_cache)
     elif bad >= 0:
@@ -406,7 +435,169 @@ def rotary_store_kv(
             f"positions[{bad}]={int(pos[bad])} is outside the cos/sin cache of "
             f"{cos_sin_cache.shape[0]} positions"
         )
-    return q_out
+
+
+@_jit()
+def _rotate_store_attend_rows(
+    qkv, q_width, kv_width, positions, cos_sin, q_out, k_slots, v_slots, slots, k_cache, v_cache,
+    tables, table_of, starts, lengths, rows, scale, soft_cap, out, amx,
+):  # fmt: skip
+    """:func:`_rotate_store_rows_bf16` of a product's ``qkv`` rows (the query's
+    ``q_width`` values, then the key's and the value's ``kv_width``), then every
+    row attended by :func:`.cpu_attention._attend_all_tiles` into ``out``. Returns
+    what the first returns: -1, or the bad token that stopped it before anything
+    was written."""
+    stride = qkv.shape[1]
+    flat = qkv.reshape(-1)
+    bad = _rotate_store_rows_bf16(flat, stride, flat[q_width:], stride, flat[q_width + kv_width:],
+                                  stride, positions, cos_sin, q_out.reshape(q_out.shape[0], -1),
+                                  k_slots, v_slots, slots)  # fmt: skip
+    if bad < 0:
+        _attend_all_tiles(q_out, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
+                          soft_cap, out, amx)  # fmt: skip
+    return bad
+
+
+def _cache_arrays(cache: torch.Tensor):
+    """A bf16 cache ``[blocks, block_size, kv_heads, head_dim]`` as the attention
+    tiles read it and as rows of slots, or None where it is not one."""
+    if not (
+        isinstance(cache, torch.Tensor) and cache.is_cpu and cache.dtype == torch.bfloat16
+        and cache.dim() == 4 and cache.is_contiguous()
+    ):  # fmt: skip
+        return None
+    array = as_array(cache)
+    return array, array.reshape(-1, cache.shape[2] * cache.shape[3])
+
+
+def _table_array(table: torch.Tensor):
+    """A contiguous fp32 rotary table as an array, or None."""
+    if not (
+        isinstance(table, torch.Tensor) and table.is_cpu and table.dtype == torch.float32
+        and table.dim() == 2 and table.is_contiguous()
+    ):  # fmt: skip
+        return None
+    return table.numpy()
+
+
+def _same_rope(plan, positions, slot_mapping) -> bool:
+    """Whether ``plan`` holds these positions and slots, unchanged since."""
+    rope = plan.rope
+    return (
+        rope is not None
+        and rope[2] is not None
+        and rope[0] is positions
+        and rope[1] is slot_mapping
+        and rope[2] == (positions._version, slot_mapping._version)
+    )
+
+
+def _rotate_store_attend_in_one_call(
+    positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+    block_tables, seq_lens, query_start_loc, scale, max_seq_len, window, soft_cap,
+) -> torch.Tensor | None:  # fmt: skip
+    """:func:`rotary_store_attend` in one compiled call where it applies, else
+    None (for the two ops one after the other): bf16 rows every one of which the
+    attention tiles take (decode rows and short prefill pieces), heads the
+    rotary tiles take, one thread. What the two ops check is checked once a
+    batch (a plan) and once a cache or table, not once a layer."""
+    if not (
+        _ONE_CALL and _AVAILABLE and isinstance(qkv, torch.Tensor) and qkv.dtype == torch.bfloat16
+        and qkv.dim() == 2 and qkv.shape[0] > 0 and qkv.is_contiguous()
+        and torch.get_num_threads() == 1
+    ):  # fmt: skip
+        return None
+    k_arrays = _long_lived_arrays(k_cache, _cache_arrays)
+    v_arrays = _long_lived_arrays(v_cache, _cache_arrays)
+    table = _long_lived_arrays(cos_sin_cache, _table_array)
+    if k_arrays is None or v_arrays is None or table is None or k_cache.shape != v_cache.shape:
+        return None
+    n = qkv.shape[0]
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    if (
+        not isinstance(num_heads, int) or not isinstance(num_kv_heads, int)
+        or num_kv_heads != kv_heads or num_heads % kv_heads
+        or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim
+        or table.shape[1] != head_dim or head_dim % 32
+        or not cpu_attention._tiles_apply(qkv, k_cache)
+    ):  # fmt: skip
+        return None
+    inputs = (block_tables, seq_lens, query_start_loc, n, num_heads, block_size)
+    plan = cpu_attention._reused_plan(inputs)
+    if plan is None:  # a new batch: everything the two ops check, once
+        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        checks.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, window, soft_cap)  # fmt: skip
+        plan = cpu_attention._plan(n, num_heads, block_size, block_tables, seq_lens,
+                                   query_start_loc)  # fmt: skip
+    if plan.pieces.long or plan.rows is None or plan.versions is None:
+        return None
+    if not _same_rope(plan, positions, slot_mapping):
+        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        checks.check_rotary_embedding(positions, q, k, cos_sin_cache)
+        checks.check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        if not (_on_cpu(positions) and _on_cpu(slot_mapping)):
+            return None
+        versions = None  # inference tensors have no version counter: never reused
+        if not (positions.is_inference() or slot_mapping.is_inference()):
+            versions = (positions._version, slot_mapping._version)
+        plan.rope = (positions, slot_mapping, versions, positions.numpy(), slot_mapping.numpy())
+    elif not (isinstance(scale, (int, float)) and scale > 0):
+        return None  # the two ops name it
+    pos, slots = plan.rope[3], plan.rope[4]
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    tables, table_of, lengths, rows = plan.rows
+    q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
+    out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
+    bad = _rotate_store_attend_rows(
+        as_array(qkv), num_heads * head_dim, kv_heads * head_dim, pos, table, as_array(q_out),
+        k_arrays[1], v_arrays[1], slots, k_arrays[0], v_arrays[0], tables, table_of,
+        cpu_attention._row_starts(plan, window if cuts else None), lengths, rows,
+        np.float32(scale), np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
+        cpu_attention._amx_groups_apply(q_out, k_cache),
+    )  # fmt: skip
+    _refuse_bad_token(bad, pos, slots, cos_sin_cache, k_cache)
+    return out.view(n, num_heads * head_dim)
+
+
+def rotary_store_attend(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """:func:`reference.rotary_store_attend`. A bf16 batch of decode rows and
+    short prefill pieces runs as one compiled call (the heads rotated, the new
+    keys and values stored, every row attended), its checks made once a batch:
+    after each matrix product has streamed a layer's weights through the
+    caches, every op between two products costs ~50–80 µs beyond its kernel
+    (docs/kernels.md), and this takes one op and the views between them out of
+    each layer. Anything else is :func:`rotary_store_kv`, then
+    :func:`.cpu_attention.paged_attention`."""
+    out = _rotate_store_attend_in_one_call(
+        positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, query_start_loc, scale, max_seq_len, window, soft_cap,
+    )  # fmt: skip
+    if out is not None:
+        return out
+    return _rotary_store_then_attend(
+        positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, window=window, soft_cap=soft_cap,
+    )  # fmt: skip
 
 
 @_jit()
@@ -456,3 +647,11 @@ def store_kv(
         as_array(v_cache.view(-1, num_kv_heads, head_dim)),
         slots,
     )  # fmt: skip
+
+
+_rotary_store_then_attend = reference.rotary_store_then_attend(
+    rotary_store_kv, cpu_attention.paged_attention
+)
+# Whether rotary_store_attend takes its one-call path where it applies (the tiles
+# decide where); False: always the two ops.
+_ONE_CALL = True

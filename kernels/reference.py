@@ -345,6 +345,46 @@ def rotary_then_store(rotary, store):
     return rotary_store_kv
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``qkv`` (``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]``, one
+    product's rows) as views of its query, key and value heads."""
+    checks.check_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    n, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim),
+            v.reshape(n, num_kv_heads, head_dim))  # fmt: skip
+
+
+def rotary_store_attend(positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache,
+                        slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                        **attention) -> torch.Tensor:  # fmt: skip
+    """What an attention layer does between its two products: ``qkv`` split into
+    heads (:func:`split_qkv`, ``head_dim`` the caches'), :func:`rotary_store_kv`,
+    then :func:`paged_attention` (``attention``: its keyword arguments). Returns
+    ``[num_tokens, num_heads * head_dim]``, the output projection's input."""
+    return rotary_store_then_attend(rotary_store_kv, paged_attention)(
+        positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+        block_tables, seq_lens, query_start_loc, scale, **attention,
+    )  # fmt: skip
+
+
+def rotary_store_then_attend(rotary_store, attend):
+    """A ``rotary_store_attend`` made of a backend's ``rotary_store_kv`` and
+    ``paged_attention``, one after the other."""
+
+    def rotary_store_attend(positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache,
+                            v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                            **attention):  # fmt: skip
+        checks.check_tensor("k_cache", k_cache, ndim=4)
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
+        q = rotary_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        out = attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                     **attention)  # fmt: skip
+        return out.reshape(q.shape[0], -1)
+
+    return rotary_store_attend
+
+
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` computed in fp32, returned in x's dtype."""
     checks.check_silu_mul(x)

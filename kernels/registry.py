@@ -31,6 +31,8 @@ class KernelOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     # rotary_embedding, then store_kv of the rotated key; returns the rotated query
     rotary_store_kv: Callable[..., torch.Tensor]
+    # a product's qkv rows split into heads, rotary_store_kv, then paged_attention
+    rotary_store_attend: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
@@ -60,16 +62,20 @@ def _load(name: str) -> KernelOps:
         ops = importlib.import_module(f"{__package__}.triton_ops")
         attn = importlib.import_module(f"{__package__}.triton_attention")
         cache = importlib.import_module(f"{__package__}.triton_cache")
+    rotary_store_kv = getattr(
+        ops, "rotary_store_kv", reference.rotary_then_store(ops.rotary_embedding, cache.store_kv)
+    )
     return KernelOps(
         name=name,
         store_kv=cache.store_kv,
         paged_attention=attn.paged_attention,
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
-        rotary_store_kv=getattr(
+        rotary_store_kv=rotary_store_kv,
+        rotary_store_attend=getattr(
             ops,
-            "rotary_store_kv",
-            reference.rotary_then_store(ops.rotary_embedding, cache.store_kv),
+            "rotary_store_attend",
+            reference.rotary_store_then_attend(rotary_store_kv, attn.paged_attention),
         ),
         silu_mul=ops.silu_mul,
         # torch's GELU is vectorized already: the cpu backend keeps the reference's.

@@ -107,10 +107,33 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks + 1, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        n, hd = x.shape[0], self.tp.head_dim
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 kv]
         if self.lora is not None:
             self.lora("qkv", x, qkv)
+        if self.q_norm is None and self.rope_dim == self.tp.head_dim:  # the common case, in one op
+            out = self.ops.rotary_store_attend(
+                positions, qkv, self.tp.num_heads, self.tp.num_kv_heads, cos_sin, k_cache, v_cache,
+                attn.slot_mapping, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len,
+                window=self.window, soft_cap=self.soft_cap,
+            )  # fmt: skip
+        else:
+            out = self._attend_heads(qkv, positions, cos_sin, attn, k_cache, v_cache)
+        o = linear(
+            out, self.o_weight, None, self.o_packed
+        )  # [num_tokens, hidden], this rank's part
+        if self.lora is not None:  # a partial sum too: the all-reduce adds the ranks' deltas
+            self.lora("o", out, o)
+        out = self.all_reduce(o)
+        if self.o_bias is not None:
+            # Added once, after the reduction, not once per rank.
+            out = out + self.o_bias
+        return out  # [num_tokens, hidden]
+
+    def _attend_heads(self, qkv, positions, cos_sin, attn, k_cache, v_cache) -> torch.Tensor:
+        """:meth:`forward`'s attention for heads normalised before rotary, or
+        rotated on part of their values: ``[num_tokens, q_size]``."""
+        n, hd = qkv.shape[0], self.tp.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.tp.num_heads, hd)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(n, self.tp.num_kv_heads, hd)  # [num_tokens, num_kv_heads, head_dim]
@@ -137,17 +160,7 @@ class Attention(nn.Module):
             window=self.window,
             soft_cap=self.soft_cap,
         )  # [num_tokens, num_heads, head_dim]
-        out = out.reshape(n, self.q_size)
-        o = linear(
-            out, self.o_weight, None, self.o_packed
-        )  # [num_tokens, hidden], this rank's part
-        if self.lora is not None:  # a partial sum too: the all-reduce adds the ranks' deltas
-            self.lora("o", out, o)
-        out = self.all_reduce(o)
-        if self.o_bias is not None:
-            # Added once, after the reduction, not once per rank.
-            out = out + self.o_bias
-        return out  # [num_tokens, hidden]
+        return out.reshape(n, self.q_size)
 
     def _rotate(self, positions, q, k, cos_sin):
         """Rotary on the first ``rope_dim`` of each head; the rest passes through."""
