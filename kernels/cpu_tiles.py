@@ -574,6 +574,30 @@ if numba is not None:
 
         return signature, codegen
 
+    @intrinsic
+    def round_rows_tile(typingctx, x, x_index, x_stride, rows, out, out_index, out_stride, chunks):
+        """For ``i`` < ``rows``: the 16 * chunks fp32 at ``x.flat[x_index + i *
+        x_stride:]`` rounded to bf16 into ``out.flat[out_index + i * out_stride:]``:
+        a product's fp32 sums as its bf16 output."""
+        signature = types.void(x, x_index, x_stride, rows, out, out_index, out_stride, chunks)
+
+        def codegen(context, builder, sig, args):
+            x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            out_data = context.make_array(sig.args[4])(context, builder, args[4]).data
+            x_index, x_stride, rows, out_index, out_stride, chunks = (
+                _i64(builder, args[i]) for i in (1, 2, 3, 5, 6, 7)
+            )
+            with cgutils.for_range(builder, rows) as row:
+                x_at = builder.add(x_index, builder.mul(row.index, x_stride))
+                out_at = builder.add(out_index, builder.mul(row.index, out_stride))
+                with cgutils.for_range(builder, chunks) as loop:
+                    j = builder.mul(loop.index, _I64(16))
+                    value = _load(builder, x_data, builder.add(x_at, j), _V16F)
+                    _store(builder, out_data, builder.add(out_at, j), _rounded_bits(builder, value))
+            return context.get_dummy_value()
+
+        return signature, codegen
+
     def _spread_scores(group: int):
         @intrinsic
         def spread(typingctx, tile, scale, scores, s_index, width, top, top_index, lowest,

@@ -97,9 +97,9 @@ def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
     w = torch.randn(out_features, 256, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16()
     assert cpu_linear.pads_cliff_batches(w.shape, torch.bfloat16)
+    packed = cpu_linear.pack(w)  # (which checks the AMX kernel's reading of it by a product)
     product, seen = torch.ops.mkldnn._linear_pointwise, rows_reaching_onednn(monkeypatch)
-    packed = cpu_linear.pack(w)
-    got = cpu_linear.linear(x, w.new_empty(0), bias, packed)
+    got = cpu_linear.linear(x, w.new_empty(0), bias, packed)  # a bias: oneDNN's product
     assert seen == [cpu_linear.CLIFF_ROWS[1] + 1]
     assert got.shape == (rows, out_features)
     direct = product(x, packed, bias, "none", [], "")
