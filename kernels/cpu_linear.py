@@ -188,6 +188,8 @@ def linear(
     if (
         x.dtype == torch.bfloat16
         and 0 < rows <= cpu_amx_linear.MAX_ROWS
+        and x.shape[1] == packed.shape[1]
+        and x.is_cpu
         and bias is None
         and torch.get_num_threads() == 1
     ):

@@ -114,3 +114,10 @@ def test_a_packed_weight_freed_is_forgotten():
     del packed
     gc.collect()
     assert key not in cpu_amx_linear._WEIGHTS
+
+
+def test_a_batch_of_the_wrong_width_is_refused_as_onednn_refuses_it(amx_rows):
+    w = _weight(64, 64)
+    packed = cpu_linear.pack(w)
+    with pytest.raises(RuntimeError):
+        cpu_linear.linear(torch.ones(4, 32).bfloat16(), w, None, packed)
