@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import checks, cpu_attention, reference
-from .cpu_attention import _attend_all_tiles, _jit, available
+from .cpu_attention import _attend_all, _attend_all_tiles, _jit, available
 from .cpu_math import as_array, exp_f32, load_f32, round_to, store_f32
 
 if available():
@@ -458,16 +458,32 @@ def _rotate_store_attend_rows(
     return bad
 
 
+@_jit()
+def _rotate_store_attend_rows_loops(
+    query, key, value, positions, cos_sin, q_out, k_slots, v_slots, slots, k_cache, v_cache,
+    tables, table_of, lengths, rows, scale, out,
+):  # fmt: skip
+    """:func:`_rotate_store_attend_rows` on the loop kernels (any head size, fp32):
+    :func:`_rotate_store_rows`, then :func:`.cpu_attention._attend_all`."""
+    bad = _rotate_store_rows(query, key, value, positions, cos_sin, q_out, k_slots, v_slots,
+                             slots)  # fmt: skip
+    if bad < 0:
+        _attend_all(q_out, k_cache, v_cache, tables, table_of, lengths, rows, scale, out)
+    return bad
+
+
 def _cache_arrays(cache: torch.Tensor):
-    """A bf16 cache ``[blocks, block_size, kv_heads, head_dim]`` as the attention
-    tiles read it and as rows of slots, or None where it is not one."""
+    """A contiguous fp32 or bf16 cache ``[blocks, block_size, kv_heads,
+    head_dim]`` as the attention kernels read it, and its slots as rows (for the
+    rotary tiles) and as heads (for the loop kernel); None where it is not one."""
     if not (
-        isinstance(cache, torch.Tensor) and cache.is_cpu and cache.dtype == torch.bfloat16
+        isinstance(cache, torch.Tensor) and cache.is_cpu and cache.dtype in DTYPES
         and cache.dim() == 4 and cache.is_contiguous()
     ):  # fmt: skip
         return None
     array = as_array(cache)
-    return array, array.reshape(-1, cache.shape[2] * cache.shape[3])
+    slots = array.reshape(-1, cache.shape[2], cache.shape[3])
+    return array, slots.reshape(slots.shape[0], -1), slots
 
 
 def _table_array(table: torch.Tensor):
@@ -497,12 +513,13 @@ def _rotate_store_attend_in_one_call(
     block_tables, seq_lens, query_start_loc, scale, max_seq_len, window, soft_cap,
 ) -> torch.Tensor | None:  # fmt: skip
     """:func:`rotary_store_attend` in one compiled call where it applies, else
-    None (for the two ops one after the other): bf16 rows every one of which the
-    attention tiles take (decode rows and short prefill pieces), heads the
-    rotary tiles take, one thread. What the two ops check is checked once a
-    batch (a plan) and once a cache or table, not once a layer."""
+    None (for the two ops one after the other): rows every one of which the
+    row kernels take (decode rows and short prefill pieces), on one thread; bf16
+    where the attention and rotary tiles take them (any window or cap), fp32
+    without a window that cuts or a cap. What the two ops check is checked once
+    a batch (a plan) and once a cache or table, not once a layer."""
     if not (
-        _ONE_CALL and _AVAILABLE and isinstance(qkv, torch.Tensor) and qkv.dtype == torch.bfloat16
+        _ONE_CALL and _AVAILABLE and isinstance(qkv, torch.Tensor) and qkv.dtype in DTYPES
         and qkv.dim() == 2 and qkv.shape[0] > 0 and qkv.is_contiguous()
         and torch.get_num_threads() == 1
     ):  # fmt: skip
@@ -510,22 +527,29 @@ def _rotate_store_attend_in_one_call(
     k_arrays = _long_lived_arrays(k_cache, _cache_arrays)
     v_arrays = _long_lived_arrays(v_cache, _cache_arrays)
     table = _long_lived_arrays(cos_sin_cache, _table_array)
-    if k_arrays is None or v_arrays is None or table is None or k_cache.shape != v_cache.shape:
+    if (
+        k_arrays is None or v_arrays is None or table is None or k_cache.shape != v_cache.shape
+        or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype
+    ):  # fmt: skip
         return None
     n = qkv.shape[0]
     _, block_size, kv_heads, head_dim = k_cache.shape
+    tiles = qkv.dtype == torch.bfloat16
     if (
         not isinstance(num_heads, int) or not isinstance(num_kv_heads, int)
         or num_kv_heads != kv_heads or num_heads % kv_heads
         or qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim
-        or table.shape[1] != head_dim or head_dim % 32
-        or not cpu_attention._tiles_apply(qkv, k_cache)
+        or table.shape[1] != head_dim
+        or (tiles and (head_dim % 32 or not cpu_attention._tiles_apply(qkv, k_cache)))
     ):  # fmt: skip
+        return None
+    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
+    if not tiles and (cuts or soft_cap is not None):
         return None
     inputs = (block_tables, seq_lens, query_start_loc, n, num_heads, block_size)
     plan = cpu_attention._reused_plan(inputs)
     if plan is None:  # a new batch: everything the two ops check, once
-        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
         checks.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, window, soft_cap)  # fmt: skip
         plan = cpu_attention._plan(n, num_heads, block_size, block_tables, seq_lens,
@@ -533,7 +557,7 @@ def _rotate_store_attend_in_one_call(
     if plan.pieces.long or plan.rows is None or plan.versions is None:
         return None
     if not _same_rope(plan, positions, slot_mapping):
-        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
         checks.check_rotary_embedding(positions, q, k, cos_sin_cache)
         checks.check_store_kv(k, v, k_cache, v_cache, slot_mapping)
         if not (_on_cpu(positions) and _on_cpu(slot_mapping)):
@@ -545,17 +569,24 @@ def _rotate_store_attend_in_one_call(
     elif not (isinstance(scale, (int, float)) and scale > 0):
         return None  # the two ops name it
     pos, slots = plan.rope[3], plan.rope[4]
-    cuts = window is not None and (max_seq_len is None or max_seq_len > window)
     tables, table_of, lengths, rows = plan.rows
     q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
     out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
-    bad = _rotate_store_attend_rows(
-        as_array(qkv), num_heads * head_dim, kv_heads * head_dim, pos, table, as_array(q_out),
-        k_arrays[1], v_arrays[1], slots, k_arrays[0], v_arrays[0], tables, table_of,
-        cpu_attention._row_starts(plan, window if cuts else None), lengths, rows,
-        np.float32(scale), np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
-        cpu_attention._amx_groups_apply(q_out, k_cache),
-    )  # fmt: skip
+    if tiles:
+        bad = _rotate_store_attend_rows(
+            as_array(qkv), num_heads * head_dim, kv_heads * head_dim, pos, table,
+            as_array(q_out), k_arrays[1], v_arrays[1], slots, k_arrays[0], v_arrays[0], tables,
+            table_of, cpu_attention._row_starts(plan, window if cuts else None), lengths, rows,
+            np.float32(scale), np.float32(0.0 if soft_cap is None else soft_cap), as_array(out),
+            cpu_attention._amx_groups_apply(q_out, k_cache),
+        )  # fmt: skip
+    else:
+        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
+        bad = _rotate_store_attend_rows_loops(
+            as_array(q), as_array(k), as_array(v), pos, table, as_array(q_out), k_arrays[2],
+            v_arrays[2], slots, k_arrays[0], v_arrays[0], tables, table_of, lengths, rows,
+            np.float32(scale), as_array(out),
+        )  # fmt: skip
     _refuse_bad_token(bad, pos, slots, cos_sin_cache, k_cache)
     return out.view(n, num_heads * head_dim)
 
@@ -579,20 +610,22 @@ def rotary_store_attend(
     window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """:func:`reference.rotary_store_attend`. A bf16 batch of decode rows and
-    short prefill pieces runs as one compiled call (the heads rotated, the new
-    keys and values stored, every row attended), its checks made once a batch:
+    """:func:`reference.rotary_store_attend`. A batch of decode rows and short
+    prefill pieces runs as one compiled call (the heads rotated, the new keys and
+    values stored, every row attended), its checks made once a batch:
     after each matrix product has streamed a layer's weights through the
     caches, every op between two products costs ~50–80 µs beyond its kernel
     (docs/kernels.md), and this takes one op and the views between them out of
     each layer. Anything else is :func:`rotary_store_kv`, then
     :func:`.cpu_attention.paged_attention`."""
-    out = _rotate_store_attend_in_one_call(
-        positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        block_tables, seq_lens, query_start_loc, scale, max_seq_len, window, soft_cap,
-    )  # fmt: skip
-    if out is not None:
-        return out
+    if _ONE_CALL:
+        out = _rotate_store_attend_in_one_call(
+            positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache,
+            slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_seq_len, window,
+            soft_cap,
+        )  # fmt: skip
+        if out is not None:
+            return out
     return _rotary_store_then_attend(
         positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
         block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,

@@ -345,26 +345,54 @@ def rotary_then_store(rotary, store):
     return rotary_store_kv
 
 
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: torch.Tensor):
     """``qkv`` (``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]``, one
-    product's rows) as views of its query, key and value heads."""
-    checks.check_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    n, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    product's rows; ``head_dim`` the cache's) as views of its query, key and value
+    heads. The shapes are tested first and checked in full only where that fails,
+    so that the common call (once a layer) pays a few comparisons."""
+    if not (
+        isinstance(qkv, torch.Tensor) and isinstance(k_cache, torch.Tensor)
+        and qkv.dim() == 2 and k_cache.dim() == 4
+        and type(num_heads) is int and type(num_kv_heads) is int
+        and num_heads > 0 and num_kv_heads > 0
+        and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * k_cache.shape[3]
+    ):  # fmt: skip
+        checks.check_tensor("k_cache", k_cache, ndim=4)
+        checks.check_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
+    n, head_dim = qkv.shape[0], k_cache.shape[3]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     return (q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim),
             v.reshape(n, num_kv_heads, head_dim))  # fmt: skip
 
 
-def rotary_store_attend(positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache,
-                        slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                        **attention) -> torch.Tensor:  # fmt: skip
+def rotary_store_attend(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
     """What an attention layer does between its two products: ``qkv`` split into
-    heads (:func:`split_qkv`, ``head_dim`` the caches'), :func:`rotary_store_kv`,
-    then :func:`paged_attention` (``attention``: its keyword arguments). Returns
+    heads (:func:`split_qkv`), :func:`rotary_store_kv`, then
+    :func:`paged_attention` (its keyword arguments as there). Returns
     ``[num_tokens, num_heads * head_dim]``, the output projection's input."""
-    return rotary_store_then_attend(rotary_store_kv, paged_attention)(
+    return _rotary_store_then_attend(
         positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        block_tables, seq_lens, query_start_loc, scale, **attention,
+        block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, window=window, soft_cap=soft_cap,
     )  # fmt: skip
 
 
@@ -374,12 +402,13 @@ def rotary_store_then_attend(rotary_store, attend):
 
     def rotary_store_attend(positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache,
                             v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                            **attention):  # fmt: skip
-        checks.check_tensor("k_cache", k_cache, ndim=4)
-        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache.shape[3])
+                            *, max_query_len=None, max_seq_len=None, window=None,
+                            soft_cap=None):  # fmt: skip
+        q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache)
         q = rotary_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
         out = attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                     **attention)  # fmt: skip
+                     max_query_len=max_query_len, max_seq_len=max_seq_len, window=window,
+                     soft_cap=soft_cap)  # fmt: skip
         return out.reshape(q.shape[0], -1)
 
     return rotary_store_attend
@@ -417,3 +446,6 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[1] // 2
     xf = x.float()
     return torch.nn.functional.gelu(xf[:, :d], approximate="tanh").mul_(xf[:, d:]).to(x.dtype)
+
+
+_rotary_store_then_attend = rotary_store_then_attend(rotary_store_kv, paged_attention)

@@ -92,13 +92,49 @@ def test_bf16_one_call_equals_the_two_ops(one_calls, shape, num_heads, num_kv_he
         assert one_calls
 
 
-def test_fp32_takes_the_two_ops_and_equals_the_reference(one_calls):
-    b, qkv, positions, slots, cos_sin = _inputs(DECODE, 8, 2, torch.float32, seed=22)
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """How many times the fp32 one-call kernel (on the loop kernels) ran."""
+    calls = []
+    kernel = cpu_ops._rotate_store_attend_rows_loops
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(cpu_ops, "_rotate_store_attend_rows_loops", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "shape, head_dim, attention, in_one_call",
+    [
+        (DECODE, 64, {}, True),
+        (LONG_DECODES, 8, {}, True),
+        (MIXED, 64, {}, True),  # short pieces beside the decode rows
+        ([(0, 64), (40, 1)], 64, {}, False),  # a long piece: the two ops
+        (LONG_DECODES, 64, {"window": 24}, False),
+        (DECODE, 64, {"soft_cap": 30.0}, False),
+    ],
+)
+def test_fp32_equals_the_two_ops_and_the_reference(
+    one_calls, loop_calls, shape, head_dim, attention, in_one_call
+):
+    """fp32 decode rows and short pieces take one call on the loop kernels (any
+    head size), without a window that cuts or a cap; the rest the two ops."""
+    b, qkv, positions, slots, cos_sin = _inputs(shape, 8, 2, torch.float32, seed=22,
+                                                head_dim=head_dim)  # fmt: skip
     args = (b, qkv, positions, slots, cos_sin, 8, 2)
-    got, want = _run(cpu_ops.rotary_store_attend, *args), _run(ref.rotary_store_attend, *args)
+    got = _run(cpu_ops.rotary_store_attend, *args, **attention)
+    two_ops = _run(cpu_ops._rotary_store_then_attend, *args, **attention)
+    want = _run(ref.rotary_store_attend, *args, **attention)
+    for g, t in zip(got, two_ops, strict=True):
+        assert torch.equal(g, t)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
     assert torch.equal(got[2], want[2])
     assert not one_calls
+    assert bool(loop_calls) == in_one_call
 
 
 def test_a_layer_after_the_first_reads_positions_changed_in_place(one_calls):
