@@ -543,6 +543,12 @@ def _rotate_store_attend_in_one_call(
         or (tiles and (head_dim % 32 or not cpu_attention._tiles_apply(qkv, k_cache)))
     ):  # fmt: skip
         return None
+    if not (
+        isinstance(scale, (int, float)) and scale > 0
+        and (window is None or (type(window) is int and window > 0))
+        and (soft_cap is None or (isinstance(soft_cap, (int, float)) and soft_cap > 0))
+    ):  # fmt: skip
+        return None  # the two ops name what is wrong
     cuts = window is not None and (max_seq_len is None or max_seq_len > window)
     if not tiles and (cuts or soft_cap is not None):
         return None
@@ -566,8 +572,6 @@ def _rotate_store_attend_in_one_call(
         if not (positions.is_inference() or slot_mapping.is_inference()):
             versions = (positions._version, slot_mapping._version)
         plan.rope = (positions, slot_mapping, versions, positions.numpy(), slot_mapping.numpy())
-    elif not (isinstance(scale, (int, float)) and scale > 0):
-        return None  # the two ops name it
     pos, slots = plan.rope[3], plan.rope[4]
     tables, table_of, lengths, rows = plan.rows
     q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype)
@@ -685,6 +689,6 @@ def store_kv(
 _rotary_store_then_attend = reference.rotary_store_then_attend(
     rotary_store_kv, cpu_attention.paged_attention
 )
-# Whether rotary_store_attend takes its one-call path where it applies (the tiles
-# decide where); False: always the two ops.
+# Whether rotary_store_attend takes its one-call path where it applies
+# (_rotate_store_attend_in_one_call decides where); False: always the two ops.
 _ONE_CALL = True

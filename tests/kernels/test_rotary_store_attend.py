@@ -202,3 +202,19 @@ def test_a_cache_that_is_not_a_tensor_is_named(one_calls):
     with pytest.raises(ValueError, match="k_cache"):
         cpu_ops.rotary_store_attend(positions, qkv, 8, 2, cos_sin, "cache", b.v_cache, slots,
                                     b.block_tables, b.seq_lens, b.query_start_loc, b.scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "attention, named",
+    [({"window": 0}, "window"), ({"soft_cap": -1.0}, "soft_cap"), ({"scale": -0.1}, "scale")],
+)
+def test_bad_window_cap_and_scale_are_named_on_every_layer(one_calls, attention, named):
+    """Named on a layer after the first too, whose batch the first layer checked."""
+    b, qkv, positions, slots, cos_sin = _inputs(LONG_DECODES, 8, 2, torch.bfloat16, seed=27)
+    k_cache, v_cache = b.k_cache.clone(), b.v_cache.clone()
+    meta = (slots, b.block_tables, b.seq_lens, b.query_start_loc)
+    cpu_ops.rotary_store_attend(positions, qkv, 8, 2, cos_sin, k_cache, v_cache, *meta, b.scale)
+    scale = attention.pop("scale", b.scale)
+    with pytest.raises(ValueError, match=named):
+        cpu_ops.rotary_store_attend(positions, qkv, 8, 2, cos_sin, k_cache, v_cache, *meta, scale,
+                                    **attention)  # fmt: skip
