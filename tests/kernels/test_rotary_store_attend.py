@@ -45,21 +45,26 @@ def _run(op, b, qkv, positions, slots, cos_sin, num_heads, num_kv_heads, **atten
     return out, k_cache, v_cache
 
 
-@pytest.fixture
-def one_calls(monkeypatch):
-    """How many times the one-call kernel ran, on one torch thread (as a rank runs;
-    on more the two ops run, their attention's rows over the threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _counted(monkeypatch, name: str) -> list:
+    """A list that grows by one each time ``cpu_ops.<name>`` runs."""
     calls = []
-    kernel = cpu_ops._rotate_store_attend_rows
+    kernel = getattr(cpu_ops, name)
 
     def counted(*args):
         calls.append(1)
         return kernel(*args)
 
-    monkeypatch.setattr(cpu_ops, "_rotate_store_attend_rows", counted)
-    yield calls
+    monkeypatch.setattr(cpu_ops, name, counted)
+    return calls
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    """How many times the bf16 one-call kernel ran, on one torch thread (as a rank
+    runs; on more the two ops run, their attention's rows over the threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield _counted(monkeypatch, "_rotate_store_attend_rows")
     torch.set_num_threads(threads)
 
 
@@ -95,15 +100,7 @@ def test_bf16_one_call_equals_the_two_ops(one_calls, shape, num_heads, num_kv_he
 @pytest.fixture
 def loop_calls(monkeypatch):
     """How many times the fp32 one-call kernel (on the loop kernels) ran."""
-    calls = []
-    kernel = cpu_ops._rotate_store_attend_rows_loops
-
-    def counted(*args):
-        calls.append(1)
-        return kernel(*args)
-
-    monkeypatch.setattr(cpu_ops, "_rotate_store_attend_rows_loops", counted)
-    return calls
+    return _counted(monkeypatch, "_rotate_store_attend_rows_loops")
 
 
 @pytest.mark.parametrize(
