@@ -69,8 +69,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu_amx_linear
-
 logger = logging.getLogger(__name__)
 
 # Below this many rows the plain fp32 product is the faster (dispatch dominates).
@@ -99,7 +97,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     if packed is not None:
         pads_cliff_batches(weight.shape, weight.dtype)  # measured now, not in a step
         if weight.dtype == torch.bfloat16:
-            cpu_amx_linear.weight_array(packed)  # its layout checked now, not in a step
+            _amx_products().weight_array(packed)  # its layout checked now, not in a step
     return packed
 
 
@@ -111,6 +109,15 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as exc:  # an op this build lacks
         logger.warning("oneDNN weight packing unavailable (%s); using plain products", exc)
         return None
+
+
+@functools.cache
+def _amx_products():
+    """:mod:`.cpu_amx_linear`, imported once a bf16 product asks for it: it needs
+    numpy and numba, which a GPU image may lack, and GPU weights are never packed."""
+    from . import cpu_amx_linear
+
+    return cpu_amx_linear
 
 
 @functools.cache
@@ -185,17 +192,12 @@ def linear(
     if packed is None or x.dim() != 2 or (x.shape[0] < MIN_ROWS and x.dtype == torch.float32):
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if (
-        x.dtype == torch.bfloat16
-        and 0 < rows <= cpu_amx_linear.MAX_ROWS
-        and x.shape[1] == packed.shape[1]
-        and x.is_cpu
-        and bias is None
-        and torch.get_num_threads() == 1
-    ):
-        array = cpu_amx_linear.weight_array(packed)
-        if array is not None:
-            return cpu_amx_linear.product(x.contiguous(), array, packed.shape[0])
+    if x.dtype == torch.bfloat16 and bias is None and torch.get_num_threads() == 1:
+        amx = _amx_products()
+        if 0 < rows <= amx.MAX_ROWS and x.shape[1] == packed.shape[1] and x.is_cpu:
+            array = amx.weight_array(packed)
+            if array is not None:
+                return amx.product(x.contiguous(), array, packed.shape[0])
     if CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1] and pads_cliff_batches(packed.shape, x.dtype):
         return _product(x, packed, bias, CLIFF_ROWS[1] + 1)
     return _product(x, packed, bias, bucket_rows(rows))

@@ -9,6 +9,7 @@ importing this package or using the torch or cpu backend never imports triton.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -36,6 +37,18 @@ class KernelOps:
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
+
+    def with_attention(self, paged_attention: Callable[..., torch.Tensor]) -> KernelOps:
+        """These ops with another ``paged_attention``; ``rotary_store_attend``, which
+        attends too, becomes this backend's ``rotary_store_kv``, then it."""
+        reference = importlib.import_module(f"{__package__}.reference")
+        return dataclasses.replace(
+            self,
+            paged_attention=paged_attention,
+            rotary_store_attend=reference.rotary_store_then_attend(
+                self.rotary_store_kv, paged_attention
+            ),
+        )
 
 
 def triton_available() -> bool:

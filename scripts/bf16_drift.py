@@ -155,7 +155,6 @@ def run_path(model, ops, kv, steps):
 def study(
     hidden: int, layers: int, vocab: int, lens: tuple[int, ...], seed: int, bug: str = "none"
 ) -> dict:
-    import dataclasses
 
     import torch
 
@@ -212,10 +211,9 @@ def study(
     tokens = truth_pre[0].argmax(-1)
     truth_dec = run_path(fp32, ref, truth_kv, [decode_step(tokens)])[0]
     paths = {"torch": ref,
-             "triton": dataclasses.replace(
-                 ref, paged_attention=emulated_attention(torch.bfloat16, bug=bug)),
-             "triton_graph_splits": dataclasses.replace(
-                 ref, paged_attention=emulated_attention(torch.bfloat16, force_splits=9))}  # fmt: skip
+             "triton": ref.with_attention(emulated_attention(torch.bfloat16, bug=bug)),
+             "triton_graph_splits": ref.with_attention(
+                 emulated_attention(torch.bfloat16, force_splits=9))}  # fmt: skip
     results = {}
     for name, ops in paths.items():
         kv = cache(torch.bfloat16)

@@ -215,3 +215,20 @@ def test_bad_window_cap_and_scale_are_named_on_every_layer(one_calls, attention,
     with pytest.raises(ValueError, match=named):
         cpu_ops.rotary_store_attend(positions, qkv, 8, 2, cos_sin, k_cache, v_cache, *meta, scale,
                                     **attention)  # fmt: skip
+
+
+def test_ops_with_another_attention_attend_with_it_in_the_one_op_too():
+    """Replacing a backend's attention (as a numerics study does) reaches the layers'
+    one op as well."""
+    seen = []
+
+    def attention(*args, **kwargs):
+        seen.append(1)
+        return ref.paged_attention(*args, **kwargs)
+
+    ops = get_ops("cpu").with_attention(attention)
+    b, qkv, positions, slots, cos_sin = _inputs(DECODE, 8, 2, torch.float32, seed=28)
+    got = _run(ops.rotary_store_attend, b, qkv, positions, slots, cos_sin, 8, 2)
+    want = _run(ref.rotary_store_attend, b, qkv, positions, slots, cos_sin, 8, 2)
+    assert seen and ops.paged_attention is attention
+    torch.testing.assert_close(got[0], want[0])
