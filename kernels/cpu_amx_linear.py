@@ -35,13 +35,12 @@ two alternating in one process): 64 rows 0.92x the time, 32 rows 0.86x
 from __future__ import annotations
 
 import ctypes
-import weakref
 
 import numpy as np
 import torch
 
 from . import cpu_amx
-from .cpu_math import prefetch_l2
+from .cpu_math import long_lived, prefetch_l2
 
 # The most rows a product takes here; oneDNN's products are faster beyond.
 MAX_ROWS = 64
@@ -146,11 +145,6 @@ def product(x: torch.Tensor, weight: np.ndarray, outputs: int) -> torch.Tensor:
     return out
 
 
-# The packed weights this kernel reads, by identity while they live: (weak
-# reference, their bits or None where the kernel does not take them).
-_WEIGHTS: dict[int, tuple] = {}
-
-
 def available() -> bool:
     """Whether this process runs the kernel: AMX-BF16 tiles (:func:`.cpu_amx.available`)."""
     return cpu_amx.available()
@@ -162,13 +156,7 @@ def weight_array(packed: torch.Tensor) -> np.ndarray | None:
     outputs or inputs not a multiple of 32, or a layout not the one this kernel
     reads (a product of random rows differs from oneDNN's). Found once a weight
     and kept while it lives; :func:`.cpu_linear.pack` asks, so that no step does."""
-    key = id(packed)
-    entry = _WEIGHTS.get(key)
-    if entry is not None and entry[0]() is packed:
-        return entry[1]
-    array = _read_weight(packed)
-    _WEIGHTS[key] = (weakref.ref(packed, lambda _, key=key: _WEIGHTS.pop(key, None)), array)
-    return array
+    return long_lived(packed, _read_weight)
 
 
 def _read_weight(packed: torch.Tensor) -> np.ndarray | None:

@@ -43,6 +43,7 @@ calls: the kernels that use them run only where numba imports.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -170,6 +171,35 @@ else:  # pragma: no cover
 
     exp_f32 = math.exp
     tanh_f32 = math.tanh
+
+
+# What :func:`long_lived` made, by (tensor identity, maker) while the tensor lives:
+# (weak reference, data address, what was made).
+_LONG_LIVED: dict[tuple, tuple] = {}
+
+
+def long_lived(tensor: torch.Tensor, make):
+    """``make(tensor)``, made once for ``tensor`` while it lives at the same
+    address (a layer's caches, a rotary table, a packed weight): the ops between
+    a step's products run on the same ones every step, and the arrays and
+    checks they need cost more than the kernels' dispatch."""
+    if not isinstance(tensor, torch.Tensor):
+        return make(tensor)
+    key = (id(tensor), make)
+    address = _address(tensor)
+    entry = _LONG_LIVED.get(key)
+    if entry is not None and entry[0]() is tensor and entry[1] == address:
+        return entry[2]
+    made = make(tensor)
+    forget = weakref.ref(tensor, lambda _, key=key: _LONG_LIVED.pop(key, None))
+    _LONG_LIVED[key] = (forget, address, made)
+    return made
+
+
+def _address(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s data starts; 0 for oneDNN's opaque tensors, which keep
+    their memory while they live (no ``set_``, no resize)."""
+    return 0 if tensor.is_mkldnn else tensor.data_ptr()
 
 
 def as_array(tensor: torch.Tensor):

@@ -29,14 +29,13 @@ dtype and cached on disk.
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import torch
 
 from . import checks, cpu_attention, reference
 from .cpu_attention import _attend_all, _attend_all_tiles, _jit, available
-from .cpu_math import as_array, exp_f32, load_f32, round_to, store_f32
+from .cpu_math import as_array, exp_f32, load_f32, long_lived, round_to, store_f32
 
 if available():
     from .cpu_tiles import (
@@ -62,27 +61,6 @@ def _compiled(*tensors: object) -> bool:
 
 
 _AVAILABLE = available()
-
-
-# Long-lived tensors' arrays (a layer's caches, a rotary table), by the tensor's
-# identity while it lives: (weak reference, data address, arrays or None).
-_LONG_LIVED: dict[int, tuple] = {}
-
-
-def _long_lived_arrays(tensor: torch.Tensor, make):
-    """``make(tensor)``, made once for ``tensor`` (while it lives at the same
-    address): a layer's ops run every step on the same caches and tables, and
-    the arrays and checks they need cost more than the kernels' dispatch."""
-    if not isinstance(tensor, torch.Tensor):
-        return make(tensor)
-    key = id(tensor)
-    entry = _LONG_LIVED.get(key)
-    if entry is not None and entry[0]() is tensor and entry[1] == tensor.data_ptr():
-        return entry[2]
-    arrays = make(tensor)
-    forget = weakref.ref(tensor, lambda _, key=key: _LONG_LIVED.pop(key, None))
-    _LONG_LIVED[key] = (forget, tensor.data_ptr(), arrays)
-    return arrays
 
 
 # The gated activations, in the tensor's dtype as Hugging Face's MLPs compute them
@@ -524,9 +502,9 @@ def _rotate_store_attend_in_one_call(
         and torch.get_num_threads() == 1
     ):  # fmt: skip
         return None
-    k_arrays = _long_lived_arrays(k_cache, _cache_arrays)
-    v_arrays = _long_lived_arrays(v_cache, _cache_arrays)
-    table = _long_lived_arrays(cos_sin_cache, _table_array)
+    k_arrays = long_lived(k_cache, _cache_arrays)
+    v_arrays = long_lived(v_cache, _cache_arrays)
+    table = long_lived(cos_sin_cache, _table_array)
     if (
         k_arrays is None or v_arrays is None or table is None or k_cache.shape != v_cache.shape
         or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype
@@ -552,18 +530,21 @@ def _rotate_store_attend_in_one_call(
     cuts = window is not None and (max_seq_len is None or max_seq_len > window)
     if not tiles and (cuts or soft_cap is not None):
         return None
+    # the heads as views: the loop kernels read them; the checks, on a new batch
+    heads = None if tiles else reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
     inputs = (block_tables, seq_lens, query_start_loc, n, num_heads, block_size)
     plan = cpu_attention._reused_plan(inputs)
     if plan is None:  # a new batch: everything the two ops check, once
-        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
-        checks.check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+        heads = heads or reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
+        checks.check_paged_attention(heads[0], k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, window, soft_cap)  # fmt: skip
         plan = cpu_attention._plan(n, num_heads, block_size, block_tables, seq_lens,
                                    query_start_loc)  # fmt: skip
     if plan.pieces.long or plan.rows is None or plan.versions is None:
         return None
     if not _same_rope(plan, positions, slot_mapping):
-        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
+        heads = heads or reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
+        q, k, v = heads
         checks.check_rotary_embedding(positions, q, k, cos_sin_cache)
         checks.check_store_kv(k, v, k_cache, v_cache, slot_mapping)
         if not (_on_cpu(positions) and _on_cpu(slot_mapping)):
@@ -585,7 +566,7 @@ def _rotate_store_attend_in_one_call(
             cpu_attention._amx_groups_apply(q_out, k_cache),
         )  # fmt: skip
     else:
-        q, k, v = reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)
+        q, k, v = heads
         bad = _rotate_store_attend_rows_loops(
             as_array(q), as_array(k), as_array(v), pos, table, as_array(q_out), k_arrays[2],
             v_arrays[2], slots, k_arrays[0], v_arrays[0], tables, table_of, lengths, rows,

@@ -366,36 +366,6 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, k_cache: tor
             v.reshape(n, num_kv_heads, head_dim))  # fmt: skip
 
 
-def rotary_store_attend(
-    positions: torch.Tensor,
-    qkv: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    window: int | None = None,
-    soft_cap: float | None = None,
-) -> torch.Tensor:
-    """What an attention layer does between its two products: ``qkv`` split into
-    heads (:func:`split_qkv`), :func:`rotary_store_kv`, then
-    :func:`paged_attention` (its keyword arguments as there). Returns
-    ``[num_tokens, num_heads * head_dim]``, the output projection's input."""
-    return _rotary_store_then_attend(
-        positions, qkv, num_heads, num_kv_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
-        block_tables, seq_lens, query_start_loc, scale, max_query_len=max_query_len,
-        max_seq_len=max_seq_len, window=window, soft_cap=soft_cap,
-    )  # fmt: skip
-
-
 def rotary_store_then_attend(rotary_store, attend):
     """A ``rotary_store_attend`` made of a backend's ``rotary_store_kv`` and
     ``paged_attention``, one after the other."""
@@ -404,6 +374,10 @@ def rotary_store_then_attend(rotary_store, attend):
                             v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                             *, max_query_len=None, max_seq_len=None, window=None,
                             soft_cap=None):  # fmt: skip
+        """What an attention layer does between its two products: ``qkv`` split
+        into heads (:func:`split_qkv`), ``rotary_store_kv``, then
+        ``paged_attention`` (its keyword arguments as there). Returns
+        ``[num_tokens, num_heads * head_dim]``, the output projection's input."""
         q, k, v = split_qkv(qkv, num_heads, num_kv_heads, k_cache)
         q = rotary_store(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
         out = attend(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -448,4 +422,5 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(xf[:, :d], approximate="tanh").mul_(xf[:, d:]).to(x.dtype)
 
 
-_rotary_store_then_attend = rotary_store_then_attend(rotary_store_kv, paged_attention)
+# The reference's own: its rotary_store_kv, then its paged_attention.
+rotary_store_attend = rotary_store_then_attend(rotary_store_kv, paged_attention)

@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from iterserve.kernels import cpu_amx_linear, cpu_linear
+from iterserve.kernels import cpu_amx_linear, cpu_linear, cpu_math
 
 pytestmark = pytest.mark.skipif(
     not (cpu_amx_linear.available() and torch.backends.mkldnn.is_available()),
@@ -109,11 +109,11 @@ def test_linear_on_more_threads_stays_onednns(amx_rows):
 def test_a_packed_weight_freed_is_forgotten():
     packed = cpu_linear.pack(_weight(64, 64))
     assert cpu_amx_linear.weight_array(packed) is not None
-    key = id(packed)
-    assert key in cpu_amx_linear._WEIGHTS
+    key = (id(packed), cpu_amx_linear._read_weight)
+    assert key in cpu_math._LONG_LIVED
     del packed
     gc.collect()
-    assert key not in cpu_amx_linear._WEIGHTS
+    assert key not in cpu_math._LONG_LIVED
 
 
 def test_a_batch_of_the_wrong_width_is_refused_as_onednn_refuses_it(amx_rows):
