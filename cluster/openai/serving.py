@@ -33,7 +33,7 @@ from .protocol import (
     RequestModel,
     validation_error,
 )
-from .responses import ChatText, Echo, ResponseBuilder
+from .bodies import ChatText, Echo, ResponseBuilder
 from .stream import SSE_DONE, sse
 
 _LONG_TEXT = 100_000  # characters; longer texts are tokenized off the event loop

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from iterserve.cluster.openai.generation import Choice
-from iterserve.cluster.openai.responses import cached_prompt_tokens, usage
+from iterserve.cluster.openai.bodies import cached_prompt_tokens, usage
 
 
 def choice(index: int, cached: int | None) -> Choice:

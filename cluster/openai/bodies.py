@@ -1,5 +1,6 @@
-"""Response bodies and stream chunks in OpenAI's shapes (plain dicts, no models:
-one chunk per streamed batch must stay cheap)."""
+"""Response bodies and stream chunks of /v1/completions and /v1/chat/completions in
+OpenAI's shapes (plain dicts, no models: one chunk per streamed batch must stay
+cheap). The Responses API's own bodies and events are :mod:`.responses`'."""
 
 from __future__ import annotations
 
