@@ -12,7 +12,7 @@ the adapter step's tokens/s to the base step's is printed from that one run.
 
 Four ways of adding the adapters are measured on the same steps:
 
-- ``kernel`` (the default on a CPU, :mod:`iterserve.kernels.cpu_lora`): one
+- ``kernel`` (the default on a CPU, :mod:`iterserve.kernels.cpu.lora`): one
   compiled call per product, shrink and expand of every adapter's rows
   together; left out where numba or the dtype does not allow it;
 - ``batched``: one batched shrink and one batched expand per product for all

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from . import checks, reference
-from .cpu_linear import linear
+from .cpu.linear import linear
 
 # In the tensors' dtype, as Hugging Face's expert MLPs compute them (fp32 tensors:
 # the fp32 references' values); a 512-token bf16 prefill step of the 144M-shaped

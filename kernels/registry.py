@@ -67,8 +67,8 @@ def _load(name: str) -> KernelOps:
     if name in ("torch", "cpu"):
         ops, attn, cache = reference, reference, reference
         if name == "cpu":
-            attn = importlib.import_module(f"{__package__}.cpu_attention")
-            ops = cache = importlib.import_module(f"{__package__}.cpu_ops")
+            attn = importlib.import_module(f"{__package__}.cpu.attention")
+            ops = cache = importlib.import_module(f"{__package__}.cpu.ops")
         experts = importlib.import_module(f"{__package__}.experts")
     else:
         experts = importlib.import_module(f"{__package__}.triton_experts")

@@ -5,7 +5,7 @@ A configured dtype is honoured everywhere. ``auto`` picks, once at load:
 - on CUDA, the checkpoint's own dtype (fp32 when it names none);
 - on a CPU that multiplies bf16 natively (AMX, or avx512_bf16) and runs the
   compiled cpu backend: bf16. oneDNN then runs the products on those units and
-  the compiled kernels read and round bf16 directly (kernels/cpu_math.py); a
+  the compiled kernels read and round bf16 directly (kernels/cpu/fastmath.py); a
   144M-parameter Llama's 64-row decode step takes ~0.3x its fp32 time, and
   vLLM's CPU backend picks bf16 there too;
 - on any other CPU: fp32. Without those instructions oneDNN emulates bf16

@@ -3,7 +3,7 @@ dense gated MLP, each split across tensor-parallel ranks (see :mod:`.model`),
 and what every layer shares: this rank's slice of the model (:class:`TPLayout`)
 and how the flat batch splits into sequences (:class:`AttentionInputs`).
 
-Every matrix product goes through :func:`iterserve.kernels.cpu_linear.linear`
+Every matrix product goes through :func:`iterserve.kernels.cpu.linear.linear`
 with the weight's packed copy when there is one (``LlamaModel.pack_weights``).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.cpu_linear import linear
-from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.cpu.linear import linear
+from ..kernels.cpu.linear import pack as pack_weight
 from .config import ModelConfig
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]

@@ -8,7 +8,7 @@ adapter's rows are one contiguous segment::
 
 Base-model rows cost nothing. On a CPU (the ``cpu`` kernel backend) every
 adapter of a step runs in one compiled call per product (:class:`CpuLoraBatch`,
-:mod:`iterserve.kernels.cpu_lora`); on a GPU through the segmented Triton
+:mod:`iterserve.kernels.cpu.lora`); on a GPU through the segmented Triton
 kernels (:class:`KernelLoraBatch`). Elsewhere (the ``torch`` backend, fp16 on a
 CPU) a step of one adapter runs its two products (:class:`LoraBatch`) and
 several run as one batched product each way (:class:`BatchedLoraBatch`). The
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels.cpu_linear import bucket_rows
+from ..kernels.cpu.linear import bucket_rows
 from ..scheduler.messages import StepPlan
 from ..scheduler.seq_table import SequenceTable
 from .config import ModelConfig
@@ -170,7 +170,7 @@ class KernelLoraBatch:
 class CpuLoraBatch:
     """On a CPU: every adapter of the step in one compiled call per product, the
     shrink and expand of each segment's rows together
-    (:func:`iterserve.kernels.cpu_lora.lora_add`), over the slots' weights as
+    (:func:`iterserve.kernels.cpu.lora.lora_add`), over the slots' weights as
     :class:`CpuLayout` holds them. One call where the batched form makes two
     through torch (and the segments form two per adapter), and no arithmetic on
     the zero blocks of the fused q/k/v and gate/up expands (``iterserve bench
@@ -195,7 +195,7 @@ class CpuLoraBatch:
 
 
 class CpuLayout:
-    """Every slot's adapter weights as :mod:`iterserve.kernels.cpu_lora` reads them:
+    """Every slot's adapter weights as :mod:`iterserve.kernels.cpu.lora` reads them:
     per layer and fused product, ``a [max_loras, T, in, rpad]`` (A transposed,
     ranks padded to ``cpu_lora.padded_rank(rmax)``) and ``b [max_loras, rmax,
     width]`` (``rmax``: ``max_lora_rank``; slot ``s`` at index
@@ -207,7 +207,7 @@ class CpuLayout:
 
     def __init__(self, config: ModelConfig, *, max_loras: int, max_lora_rank: int,
                  tp_size: int, dtype: torch.dtype):  # fmt: skip
-        from ..kernels.cpu_lora import padded_rank
+        from ..kernels.cpu.lora import padded_rank
 
         self.config, self.max_loras, self.rmax, self.dtype = config, max_loras, max_lora_rank, dtype
         self.rpad = padded_rank(max_lora_rank)
@@ -229,7 +229,7 @@ class CpuLayout:
         """Slot ``slot``'s adapter, as :func:`~iterserve.workers.lora.target_parts`
         gives it; the slot's rows of products and targets it lacks are not read
         again (their ranks are 0)."""
-        from ..kernels.cpu_math import as_array
+        from ..kernels.cpu.fastmath import as_array
 
         i = slot - 1
         for ranks in self.ranks.values():

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import build_cos_sin_cache
-from ..kernels.cpu_linear import linear, packs_every_batch
-from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.cpu.linear import linear, packs_every_batch
+from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.rope import uses_long_factors
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self) -> bool:
         """Keeps every matrix product's weight in oneDNN's layout
-        (:mod:`iterserve.kernels.cpu_linear`); call after the weights are loaded.
+        (:mod:`iterserve.kernels.cpu.linear`); call after the weights are loaded.
         fp32 keeps the plain weight too, for batches under 16 rows; bf16 products
         all take the packed one, so its plain weights are let go (but the embedding,
         which the first layer reads by row, and the experts'). False (nothing packed)

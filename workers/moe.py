@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.cpu_linear import linear
-from ..kernels.cpu_linear import pack as pack_weight
+from ..kernels.cpu.linear import linear
+from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.experts import route
 from .config import ModelConfig
 from .layers import AllReduce, TPLayout, weight

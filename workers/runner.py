@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import get_ops
-from ..kernels.cpu_linear import packs_every_batch
+from ..kernels.cpu.linear import packs_every_batch
 from ..scheduler.messages import FinishedSeq, SampledToken, ScheduledSeq, StepPlan, StepResult
 from ..scheduler.request import FinishReason
 from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable

@@ -101,7 +101,7 @@ def test_cpu_backend_attends_windowed_decodes_on_its_kernels(monkeypatch):
     """A window longer than every sequence masks nothing: the plain compiled kernel
     serves it (the runner's max_seq_len says so); once a sequence passes it, the
     kernel's window variant. Neither calls the reference."""
-    from iterserve.kernels import cpu_attention
+    from iterserve.kernels.cpu import attention as cpu_attention
 
     b = make_batch(DECODE, 8, 2, 32, 16, torch.float32, seed=26)
     longest = max(b.seq_lens.tolist())

@@ -7,8 +7,10 @@ rounding, and refuse what they refuse before writing anything."""
 import pytest
 import torch
 
-from iterserve.kernels import build_cos_sin_cache, cpu_attention, cpu_ops, get_ops
+from iterserve.kernels import build_cos_sin_cache, get_ops
 from iterserve.kernels import reference as ref
+from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import ops as cpu_ops
 
 from .attention_cases import DECODE, MIXED, make_batch
 

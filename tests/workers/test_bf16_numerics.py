@@ -22,7 +22,7 @@ import torch
 from test_model_logits import forward_all_rows
 from tiny_checkpoints import BASE, save
 
-from iterserve.kernels import cpu_attention
+from iterserve.kernels.cpu import attention as cpu_attention
 from iterserve.workers import ModelRunner
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")

@@ -64,7 +64,8 @@ def test_a_warmed_up_runner_compiles_first_and_generates_the_same(
 ):
     """warm_up runs the compiled kernels (both attention cases among them) before any
     request, leaves no sequence behind, and what it wrote does not reach a request."""
-    from iterserve.kernels import cpu_attention, cpu_ops
+    from iterserve.kernels.cpu import attention as cpu_attention
+    from iterserve.kernels.cpu import ops as cpu_ops
 
     calls = []  # the rows each attention call took: on its own, or after the rotary
     kernel, one_call = cpu_attention._attend_all, cpu_ops._rotate_store_attend_rows_loops

@@ -36,7 +36,7 @@ import functools
 
 import numpy as np
 
-from .cpu_tiles import divide_rows_tile, softmax_tile
+from .tiles import divide_rows_tile, softmax_tile
 
 try:
     import numba

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from iterserve.kernels import cpu_attention
+from iterserve.kernels.cpu import attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
 
 if cpu_attention.available():
     import numba
 
-    from iterserve.kernels.cpu_math import (
+    from iterserve.kernels.cpu.fastmath import (
         as_array,
         exp_f32,
         load_f32,
@@ -164,7 +164,7 @@ def test_fp32_arrays_are_read_and_written_as_they_are():
 def test_kernels_compile_for_512_bit_vectors_where_the_cpu_has_them():
     from llvmlite import binding
 
-    from iterserve.kernels import cpu_math
+    from iterserve.kernels.cpu import fastmath as cpu_math
 
     host = binding.get_host_cpu_features().flatten().split(",")
     features = (numba.config.CPU_FEATURES or "").split(",")

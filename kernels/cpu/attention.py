@@ -42,10 +42,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..scheduler.blocks import blocks_for
-from . import checks, cpu_amx, cpu_tiles, reference
-from .cpu_math import as_array, exp_f32, load_f32, prefetch_l2, store_f32, tanh_f32
-from .cpu_tiles import HEADS, POSITIONS, VALUES, pv_tile, qk_tile, spread_scores
+from ...scheduler.blocks import blocks_for
+from .. import checks, reference
+from . import amx as cpu_amx
+from . import tiles as cpu_tiles
+from .fastmath import as_array, exp_f32, load_f32, prefetch_l2, store_f32, tanh_f32
+from .tiles import HEADS, POSITIONS, VALUES, pv_tile, qk_tile, spread_scores
 
 logger = logging.getLogger(__name__)
 

@@ -115,7 +115,7 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
 def _amx_products():
     """:mod:`.cpu_amx_linear`, imported once a bf16 product asks for it: it needs
     numpy and numba, which a GPU image may lack, and GPU weights are never packed."""
-    from . import cpu_amx_linear
+    from . import amx_linear as cpu_amx_linear
 
     return cpu_amx_linear
 

@@ -8,7 +8,9 @@ import gc
 import pytest
 import torch
 
-from iterserve.kernels import cpu_amx_linear, cpu_linear, cpu_math
+from iterserve.kernels.cpu import amx_linear as cpu_amx_linear
+from iterserve.kernels.cpu import fastmath as cpu_math
+from iterserve.kernels.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not (cpu_amx_linear.available() and torch.backends.mkldnn.is_available()),

@@ -43,11 +43,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cpu_attention import _jit, numba, prange
-from .cpu_math import as_array, load_f32, store_f32
+from .attention import _jit, numba, prange
+from .fastmath import as_array, load_f32, store_f32
 
 if numba is not None:
-    from .cpu_tiles import ROWS, VALUES, pv_tile, rows16_tile
+    from .tiles import ROWS, VALUES, pv_tile, rows16_tile
 
     TILE = ROWS
 else:  # pragma: no cover - numba is a dependency

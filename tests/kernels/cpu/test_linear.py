@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.kernels import cpu_linear
+from iterserve.kernels.cpu import linear as cpu_linear
 
 packs = pytest.mark.skipif(
     cpu_linear.pack(torch.zeros(2, 2)) is None, reason="no oneDNN in this torch build"

@@ -1,14 +1,16 @@
-"""Long bf16 prefill pieces in AMX tiles (kernels/cpu_amx.py) equal dense
+"""Long bf16 prefill pieces in AMX tiles (kernels/cpu/amx.py) equal dense
 attention as torch's flash attention does, on CPUs with AMX-BF16."""
 
 import numpy as np
 import pytest
 import torch
 
-from iterserve.kernels import cpu_amx, cpu_attention, cpu_tiles
 from iterserve.kernels import reference as ref
+from iterserve.kernels.cpu import amx as cpu_amx
+from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import tiles as cpu_tiles
 from tests.kernels.attention_cases import dense_attention, make_batch, poison_past_ends
-from tests.kernels.test_cpu_attention import FLASH_BF16, PIECES, on_cpu
+from tests.kernels.cpu.test_attention import FLASH_BF16, PIECES, on_cpu
 
 pytestmark = pytest.mark.skipif(not cpu_attention.AMX, reason="the CPU lacks AMX-BF16")
 

@@ -39,8 +39,8 @@ import ctypes
 import numpy as np
 import torch
 
-from . import cpu_amx
-from .cpu_math import long_lived, prefetch_l2
+from . import amx as cpu_amx
+from .fastmath import long_lived, prefetch_l2
 
 # The most rows a product takes here; oneDNN's products are faster beyond.
 MAX_ROWS = 64
@@ -57,7 +57,7 @@ if cpu_amx.numba is not None:
     _p00, _p01 = cpu_amx._product(0, 4, 6), cpu_amx._product(1, 4, 7)
     _p10, _p11 = cpu_amx._product(2, 5, 6), cpu_amx._product(3, 5, 7)
     _store_00, _store_01, _store_10, _store_11 = (cpu_amx._store(t) for t in range(4))
-    from .cpu_tiles import round_rows_tile
+    from .tiles import round_rows_tile
 
 
 def _jit(fn):

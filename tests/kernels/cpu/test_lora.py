@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from iterserve.kernels import cpu_lora
+from iterserve.kernels.cpu import lora as cpu_lora
 
 if not cpu_lora.available(torch.float32):
     pytest.skip("numba is not installed", allow_module_level=True)

@@ -53,7 +53,7 @@ compiles them into the kernels that call them.
 
 from __future__ import annotations
 
-from .cpu_math import EXP_LN2, EXP_POLY, EXP_RANGE, LOG2_E
+from .fastmath import EXP_LN2, EXP_POLY, EXP_RANGE, LOG2_E
 
 try:
     import numba

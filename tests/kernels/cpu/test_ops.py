@@ -5,8 +5,10 @@ leave other dtypes to them."""
 import pytest
 import torch
 
-from iterserve.kernels import build_cos_sin_cache, cpu_attention, cpu_ops
+from iterserve.kernels import build_cos_sin_cache
 from iterserve.kernels import reference as ref
+from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
 
@@ -181,7 +183,7 @@ def test_tiles_round_to_bf16_alike_with_or_without_the_bf16_instruction(
     import numba
     from transformers.activations import ACT2FN
 
-    from iterserve.kernels import cpu_tiles
+    from iterserve.kernels.cpu import tiles as cpu_tiles
 
     if bf16_instruction and not cpu_tiles.available():
         pytest.skip("the CPU has no AVX-512 BF16")

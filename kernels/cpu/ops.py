@@ -33,12 +33,13 @@ import math
 import numpy as np
 import torch
 
-from . import checks, cpu_attention, reference
-from .cpu_attention import _attend_all, _attend_all_tiles, _jit, available
-from .cpu_math import as_array, exp_f32, load_f32, long_lived, round_to, store_f32
+from .. import checks, reference
+from . import attention as cpu_attention
+from .attention import _attend_all, _attend_all_tiles, _jit, available
+from .fastmath import as_array, exp_f32, load_f32, long_lived, round_to, store_f32
 
 if available():
-    from .cpu_tiles import (
+    from .tiles import (
         add_square_sum_tile,
         rotate_tile,
         scale_tile,

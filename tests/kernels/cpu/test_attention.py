@@ -4,8 +4,10 @@ on bf16 caches, and the reference's output wherever it does not apply."""
 import pytest
 import torch
 
-from iterserve.kernels import cpu_attention, cpu_ops, get_ops
+from iterserve.kernels import get_ops
 from iterserve.kernels import reference as ref
+from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import ops as cpu_ops
 from tests.kernels.attention_cases import (
     DECODE,
     MIXED,
