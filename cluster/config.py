@@ -51,6 +51,13 @@ class EngineConfig:
         choices=("auto", "triton", "cpu", "torch"),
         helm=False,
     )
+    reasoning_parser: str | None = knob(
+        None,
+        "split a thinking model's `<think>` block off its answer: `qwen3` or `deepseek_r1` "
+        "(docs/serving.md, Reasoning output)",
+        choices=("qwen3", "deepseek_r1"),
+        helm=False,
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_memory_fraction: float = knob(
         0.3,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .generation import Choice, Delta
+from .reasoning import ReasoningText, Split
 from .tool_parsers import Parsed, ToolCall, ToolCallParser
 
 
@@ -38,24 +39,39 @@ def cached_prompt_tokens(choices: list[Choice], n: int) -> int | None:
 
 
 class ChatText:
-    """One chat choice's text as the client reads it: content, and tool calls when
-    a parser reads them out of the text. ``max_calls``: calls beyond it are dropped
-    (``parallel_tool_calls: false``)."""
+    """One chat choice's text as the client reads it: reasoning, when a reasoning
+    parser splits it off (``reasoning``), then content, and tool calls when a
+    parser reads them out of the answer. ``max_calls``: calls beyond it are
+    dropped (``parallel_tool_calls: false``)."""
 
-    def __init__(self, parser: ToolCallParser | None, max_calls: int | None = None):
+    def __init__(
+        self,
+        parser: ToolCallParser | None,
+        max_calls: int | None = None,
+        reasoning: ReasoningText | None = None,
+    ):
         self.parser = parser
         self.max_calls = max_calls
+        self.reasoning = reasoning
         self.calls: list[ToolCall] = []
         self.started = False  # a stream's first chunk of this choice carries the role
+        self.show_reasoning = True  # false: split off, not shown (include_reasoning: false)
 
     def feed(self, text: str, finished: bool) -> Parsed:
+        thought = ""
+        if self.reasoning is not None:
+            split = self.reasoning.feed(text) if text else Split()
+            if finished:
+                split += self.reasoning.finish()
+            text, thought = split.content, split.reasoning
         if self.parser is None:
-            return Parsed(text)
+            return Parsed(text, reasoning=thought)
         out = self.parser.feed(text) if text else Parsed()
         if finished:
             out += self.parser.finish()
         room = None if self.max_calls is None else max(0, self.max_calls - len(self.calls))
         out.calls = out.calls[:room]
+        out.reasoning = thought
         self.calls += out.calls
         return out
 
@@ -177,6 +193,8 @@ class ResponseBuilder:
             body = {"role": "assistant", "content": parsed.content}
         elif parsed.content:
             body["content"] = parsed.content
+        if parsed.reasoning and chat_text.show_reasoning:
+            body["reasoning"] = body["reasoning_content"] = parsed.reasoning
         if parsed.calls:
             first = len(chat_text.calls) - len(parsed.calls)
             body["tool_calls"] = [c.as_dict(first + k) for k, c in enumerate(parsed.calls)]
@@ -214,6 +232,10 @@ class ResponseBuilder:
                 if text.calls:
                     message["content"] = parsed.content or None
                     message["tool_calls"] = [c.as_dict() for c in text.calls]
+                if text.reasoning is not None and text.show_reasoning:
+                    # vLLM's field, and its older name, both kept for the clients of each
+                    message["reasoning"] = message["reasoning_content"] = parsed.reasoning or None
+                    message["content"] = parsed.content or None
                 entry = {"index": choice.index, "message": message}
                 reason = text.finish_reason(reason)
             else:

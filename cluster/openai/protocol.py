@@ -353,7 +353,9 @@ class ChatCompletionRequest(_Common):
     verbosity: Any = Field(None, description=_IGNORED)
     prompt_cache_key: Any = Field(None, description=_IGNORED)
     safety_identifier: Any = Field(None, description=_IGNORED)
-    include_reasoning: Any = Field(None, description=_IGNORED)
+    include_reasoning: bool = Field(
+        True, description="With a reasoning parser: false leaves the reasoning out of the answer."
+    )
     mm_processor_kwargs: Any = Field(None, description=_IGNORED)
     media_io_kwargs: Any = Field(None, description=_IGNORED)
 

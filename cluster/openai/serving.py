@@ -15,7 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from . import structured
+from . import reasoning, structured
+from .bodies import ChatText, Echo, ResponseBuilder
 from .chat import render_prompt, tool_plan
 from .errors import APIError, bad_request, unavailable
 from .fields import (
@@ -33,7 +34,6 @@ from .protocol import (
     RequestModel,
     validation_error,
 )
-from .bodies import ChatText, Echo, ResponseBuilder
 from .stream import SSE_DONE, sse
 
 _LONG_TEXT = 100_000  # characters; longer texts are tokenized off the event loop
@@ -72,6 +72,7 @@ class OpenAIServing:
         request_timeout_s: float | None,
         strict_fields: bool = False,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
         settings: dict[str, Any] | None = None,
     ):
         self.engine = engine
@@ -84,8 +85,13 @@ class OpenAIServing:
         self.request_timeout_s = request_timeout_s
         self.fields = FieldPolicy(strict_fields)
         self.tool_call_parser = tool_call_parser
+        self.reasoning = reasoning.reasoning_parser(reasoning_parser, tokenizer)
         self.grammars = structured.GrammarValidator(getattr(tokenizer, "path", ""))
         self._info: dict | None = None
+        # Other names of the base model (--served-model-name's after the first).
+        self.model_aliases: tuple[str, ...] = ()
+        # Sampling fields a request leaves unset take these (--generation-config).
+        self.sampling_defaults: dict[str, Any] = {}
         # The LoRA adapters a request's model may name (cluster/lora.py); None: none.
         self.lora: Any = None
 
@@ -146,7 +152,8 @@ class OpenAIServing:
     def check_model(self, model: str | None, required: bool = True) -> None:
         if model is None and not required:
             return
-        if model != self.model_name and self.lora_name(model) is None:
+        base = model == self.model_name or model in self.model_aliases
+        if not base and self.lora_name(model) is None:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -206,7 +213,7 @@ class OpenAIServing:
         prompts = await self._completion_prompts(
             request.prompt, info["vocab_size"], request.add_special_tokens
         )
-        extensions = await self._extensions(request, info)
+        extensions = await self.extensions(request, info)
         echoes = None
         if request.echo:  # the prompt's logprobs come with it when logprobs are asked for
             echoes = self._echoes(request, prompts)
@@ -214,7 +221,7 @@ class OpenAIServing:
                 asked = extensions.get("prompt_logprobs") or 0
                 extensions["prompt_logprobs"] = max(asked, request.logprobs)
         jobs = build_jobs(
-            request, prompts, self.tokenizer, self._limits(info),
+            request, prompts, self.tokenizer, self.limits(info),
             logprobs=request.logprobs, request_id=request_id, renames={},
             default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, extensions=extensions,
             prompt_only=request.echo,
@@ -232,24 +239,38 @@ class OpenAIServing:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
         tools = tool_plan(request, self.tool_call_parser)
         info = await self.engine_info()
-        prompt = await self.chat_prompt(request)
-        extensions = await self._extensions(request, info, tools.schema)
+        text = render_prompt(self.tokenizer, request)
+        prompt = await self.encode(text, "messages", request.add_special_tokens)
+        extensions = await self.extensions(request, info, tools.schema)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        skip = request.skip_special_tokens
-        if set(getattr(tools.parser, "tags", ())) & self.tokenizer.special_tokens:
-            skip = False  # the parser reads tags that this tokenizer counts as special
+        skip = self.skip_special_tokens(request.skip_special_tokens, tools.parser)
         jobs = build_jobs(
-            request, [prompt], self.tokenizer, self._limits(info),
+            request, [prompt], self.tokenizer, self.limits(info),
             logprobs=logprobs, request_id=request_id, renames={"logprobs": "top_logprobs"},
             skip_special_tokens=skip, extensions=extensions,
         )  # fmt: skip
         builder = self._builder(request, chat=True, request_id=request_id, prompts=[prompt])
-        max_calls = 1 if request.parallel_tool_calls is False else None
-        parser = tools.parser
-        texts = {job.choice.index: ChatText(parser and parser(), max_calls) for job in jobs}
+        texts = {job.choice.index: self.chat_text(request, tools.parser, text) for job in jobs}
         return await self._respond(request, jobs, len(prompt), builder, request_id, headers, texts)
 
-    async def _extensions(self, request, info: dict, tool_schema: dict | None = None) -> dict:
+    def chat_text(self, request, tool_parser, prompt: str) -> ChatText:
+        """How one choice's output is read: reasoning split off (with the server's
+        reasoning parser), tool calls read out of the answer."""
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        thought = self.reasoning.text(prompt) if self.reasoning is not None else None
+        text = ChatText(tool_parser and tool_parser(), max_calls, thought)
+        text.show_reasoning = getattr(request, "include_reasoning", True)
+        return text
+
+    def skip_special_tokens(self, requested: bool, tool_parser) -> bool:
+        """Whether the text leaves special tokens out: not when a parser reads tags
+        that this tokenizer counts as special."""
+        tags = set(getattr(tool_parser, "tags", ()))
+        if self.reasoning is not None:
+            tags.update(reasoning.ReasoningText.tags)
+        return requested and not tags & self.tokenizer.special_tokens
+
+    async def extensions(self, request, info: dict, tool_schema: dict | None = None) -> dict:
         """vLLM's engine-side fields as SamplingParams fields, and the grammar of
         structured outputs, once it is known to compile."""
         fields = extension_fields(request, self.tokenizer, info["vocab_size"])
@@ -274,8 +295,11 @@ class OpenAIServing:
             for p, ids in zip(sent, prompts)
         ]
 
-    def _limits(self, info: dict) -> Limits:
-        return Limits(self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"])
+    def limits(self, info: dict) -> Limits:
+        return Limits(
+            self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"],
+            self.sampling_defaults,
+        )  # fmt: skip
 
     def _builder(
         self, request, *, chat: bool, request_id: str, prompts: list[list[int]], echoes=None

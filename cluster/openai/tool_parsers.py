@@ -50,9 +50,14 @@ class ToolCall:
 class Parsed:
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""  # what a reasoning parser read out before the answer (reasoning.py)
 
     def __add__(self, other: Parsed) -> Parsed:
-        return Parsed(self.content + other.content, self.calls + other.calls)
+        return Parsed(
+            self.content + other.content,
+            self.calls + other.calls,
+            self.reasoning + other.reasoning,
+        )
 
 
 class ToolCallParser(Protocol):

@@ -114,6 +114,7 @@ class OpenAIIngress:
             request_timeout_s=args.request_timeout_s,
             strict_fields=args.strict_fields,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
             settings={
                 "policy": config.scheduler.policy,
                 "max_num_seqs": config.scheduler.max_num_seqs,
