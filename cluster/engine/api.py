@@ -4,13 +4,23 @@
 reaches it the way an ingress reaches an engine replica: requests and their
 outputs over the engine channel (:mod:`~iterserve.cluster.engine.channel`), one frame per step
 for all requests together; stats and health through Ray.
+
+Both close themselves: ``shutdown()``, the end of a ``with`` / ``async with``
+block, garbage collection, or the interpreter's exit releases the engine actor,
+its ranks and their sockets. At exit that happens before Ray's own exit hook
+stops the Ray this process started (``_release_at_exit`` is registered after it,
+and exit hooks run last-registered first), so the engine shuts down in order
+instead of being killed under a reader task whose loop is already gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 
@@ -46,6 +56,55 @@ __all__ = [
 ]
 
 
+SHUTDOWN_TIMEOUT_S = 30.0  # an engine's orderly shutdown, when nothing waits for it otherwise
+
+# What still has to be released at exit: one finalizer per live engine and LLM, oldest first.
+_unreleased: list[weakref.finalize] = []
+
+
+def _releases_at_exit(owner: object, release, *args) -> weakref.finalize:
+    """Runs ``release(*args)`` once: when ``owner`` is collected, or at exit."""
+    finalizer = weakref.finalize(owner, release, *args)
+    finalizer.atexit = False  # ours below runs it, before Ray's exit hook
+    _unreleased[:] = [f for f in _unreleased if f.alive]
+    _unreleased.append(finalizer)
+    return finalizer
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    while _unreleased:
+        _unreleased.pop()()  # the newest first: an LLM before the engine it holds
+
+
+def _release_engine(actor, connection: EngineConnection) -> None:
+    """An engine nobody shut down (collected, or the interpreter exits): its
+    connection closes on its own loop, and the actor shuts down (its ranks, its
+    sockets). With no loop running in this thread it waits for both and kills the
+    actor; inside a running loop it must not block, so it only asks, and Ray ends
+    the actor once the shutdown ran and no handle is left."""
+    loop, here = connection.task.get_loop(), _running_loop()
+    if loop.is_running():
+        loop.call_soon_threadsafe(connection.close)
+    elif not loop.is_closed() and here is None:  # asyncio.run closes it after the reader
+        connection.close()
+        loop.run_until_complete(asyncio.wait([connection.task]))
+    if not ray.is_initialized():  # someone stopped Ray first: the actor went with it
+        return
+    done = actor.shutdown.remote()
+    if here is None:
+        with contextlib.suppress(Exception):
+            ray.get(done, timeout=SHUTDOWN_TIMEOUT_S)
+        ray.kill(actor)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def start_scheduler_actor(config: EngineConfig, executor: ExecutorFactory | None = None):
     """Creates the scheduler actor (it owns the clock, so it must not be restarted
     behind the clients' back: ``max_restarts=0``)."""
@@ -56,7 +115,11 @@ def start_scheduler_actor(config: EngineConfig, executor: ExecutorFactory | None
 
 class AsyncEngine:
     """One engine in this Ray cluster. ``executor`` builds what its ranks run
-    (:mod:`~iterserve.cluster.ranks.executors`; None: the checkpoint's model)."""
+    (:mod:`~iterserve.cluster.ranks.executors`; None: the checkpoint's model).
+
+    ``async with AsyncEngine(config) as engine:`` starts it and shuts it down;
+    else ``await engine.start()`` and ``await engine.shutdown()``. One left
+    running is released when collected or at exit (the module docstring)."""
 
     def __init__(self, config: EngineConfig, executor: ExecutorFactory | None = None):
         self.config = config
@@ -65,6 +128,13 @@ class AsyncEngine:
         self.connection: EngineConnection | None = None
         self.labels: dict[str, set[RequestStream]] = {}  # a caller's request id -> its streams
         self.info: dict = {}
+        self.release: weakref.finalize | None = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
 
     async def start(self) -> AsyncEngine:
         self.actor = start_scheduler_actor(self.config, self.executor)
@@ -82,6 +152,7 @@ class AsyncEngine:
             ray.kill(self.actor)
             self.actor = None
             raise
+        self.release = _releases_at_exit(self, _release_engine, self.actor, self.connection)
         return self
 
     @property
@@ -140,8 +211,13 @@ class AsyncEngine:
         return await self.actor.health.remote()
 
     async def shutdown(self) -> None:
-        if self.connection is not None:
-            self.connection.close()
+        """Closes the channel, shuts the engine down and ends its actor; a second
+        call does nothing."""
+        if self.release is None or not self.release.detach():
+            return
+        self.connection.close()
+        if self.connection.task.get_loop() is asyncio.get_running_loop():
+            await asyncio.wait([self.connection.task])  # its requests' streams end here
         with contextlib.suppress(Exception):
             await self.actor.shutdown.remote()
         ray.kill(self.actor)
@@ -159,7 +235,9 @@ class LLM:
     """Offline batch generation: ``LLM(model=PATH, **config).generate(prompts, params)``.
 
     Prompts are strings (tokenized with the checkpoint's tokenizer) or lists of
-    token ids. Starts a local Ray instance when none is running.
+    token ids. Starts a local Ray instance when none is running. ``with LLM(...)
+    as llm:`` shuts it down at the block's end; ``shutdown()`` does it by hand,
+    and one left open is shut down when collected or at exit.
     """
 
     def __init__(self, model: str | None = None, **config):
@@ -172,7 +250,14 @@ class LLM:
         except BaseException:
             self.loop.close()
             raise
+        self.release = _releases_at_exit(self, _close_llm, self.loop, self.engine)
         self._tokenizer = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):
@@ -201,5 +286,15 @@ class LLM:
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
     def shutdown(self) -> None:
-        self.loop.run_until_complete(self.engine.shutdown())
-        self.loop.close()
+        """Shuts the engine down and closes the loop; a second call does nothing."""
+        self.release()
+
+
+def _close_llm(loop: asyncio.AbstractEventLoop, engine: AsyncEngine) -> None:
+    if _running_loop() is not None:  # collected inside someone's loop: not on its thread
+        closer = threading.Thread(target=_close_llm, args=(loop, engine), name="llm-shutdown")
+        closer.start()
+        closer.join()
+        return
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
