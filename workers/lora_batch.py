@@ -177,7 +177,7 @@ class CpuLoraBatch:
     lora``)."""
 
     def __init__(self, slots: LoraSlots, segments: list[tuple[int, int, int]]):
-        from ..kernels import cpu_lora
+        from ..kernels.cpu import lora as cpu_lora
 
         assert slots.cpu_layout is not None
         self.kernel, self.layout = cpu_lora.lora_add, slots.cpu_layout
@@ -302,7 +302,7 @@ class LoraSlots:
         # here; its weights are laid out as each slot loads.
         self.cpu_layout: CpuLayout | None = None
         if cpu_kernel and not self.use_kernels:
-            from ..kernels import cpu_lora
+            from ..kernels.cpu import lora as cpu_lora
 
             if cpu_lora.available(dtype):
                 self.cpu_layout = CpuLayout(config, max_loras=max_loras,
