@@ -26,6 +26,7 @@ from .fields import IGNORED_FIELDS_HEADER
 from .gate import APISettings, Gate, request_id, route_path
 from .openapi import openapi_schema
 from .operations import add_operations_routes
+from .responses import add_responses_routes
 from .serving import OpenAIServing
 from .tokenize import detokenize, tokenize
 
@@ -38,7 +39,6 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree, not i
 
 # OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
 UNSUPPORTED_ENDPOINTS = {
-    "/v1/responses": "the Responses API",
     "/v1/embeddings": "embeddings",
     "/v1/audio": "audio",
     "/v1/images": "images",
@@ -119,6 +119,7 @@ def build_api(
         title="iterserve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
     )
     add_generation_routes(app, serving, settings.max_body_bytes)
+    add_responses_routes(app, serving, settings.max_body_bytes)
     add_model_routes(app, serving)
     add_operations_routes(app, serving, metrics_body)
     if serving.lora is not None:
@@ -180,7 +181,7 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
         raise APIError(
             404,
             f"{what} ({request.method} {path}) is not supported by this server; it serves "
-            "/v1/chat/completions and /v1/completions",
+            "/v1/chat/completions, /v1/completions and /v1/responses",
             code="unsupported_endpoint",
         )
 

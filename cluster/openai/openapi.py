@@ -31,6 +31,8 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from .responses.openapi import responses_constraints, responses_paths, responses_schemas
+from .responses.protocol import ResponsesRequest
 from .stream import MAX_STOP_LEN, MAX_STOP_STRINGS
 from .tokenize import DetokenizeRequest, TokenizeRequest
 
@@ -157,7 +159,8 @@ def field_constraints(
         "echo": {"type": "boolean", "const": False},
         **{name: UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
-    return completion, chat
+    responses = responses_constraints(chat, max_model_len)
+    return completion, chat, responses
 
 
 def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, dict]:
@@ -165,7 +168,8 @@ def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, d
     template = "#/components/schemas/{model}"
     schemas: dict[str, dict] = {}
     overlays = field_constraints(**limits)
-    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+              DetokenizeRequest)  # fmt: skip
     for model, overlay in zip(models, (*overlays, {}, {})):
         schema = copy.deepcopy(model.model_json_schema(ref_template=template))
         schemas.update(schema.pop("$defs", {}))
@@ -274,6 +278,7 @@ def openapi_schema(
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         model = schemas[request]["properties"]["model"]
         schemas[request]["properties"]["model"] = {**model, "enum": [model_name]}
+    responses_schemas(schemas, model_name)
     error_fields = ("message", "type", "param", "code", "request_id")
     schemas["Error"] = {
         "type": "object",
@@ -295,6 +300,10 @@ def openapi_schema(
     paths = {
         "/v1/completions": _generation("Text completion", "CompletionRequest"),
         "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+        **responses_paths(
+            _generation("Create a response (Open Responses)", "ResponsesRequest"),
+            {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})},
+        ),
         "/v1/models": _get("The served model", "listModels"),
         "/v1/models/{model_id}": _get("One model", "getModel", parameters=[model_id]),
         "/v1/stats": _get("Engine state summed over replicas", "getStats"),

@@ -90,6 +90,9 @@ class OpenAIServing:
         self._info: dict | None = None
         # The LoRA adapters a request's model may name (cluster/lora.py); None: none.
         self.lora: Any = None
+        # Where finished Responses API responses are kept (responses/store.py); None:
+        # in this process.
+        self.response_store: Any = None
 
     async def engine_info(self) -> dict:
         if self._info is None:
@@ -113,10 +116,10 @@ class OpenAIServing:
     def parse(self, model_cls: type[RequestModel], body: bytes):
         return self.validate(model_cls, load_json(body))
 
-    async def parse_request(self, model_cls: type[RequestModel], body: bytes):
+    async def parse_request(self, model_cls: type[RequestModel], body: bytes | dict):
         """``parse``, asking the engines for their adapters once when ``model`` names
         one this ingress has not seen (loaded through another ingress, or at start)."""
-        data = load_json(body)
+        data = body if isinstance(body, dict) else load_json(body)
         try:
             return self.validate(model_cls, data)
         except APIError as exc:
@@ -324,7 +327,7 @@ class OpenAIServing:
                 builder.include_usage_field and options.continuous_usage_stats
             )
             builder.prompt_tokens = prompt_tokens
-            return _GenerationStream(
+            return GenerationStream(
                 generation,
                 self._stream(generation, builder, prompt_tokens, request_id, texts or {}),
                 media_type="text/event-stream",
@@ -358,7 +361,7 @@ class OpenAIServing:
         yield SSE_DONE
 
 
-class _GenerationStream(StreamingResponse):
+class GenerationStream(StreamingResponse):
     """A stream that ends its engine requests however the response ends: a client
     gone before the first byte never starts the body generator, so the generator's
     own cleanup cannot be relied on alone."""

@@ -94,7 +94,9 @@ class StopMatcher:
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def sse(payload: dict) -> bytes:
-    """One Server-Sent Event carrying a JSON payload, on one line."""
+def sse(payload: dict, event: str | None = None) -> bytes:
+    """One Server-Sent Event carrying a JSON payload, on one line; ``event`` names
+    its type (the Responses API's typed events)."""
     text = json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
-    return b"data: " + text.encode() + b"\n\n"
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + text.encode() + b"\n\n"

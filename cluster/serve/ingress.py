@@ -75,6 +75,7 @@ class OpenAIIngress:
 
     def __init__(self, engine, config: EngineConfig, args):
         from ...workers.tokenizer import Tokenizer
+        from ..openai.responses.store import shared_store, store_name
         from .app import metrics_hub_name
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
@@ -127,6 +128,9 @@ class OpenAIIngress:
             from ..lora import AdapterDirectory
 
             self.serving.lora = AdapterDirectory(self.engines, args.served_model_name(config))
+        # Stored Responses API responses: one actor per served model, every replica's.
+        store = shared_store(store_name(args.served_model_name(config)))
+        self.serving.response_store = store
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)
         if direct:
             sock = listening_socket(args.http_host, args.http_port)

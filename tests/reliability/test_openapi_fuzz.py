@@ -24,6 +24,8 @@ from schemathesis import GenerationMode
 
 from iterserve.cluster.openai.chat import render_prompt
 from iterserve.cluster.openai.protocol import ChatCompletionRequest
+from iterserve.cluster.openai.responses.items import chat_body, own_items
+from iterserve.cluster.openai.responses.protocol import ResponsesRequest
 from iterserve.cluster.openai.serving import load_json
 from iterserve.workers.tokenizer import Tokenizer
 from tests.reliability.conftest import idle_replicas
@@ -154,7 +156,43 @@ def fit_cross_field_rules(body: dict, chat: bool, tok: Tokenizer) -> bool:
     return True
 
 
+def fit_responses_rules(body: dict, tok: Tokenizer) -> bool:
+    """The Responses API's rules (RESPONSES_RULES): no stored response to continue,
+    no tool message (this template knows none), calls' arguments JSON objects,
+    tool_choice as chat's, no random json_schema; False when the input alone
+    fills the context."""
+    body["previous_response_id"] = None
+    if isinstance(body["input"], list):
+        items = [i for i in body["input"] if i.get("type") != "function_call_output"]
+        for item in items:
+            if item.get("type") == "function_call" and not _json_object_text(item["arguments"]):
+                item["arguments"] = "{}"
+        said = [i for i in items if i.get("type") != "reasoning"] or body.get("instructions")
+        body["input"] = items if said else "hello"
+    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    if not tools and choice not in (None, "none"):
+        body["tool_choice"] = choice = None
+    text = body.get("text") or {}
+    if (text.get("format") or {}).get("type") == "json_schema":
+        text["format"] = None
+    if choice == "required" or isinstance(choice, dict):
+        text["format"] = None
+        for tool in tools:
+            tool["parameters"] = None
+        if isinstance(choice, dict):
+            choice["name"] = tools[0]["name"]
+    request = ResponsesRequest.model_validate(load_json(json.dumps(body).encode()))
+    chat = ChatCompletionRequest.model_validate(chat_body(request, [], own_items(request), "m"))
+    room = MAX_MODEL_LEN - len(tok.encode(render_prompt(tok, chat), False))
+    if room < 1:
+        return False
+    if body.get("max_output_tokens") is not None:
+        body["max_output_tokens"] = min(body["max_output_tokens"], room)
+    return True
+
+
 WITH_INPUT = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+WITH_INPUT.append(("POST", "/v1/responses"))
 WITH_INPUT.append(("GET", "/v1/models/{model_id}"))
 WITHOUT_INPUT = [
     ("GET", "/v1/models"),
@@ -175,7 +213,10 @@ FUZZ = settings(
 
 def check_positive(case, tok: Tokenizer) -> int:
     expect_context_refusal = False
-    if case.operation.method == "post":
+    responses = case.operation.path == "/v1/responses"
+    if responses:
+        expect_context_refusal = not fit_responses_rules(case.body, tok)
+    elif case.operation.method == "post":
         chat = case.operation.path.endswith("chat/completions")
         expect_context_refusal = not fit_cross_field_rules(case.body, chat, tok)
     response = case.call(headers=AUTH, timeout=60)
@@ -188,7 +229,11 @@ def check_positive(case, tok: Tokenizer) -> int:
     if response.status_code == 200 and isinstance(case.body, dict) and case.body.get("stream"):
         events = response.content.split(b"\n\n")  # SSE events; bytes: text may hold U+0085
         assert events[-2:] == [b"data: [DONE]", b""], f"{detail} ... {response.content[-800:]}"
-        assert b'"error"' not in events[-3], detail
+        if responses:  # typed events: the last one completes the response
+            ends = (b"event: response.completed", b"event: response.incomplete")
+            assert events[-3].startswith(ends), detail
+        else:
+            assert b'"error"' not in events[-3], detail
     return response.status_code
 
 
@@ -225,7 +270,7 @@ async def test_fuzzing_left_the_server_healthy_and_idle(fuzz_url):
         print(f"  {key}: {count}")
     assert not any(status >= 500 for _, _, status in SEEN)
     for mode in ("positive", "negative"):
-        for op in ("POST /v1/completions", "POST /v1/chat/completions"):
+        for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"):
             runs = sum(n for (m, o, _), n in SEEN.items() if (m, o) == (mode, op))
             assert runs >= EXAMPLES, (mode, op, runs)
     async with httpx.AsyncClient(base_url=fuzz_url, headers=AUTH, timeout=60) as client:

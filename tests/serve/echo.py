@@ -123,6 +123,22 @@ class Echo(FakeModel):
         return EchoExecutor(user_id=self.user_id, end_id=self.end_id, **options)
 
 
+def echo_engine(tokenizer_dir: Path, **overrides: Any) -> dict:
+    """An EngineConfig dict for the real server with the echo stand-in: the model
+    answers each request with its last user message (conftest's ``fake_engine``)."""
+    from iterserve.workers.tokenizer import Tokenizer
+    from tests.serve.conftest import fake_engine
+
+    tok = Tokenizer(tokenizer_dir)
+    options = {
+        "user_id": tok.token_to_id("<|user|>"),
+        "end_id": tok.token_to_id("<|end|>"),
+        "max_model_len": 1024,
+    }
+    overrides = {"num_kv_blocks": 2048, **overrides}
+    return fake_engine(tok.vocab_size, executor="echo", executor_options=options, **overrides)
+
+
 class EchoStream:
     """One request of :class:`EchoEngine`: an output per token, as an engine replica
     sends; the first brings the prompt's logprobs when they are asked for (every

@@ -15,8 +15,9 @@ import pytest
 from pydantic import BaseModel
 
 from iterserve.workers.tokenizer import Tokenizer
-from tests.serve.conftest import API_KEY, AUTH, assert_engines_sound, deploy, fake_engine, undeploy
+from tests.serve.conftest import API_KEY, AUTH, assert_engines_sound, deploy, undeploy
 from tests.serve.conftest import wait_idle as _wait_idle
+from tests.serve.echo import echo_engine
 
 APP = "clients"
 MODEL = "tiny-tools"  # the tokenizer directory's name
@@ -38,23 +39,11 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def url(serve_url, tools_tokenizer_dir):
-    tok = Tokenizer(tools_tokenizer_dir)
-    options = {
-        "user_id": tok.token_to_id("<|user|>"),
-        "end_id": tok.token_to_id("<|end|>"),
-        "max_model_len": 1024,
-    }
-    config = fake_engine(
-        tok.vocab_size,
-        executor="echo",
-        executor_options=options,
-        num_kv_blocks=2048,
-    )
     yield deploy(
         serve_url,
         APP,
         model=str(tools_tokenizer_dir),
-        config=config,
+        config=echo_engine(tools_tokenizer_dir),
         api_key=API_KEY,
         tool_call_parser="hermes",
         cors_allowed_origins=[ORIGIN],
@@ -74,6 +63,9 @@ def chat_model(url):
     return ChatOpenAI(
         base_url=f"{url}/v1", api_key=API_KEY, model=MODEL, max_retries=0, temperature=0
     )
+
+
+WEATHER_TOOL = {"type": "function", **WEATHER["function"]}  # the Responses API's shape
 
 
 def say(text: str) -> list[dict]:
@@ -203,9 +195,11 @@ def test_openai_echo_with_logprobs_and_max_tokens_zero(client, tools_tokenizer_d
     assert more.choices[0].text == prompt + "hello world"
 
 
-def test_openai_responses_api_is_answered_as_unsupported(client):
-    with pytest.raises(openai.NotFoundError, match="Responses API"):
-        client.responses.create(model=MODEL, input="hi")
+def test_openai_responses_read_calls_as_chat_does(client):
+    # More of the Responses API: tests/serve/test_responses*.py.
+    reply = client.responses.create(model=MODEL, input=f"Checking.{CALL}", tools=[WEATHER_TOOL])
+    assert [item.type for item in reply.output] == ["message", "function_call"]
+    assert reply.output_text == "Checking." and reply.output[1].name == "get_weather"
 
 
 def test_langchain_invoke_and_stream(chat_model):

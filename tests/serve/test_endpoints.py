@@ -133,8 +133,8 @@ def test_metrics_need_the_key_unless_configured_otherwise(http, tools_tokenizer_
 @pytest.mark.parametrize(
     "method, path, words",
     [
-        ("POST", "/v1/responses", "the Responses API (POST /v1/responses) is not supported"),
-        ("GET", "/v1/responses/resp_1", "the Responses API"),
+        ("POST", "/v1/moderations", "moderations (POST /v1/moderations) is not supported"),
+        ("GET", "/v1/files/file_1", "files"),
         ("POST", "/v1/embeddings", "embeddings"),
     ],
 )
