@@ -26,6 +26,7 @@ from iterserve_client.errors import (
     TimeoutError,
     UnprocessableEntityError,
 )
+from iterserve_client.responses import Response, ResponseEvent, ResponseItem, ResponseUsage
 from iterserve_client.stats import EngineStats
 from iterserve_client.streaming import AsyncStream, Stream
 from iterserve_client.types import (
@@ -75,6 +76,10 @@ __all__ = [
     "NotFoundError",
     "PayloadTooLargeError",
     "RateLimitError",
+    "Response",
+    "ResponseEvent",
+    "ResponseItem",
+    "ResponseUsage",
     "RetryPolicy",
     "ServiceUnavailableError",
     "Stream",

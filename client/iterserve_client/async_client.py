@@ -18,6 +18,7 @@ from iterserve_client._base import (
     status_error,
     transport_error,
 )
+from iterserve_client.responses import AsyncResponses
 from iterserve_client.stats import EngineStats
 from iterserve_client.streaming import AsyncStream
 from iterserve_client.types import (
@@ -68,6 +69,7 @@ class AsyncClient:
         self._http = http_client if http_client is not None else httpx.AsyncClient()
         self.completions = AsyncCompletions(self)
         self.chat = AsyncChat(self)
+        self.responses = AsyncResponses(self)
 
     # -- the API ----------------------------------------------------------------------
 

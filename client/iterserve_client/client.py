@@ -18,6 +18,7 @@ from iterserve_client._base import (
     status_error,
     transport_error,
 )
+from iterserve_client.responses import Responses
 from iterserve_client.stats import EngineStats
 from iterserve_client.streaming import Stream
 from iterserve_client.types import (
@@ -68,6 +69,7 @@ class Client:
         self._http = http_client if http_client is not None else httpx.Client()
         self.completions = Completions(self)
         self.chat = Chat(self)
+        self.responses = Responses(self)
 
     # -- the API ----------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ class Handler(BaseHTTPRequestHandler):
         )
         reply(self)
 
-    do_GET = do_POST = _handle
+    do_GET = do_POST = do_DELETE = _handle
 
     def log_message(self, *args: Any) -> None:
         pass

@@ -27,6 +27,8 @@ from iterserve_client import (  # noqa: E402
     Completion,
     CompletionChunk,
     NotFoundError,
+    Response,
+    ResponseEvent,
 )
 
 from iterserve.scheduler import FakeModel  # noqa: E402
@@ -177,6 +179,30 @@ async def test_chat_whole_and_streamed_agree(make, kind):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_responses_whole_streamed_stored_and_deleted(make, kind):
+    client = make(headers={"X-Request-Id": f"responses-{kind}"})
+    out = await resolve(
+        client.responses.create(model=MODEL, input="hello", max_output_tokens=4, store=True)
+    )
+    assert isinstance(out, Response) and out.status == "incomplete"  # max_output_tokens cut it
+    (message,) = out.output
+    assert message.type == "message" and out.output_text == message.text
+    assert out.usage.output_tokens == 4 and out.usage.reasoning_tokens == 0
+    stream = await resolve(
+        client.responses.create(model=MODEL, input="hello", max_output_tokens=4, stream=True)
+    )
+    events = await collect(stream)
+    assert all(isinstance(e, ResponseEvent) for e in events)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == out.output_text  # the same X-Request-Id, the same tokens
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == text
+    assert (await resolve(client.responses.retrieve(out.id))).output_text == text
+    await resolve(client.responses.delete(out.id))
+    with pytest.raises(NotFoundError):
+        await resolve(client.responses.retrieve(out.id))
 
 
 async def test_errors_from_the_server_are_typed(make):
