@@ -156,13 +156,18 @@ def run_server(
 
 
 def _check_before_starting(args) -> str:
-    """Refuses a bad config, or one this machine cannot place, before anything
-    starts; returns the served model's name."""
-    from . import resources
+    """Refuses a bad config, one this machine cannot place, or a port another
+    server holds, before anything starts; returns the served model's name."""
+    import ray
+
+    from . import ports, resources
 
     replicas = args.initial_engine_replicas
     checked = resources.resolve(args.engine_config(), num_engine_replicas=replicas)
     resources.check_fits(checked, num_engine_replicas=replicas, ingress_cpus=args.ingress_cpus)
+    # A Ray this command starts is new: whatever holds the port then is another server.
+    ours = ports.app_key(APP_NAME) if ray.is_initialized() else None
+    ports.check(args.http_host, args.http_port, ours)
     return args.served_model_name(checked)
 
 

@@ -4,9 +4,11 @@ With ``http_port`` set (what ``iterserve serve``, the example configs and the
 Helm chart do), each ``OpenAIIngress`` replica answers HTTP itself, on its own
 event loop, and Serve's proxy is not started: a streamed token then crosses
 two processes (rank → engine replica → ingress → client) instead of four, and
-no Ray message is sent per token at all. Several replicas on one node share
-the port (``SO_REUSEPORT``). Without ``http_port`` the same ASGI app sits
-behind Serve's proxy, as any Serve ingress.
+no Ray message is sent per token at all. Several replicas of one app on one
+node share the port (``SO_REUSEPORT``), and only they: a port held by anything
+else refuses the replica's start (:mod:`~iterserve.cluster.serve.ports`).
+Without ``http_port`` the same ASGI app sits behind Serve's proxy, as any Serve
+ingress.
 
 A stopping ingress (a redeploy, the server's shutdown) keeps accepting until
 another replica of its deployment runs (a redeploy starts its successor at the
@@ -32,26 +34,13 @@ from ..gc_pauses import freeze_startup_objects
 from ..metrics.hub import get_or_create_hub, render
 from ..openai.app import APISettings, build_api
 from ..openai.serving import OpenAIServing
-from . import resources
+from . import ports, resources
 from .replicas import ChannelEngineClient
 from .routing import PrefixRouter
 
 logger = logging.getLogger(__name__)
-LISTEN_BACKLOG = 2048
 DRAIN_MARGIN_S = 5.0  # beyond drain_timeout_s: the last outputs travel to their clients
 LINGER_POLL_S = 0.5  # how often a stopping ingress looks whether its successor runs
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP listener that other replicas on this node may share."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(LISTEN_BACKLOG)
-    sock.setblocking(False)
-    return sock
 
 
 def _successor_runs() -> bool:
@@ -80,6 +69,7 @@ class OpenAIIngress:
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
         self.server_task: asyncio.Task | None = None
+        self.port_claim: socket.socket | None = None  # held while it listens (ports.py)
         self.drain_timeout_s = config.drain_timeout_s
         api_key = None
         if args.api_key_env is not None:
@@ -133,7 +123,8 @@ class OpenAIIngress:
         self.serving.response_store = store
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)
         if direct:
-            sock = listening_socket(args.http_host, args.http_port)
+            app = ports.app_key(serve.get_replica_context().app_name)
+            sock, self.port_claim = ports.listen(args.http_host, args.http_port, app)
             self.server_task = asyncio.get_running_loop().create_task(self._serve_http(sock))
         freeze_startup_objects()  # a full collection would stall every stream it serves
 
@@ -174,4 +165,6 @@ class OpenAIIngress:
                     await asyncio.wait_for(
                         asyncio.shield(self.server_task), self.drain_timeout_s + DRAIN_MARGIN_S
                     )
+        if self.port_claim is not None:  # after the listener: its port is no longer held
+            self.port_claim.close()
         self.engines.close()
