@@ -11,6 +11,7 @@ from iterserve_client._base import RetryPolicy
 from iterserve_client._version import __version__
 from iterserve_client.async_client import AsyncClient
 from iterserve_client.client import Client
+from iterserve_client.embeddings import Embedding, EmbeddingList
 from iterserve_client.errors import (
     APIConnectionError,
     APIError,
@@ -69,6 +70,8 @@ __all__ = [
     "CompletionChunk",
     "CompletionLogprobs",
     "ConnectionError",
+    "Embedding",
+    "EmbeddingList",
     "EngineStats",
     "Health",
     "InternalServerError",

@@ -18,6 +18,7 @@ from iterserve_client._base import (
     status_error,
     transport_error,
 )
+from iterserve_client.embeddings import AsyncEmbeddings
 from iterserve_client.responses import AsyncResponses
 from iterserve_client.stats import EngineStats
 from iterserve_client.streaming import AsyncStream
@@ -70,6 +71,7 @@ class AsyncClient:
         self.completions = AsyncCompletions(self)
         self.chat = AsyncChat(self)
         self.responses = AsyncResponses(self)
+        self.embeddings = AsyncEmbeddings(self)
 
     # -- the API ----------------------------------------------------------------------
 

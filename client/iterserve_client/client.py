@@ -18,6 +18,7 @@ from iterserve_client._base import (
     status_error,
     transport_error,
 )
+from iterserve_client.embeddings import Embeddings
 from iterserve_client.responses import Responses
 from iterserve_client.stats import EngineStats
 from iterserve_client.streaming import Stream
@@ -70,6 +71,7 @@ class Client:
         self.completions = Completions(self)
         self.chat = Chat(self)
         self.responses = Responses(self)
+        self.embeddings = Embeddings(self)
 
     # -- the API ----------------------------------------------------------------------
 

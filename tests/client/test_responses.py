@@ -1,4 +1,5 @@
-"""``client.responses``: what is sent, how answers and events parse, errors in a stream."""
+"""``client.responses`` and ``client.embeddings``: what is sent, how answers and events
+parse, errors in a stream."""
 
 from __future__ import annotations
 
@@ -73,3 +74,21 @@ async def test_a_stream_of_events_and_an_error_event(make_client, stub):
     got = await collect(stream)
     assert all(isinstance(e, ResponseEvent) for e in got)
     assert got[0].response.id == "resp_1" and got[1].delta == "Hi"
+
+
+async def test_embeddings_parse_floats_and_base64_alike(make_client, stub):
+    import base64
+    import struct
+
+    packed = base64.b64encode(struct.pack("<2f", 0.5, -0.25)).decode()
+    body = {"object": "list", "model": "m", "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            "data": [{"object": "embedding", "index": 1, "embedding": packed},
+                     {"object": "embedding", "index": 0, "embedding": [1.0, 0.0]}]}  # fmt: skip
+    stub.add(json_reply(200, body))
+    out = await resolve(
+        make_client().embeddings.create(model="m", input=["a", "b"], encoding_format="base64")
+    )
+    assert stub.requests[0].path == "/v1/embeddings"
+    assert stub.requests[0].body == {"model": "m", "input": ["a", "b"], "encoding_format": "base64"}
+    assert [e.embedding for e in out.data] == [[1.0, 0.0], [0.5, -0.25]]
+    assert out.usage.prompt_tokens == 3
