@@ -40,6 +40,12 @@ class EngineConfig:
         "(`/version` says which and why)",
         choices=DTYPES,
     )
+    seed: int = knob(
+        0,
+        "seed of the ranks' shared sampling generator, which requests without a seed of "
+        "their own draw from (a request's `seed` makes its tokens its own, whatever the batch)",
+        minimum=0,
+    )
     tensor_parallel_size: int = knob(
         1, "worker ranks; attention heads and MLP columns are split across them", minimum=1
     )

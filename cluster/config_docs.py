@@ -15,6 +15,7 @@ import dataclasses
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import MISSING
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "iterserve"
 README_BEGIN = "<!-- config-table: generated from EngineConfig by iterserve.cluster.config_docs -->"
 README_END = "<!-- /config-table -->"
+FLAGS_BEGIN = "<!-- serve-flags: generated from ServeArgs by iterserve.cluster.config_docs -->"
+FLAGS_END = "<!-- /serve-flags -->"
 VALUES_BEGIN = (
     "  # (generated from EngineConfig by iterserve.cluster.config_docs: edit the declarations)"
 )
@@ -91,9 +94,36 @@ def _shown(knob: Knob) -> str:
     return str(value)
 
 
+def _flag_names() -> dict[str, str]:
+    """Each setting's ``iterserve serve`` flag (vLLM's name where vLLM has one)."""
+    from .serve.flags import serve_flags
+
+    names: dict[str, str] = {}
+    for flag in serve_flags():
+        names.setdefault(flag.key, flag.name)
+    return names
+
+
 def readme_table() -> str:
-    rows = ["| key | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | {_shown(k)} | {k.meta['doc']} |" for k in knobs()]
+    flags = _flag_names()
+    rows = ["| key | flag | default | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{k.name}` | `{flags[k.name]}` | {_shown(k)} | {k.meta['doc']} |" for k in knobs()]
+    return "\n".join(rows)
+
+
+def serve_flags_table() -> str:
+    """The command's flags that are not engine knobs: the ingress's settings
+    (ServeArgs, also a Serve config's ``args``) and the command's own."""
+    from .serve.flags import CLI, ENGINE, serve_flags
+
+    rows = ["| flag | setting | meaning |", "|---|---|---|"]
+    for flag in serve_flags():
+        if flag.target == ENGINE and flag.key != "model":
+            continue
+        options = [o for o in flag.options if not o.startswith("--no-")]
+        setting = "(the command's)" if flag.target == CLI else f"`{flag.key}`"
+        text = flag.help.split(" [")[0].replace("|", "\\|")
+        rows.append(f"| `{'`, `'.join(options)}` | {setting} | {text} |")
     return "\n".join(rows)
 
 
@@ -190,32 +220,34 @@ def _between(text: str, begin: str, end: str, body: str, path: Path) -> str:
     return text[:start] + body + text[stop:]
 
 
-def rendered() -> dict[Path, str]:
-    """Every generated file as it should read."""
+def rendered(read: Callable[[Path], str] = Path.read_text) -> dict[Path, str]:
+    """Every generated file as it should read (``read``: each file's text as it is)."""
     out = {}
     readme = ROOT / "README.md"
-    text = readme.read_text()
+    text = _between(
+        read(readme), README_BEGIN, README_END, f"{README_BEGIN}\n{readme_table()}\n", readme
+    )
     out[readme] = _between(
-        text, README_BEGIN, README_END, f"{README_BEGIN}\n{readme_table()}\n", readme
+        text, FLAGS_BEGIN, FLAGS_END, f"{FLAGS_BEGIN}\n{serve_flags_table()}\n", readme
     )
     values = CHART / "values.yaml"
-    text = values.read_text()
+    text = read(values)
     out[values] = re.sub(
         r"(?ms)^engine:\n.*?(?=^\S)", lambda _: f"engine:\n{values_block()}\n\n", text, count=1
     )
     schema_path = CHART / "values.schema.json"
-    schema = json.loads(schema_path.read_text())
+    schema = json.loads(read(schema_path))
     schema["properties"]["engine"]["properties"] = schema_properties()
     out[schema_path] = json.dumps(schema, indent=2) + "\n"
     chart_readme = CHART / "README.md"
-    lines = chart_readme.read_text().splitlines()
+    lines = read(chart_readme).splitlines()
     rows = [i for i, line in enumerate(lines) if line.startswith("| `engine.")]
     if not rows:
         raise ValueError(f"{chart_readme}: no engine.* rows to replace")
     lines[rows[0] : rows[-1] + 1] = chart_readme_rows()
     out[chart_readme] = "\n".join(lines) + "\n"
     helpers = CHART / "templates" / "_helpers.tpl"
-    text = helpers.read_text()
+    text = read(helpers)
     out[helpers] = _between(
         text, TEMPLATE_BEGIN, TEMPLATE_END, template_block().removesuffix(TEMPLATE_END), helpers
     )

@@ -1,8 +1,10 @@
 """LoRA adapters at the serving edge, with vLLM's interface.
 
 - Flags: ``--enable-lora``, ``--lora-modules NAME=PATH`` (or vLLM's JSON form
-  ``{"name": ..., "path": ..., "base_model_name": ...}``), ``--max-loras``,
-  ``--max-lora-rank``, ``--max-cpu-loras``; the same keys in the engine config.
+  ``{"name": ..., "path": ..., "base_model_name": ...}``, read by
+  :func:`parse_lora_module`), ``--max-loras``, ``--max-lora-rank``,
+  ``--max-cpu-loras``: the engine config's keys, as every knob's flag
+  (:mod:`~iterserve.cluster.serve.flags`).
 - ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with
   ``{"lora_name", "lora_path"}`` load and unload adapters at runtime, on every
   engine replica; a bad adapter is a 400 naming the problem, and nothing is loaded.
@@ -19,7 +21,6 @@ runtime since.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
@@ -57,46 +58,15 @@ def parse_lora_module(text: str) -> dict[str, dict[str, Any]]:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"--lora-modules: not JSON: {exc}") from None
+            raise ValueError(f"--lora-modules: not JSON: {exc}") from None
         if not isinstance(data, dict) or not {"name", "path"} <= set(data):
-            raise argparse.ArgumentTypeError("--lora-modules: JSON needs name and path")
+            raise ValueError("--lora-modules: JSON needs name and path")
         entry = {"path": data["path"], "base_model_name": data.get("base_model_name")}
         return {data["name"]: entry}
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules: NAME=PATH, got {text!r}")
+        raise ValueError(f"--lora-modules: NAME=PATH, got {text!r}")
     return {name: {"path": path, "base_model_name": None}}
-
-
-def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags on ``iterserve serve``."""
-    group = parser.add_argument_group("LoRA adapters")
-    group.add_argument("--enable-lora", action="store_true", default=None,
-                       help="serve LoRA adapters (a request's model names one)")  # fmt: skip
-    group.add_argument("--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
-                       help="adapters to load at start: NAME=PATH or JSON "
-                       '{"name", "path", "base_model_name"}')  # fmt: skip
-    group.add_argument("--max-loras", type=int, help="adapters resident at once (default 1)")
-    group.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 16)")
-    group.add_argument("--max-cpu-loras", type=int,
-                       help="adapters kept read in host memory (default: max-loras)")  # fmt: skip
-
-
-def lora_config_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine config keys the LoRA flags set (only those given)."""
-    out: dict[str, Any] = {}
-    if getattr(args, "enable_lora", None):
-        out["enable_lora"] = True
-    if getattr(args, "lora_modules", None):
-        modules: dict[str, Any] = {}
-        for entry in args.lora_modules:
-            modules.update(entry)
-        out["lora_modules"] = modules
-        out["enable_lora"] = True
-    for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-        if getattr(args, key, None) is not None:
-            out[key] = getattr(args, key)
-    return out
 
 
 # -- the engine's registry ----------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The ``iterserve`` command line: ``serve`` (the cluster's), ``bench`` and
-``simulate`` (the benchmarks'). It lives above both so that the cluster never
-imports the benchmarks."""
+"""The ``iterserve`` command line: ``serve`` (the cluster's, with vLLM's
+flags), ``bench`` and ``simulate`` (the benchmarks'). It lives above
+both so that the cluster never imports the benchmarks."""
 
 from __future__ import annotations
 
@@ -81,10 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    from iterserve.cluster.serve.cli import add_serve_arguments
-
-    add_serve_arguments(
-        commands.add_parser("serve", help="the OpenAI-compatible server (default: the demo model)")
+    # serve parses its own flags (vLLM's): main hands them their arguments.
+    commands.add_parser(
+        "serve", add_help=False, help="the OpenAI-compatible server (default: the demo model)"
     )
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios; they never assert")
@@ -170,7 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OWN_PARSERS = {"serve": "cli"}  # modules of iterserve.cluster.serve
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in OWN_PARSERS:
+        import importlib
+
+        module = importlib.import_module(f"iterserve.cluster.serve.{OWN_PARSERS[argv[0]]}")
+        return module.main(argv[1:], prog=f"iterserve {argv[0]}")
     args = build_parser().parse_args(argv)
     args.func(args)
     return 0

@@ -189,8 +189,8 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
         for path in (prefix, prefix + "/{rest:path}"):
             app.add_api_route(path, unsupported, methods=["GET", "POST", "DELETE"])
 
-    async def model_card() -> dict:
-        card = {"id": serving.model_name, "object": "model", "created": created}
+    async def model_card(name: str | None = None) -> dict:
+        card = {"id": name or serving.model_name, "object": "model", "created": created}
         card["owned_by"] = "iterserve"
         if serving._info is None:
             # Asked of the engines once; a replica still loading must not hold the
@@ -210,10 +210,14 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [await model_card(), *await adapter_cards()]}
+        names = [serving.model_name, *serving.model_aliases]
+        cards = [await model_card(name) for name in names]
+        return {"object": "list", "data": [*cards, *await adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
+        if model_id in serving.model_aliases:
+            return await model_card(model_id)
         if model_id != serving.model_name:
             card = next((c for c in await adapter_cards() if c["id"] == model_id), None)
             if card is None:

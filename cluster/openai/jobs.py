@@ -36,13 +36,15 @@ def engine_id_prefix(request_id: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What the engines' configuration allows (``max_n``, ``max_logprobs``) and
-    their facts (``max_model_len``, ``vocab_size``)."""
+    """What the engines' configuration allows (``max_n``, ``max_logprobs``), their
+    facts (``max_model_len``, ``vocab_size``), and the sampling defaults of fields a
+    request leaves unset (``--generation-config``; ``max_tokens`` caps the default)."""
 
     max_n: int
     max_logprobs: int
     max_model_len: int
     vocab_size: int
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
 
 MAX_BAD_WORDS = MAX_BAD_WORD_SEQUENCES // 2  # each word tokenizes two ways at most
@@ -120,7 +122,9 @@ def sampling_params(
     if logprobs is not None and logprobs > limits.max_logprobs:
         message = f"must be in [0, {limits.max_logprobs}], got {logprobs}"
         raise SamplingParamsError("logprobs", message)
-    fields = {
+    defaults = dict(limits.sampling_defaults)
+    default_cap = defaults.pop("max_tokens", None)
+    fields = defaults | {
         name: getattr(request, name)
         for name in _SAMPLING_FIELDS
         if getattr(request, name) is not None
@@ -128,6 +132,8 @@ def sampling_params(
     if fields.get("top_k") == -1:  # vLLM's and Hugging Face's "off"
         fields["top_k"] = 0
     if max_tokens is None:
+        if default_cap is not None:  # the checkpoint's max_new_tokens bounds the default
+            default_max_tokens = min(default_max_tokens or default_cap, default_cap)
         if default_max_tokens is None:
             max_tokens = room
         else:  # a default never contradicts the request's own min_tokens

@@ -88,6 +88,10 @@ class OpenAIServing:
         self.reasoning = reasoning.reasoning_parser(reasoning_parser, tokenizer)
         self.grammars = structured.GrammarValidator(getattr(tokenizer, "path", ""))
         self._info: dict | None = None
+        # Other names of the base model (--served-model-name's after the first).
+        self.model_aliases: tuple[str, ...] = ()
+        # Sampling fields a request leaves unset take these (--generation-config).
+        self.sampling_defaults: dict[str, Any] = {}
         # The LoRA adapters a request's model may name (cluster/lora.py); None: none.
         self.lora: Any = None
         # Where finished Responses API responses are kept (responses/store.py); None:
@@ -151,7 +155,8 @@ class OpenAIServing:
     def check_model(self, model: str | None, required: bool = True) -> None:
         if model is None and not required:
             return
-        if model != self.model_name and self.lora_name(model) is None:
+        base = model == self.model_name or model in self.model_aliases
+        if not base and self.lora_name(model) is None:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -294,7 +299,10 @@ class OpenAIServing:
         ]
 
     def limits(self, info: dict) -> Limits:
-        return Limits(self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"])
+        return Limits(
+            self.max_n, self.max_logprobs, info["max_model_len"], info["vocab_size"],
+            self.sampling_defaults,
+        )  # fmt: skip
 
     def _builder(
         self, request, *, chat: bool, request_id: str, prompts: list[list[int]], echoes=None

@@ -163,6 +163,7 @@ class ModelExecutors:
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             draft_model=_draft_path(config),
+            seed=config.seed,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready
         return runner

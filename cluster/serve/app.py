@@ -73,8 +73,10 @@ class ServeArgs(BaseModel):
         None, description="Environment variable holding the API key; unset: no auth."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest request body in bytes.")
-    model_name: str | None = Field(
-        None, description="Name clients use in `model`; default: the checkpoint's directory name."
+    model_name: str | list[str] | None = Field(
+        None,
+        description="Name clients use in `model`; several: each is served, answers carry the "
+        "first; default: the checkpoint's directory name.",
     )
     request_timeout_s: float | None = Field(
         600.0, gt=0, description="A request still running after this long is aborted (504)."
@@ -113,6 +115,22 @@ class ServeArgs(BaseModel):
         description="The port the ingress answers HTTP on, without Serve's proxy (set "
         "proxy_location: Disabled); unset: behind Serve's proxy.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="The chat template: a file, or the template itself; unset: the "
+        "checkpoint's.",
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for fields a request leaves unset: auto (the "
+        "checkpoint's generation_config.json, as vLLM reads it), vllm (none), or a directory "
+        "holding a generation_config.json.",
+    )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling defaults set over generation_config's, e.g. "
+        '{"temperature": 0.5}.',
+    )
 
     @field_validator("tool_call_parser")
     @classmethod
@@ -123,6 +141,21 @@ class ServeArgs(BaseModel):
             raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")
         return value
 
+    @field_validator("model_name")
+    @classmethod
+    def _names(cls, value):
+        names = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(n, str) and n for n in names):
+            raise ValueError("names must be non-empty strings")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value):
+        from .model_files import chat_template_text
+
+        return value if value is None else (chat_template_text(value) and value)
+
     def engine_config(self) -> EngineConfig:
         config = dict(self.config)
         if self.model is not None:
@@ -132,7 +165,14 @@ class ServeArgs(BaseModel):
         return EngineConfig.from_dict(config)
 
     def served_model_name(self, config: EngineConfig) -> str:
-        return self.model_name or Path(config.model_path).name
+        """The name answers carry: the first of ``model_name``'s, else the checkpoint's."""
+        return self.served_model_names(config)[0]
+
+    def served_model_names(self, config: EngineConfig) -> list[str]:
+        """Every name a request's ``model`` may use for the base model."""
+        if isinstance(self.model_name, list) and self.model_name:
+            return list(self.model_name)
+        return [self.model_name or Path(config.model_path).name]
 
     @property
     def initial_engine_replicas(self) -> int:

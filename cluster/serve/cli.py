@@ -20,14 +20,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import re
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..openai.tool_parsers import TOOL_CALL_PARSERS
-from .routing import ROUTINGS
+from .flags import (
+    APP,
+    CLI,
+    ENGINE,
+    SERVE_DEFAULTS,
+    Flag,
+    FlagError,
+    FlagParser,
+    Setting,
+    add_flags,
+    from_file,
+    merged,
+    serve_flags,
+    split,
+    startup_line,
+    vllm_answers,
+    vllm_epilog,
+)
 
 if TYPE_CHECKING:
     from ..ranks.executors import ExecutorFactory
@@ -60,66 +80,52 @@ def run_server(
     config_file: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    num_engine_replicas: int = 1,
-    api_key_env: str | None = None,
-    max_body_bytes: int = 8 << 20,
-    model_name: str | None = None,
-    request_timeout_s: float | None = 600.0,
     config: dict[str, Any] | None = None,
     ready_timeout_s: float = 900.0,
     block: bool = True,
-    strict_fields: bool = False,
-    tool_call_parser: str | None = None,
-    cors_allowed_origins: list[str] | None = None,
-    cors_allow_credentials: bool = False,
-    metrics_require_api_key: bool = True,
-    routing: str = "prefix",
     executor: ExecutorFactory | None = None,
+    **settings: Any,
 ) -> str:
     """Serves the OpenAI-compatible API; returns the base URL.
 
     model: checkpoint directory (``None``: the bundled demo model).
     config_file: YAML or JSON file of EngineConfig keys (policy, max_num_seqs, ...).
     host, port: where the ingress answers HTTP (``0.0.0.0`` to accept remote clients).
-    num_engine_replicas: data-parallel engine copies behind the one ingress.
-    api_key_env: name of the environment variable that holds the API key; unset: no auth.
-    max_body_bytes: largest request body; larger ones get 413.
-    model_name: the name clients send as ``model`` (default: the checkpoint's directory name).
-    request_timeout_s: requests still running after this long are aborted (504).
     config: EngineConfig keys that override the file's.
     ready_timeout_s: how long to wait for the engines to load before giving up.
     block: serve until Ctrl-C / SIGTERM, then shut down (``False``: return at once,
         leaving Serve running; the caller shuts it down).
-    strict_fields: refuse request fields the server does not know (default: ignore them).
-    tool_call_parser: how tool calls are read from the output (``hermes``, ``llama3_json``).
-    cors_allowed_origins, cors_allow_credentials: origins browsers may call from.
-    metrics_require_api_key: whether /metrics needs the API key too.
-    routing: how the ingress spreads requests over engine replicas: ``prefix``
-        (to the one likely to hold the prompt's prefix, load as the bound) or ``load``.
     executor: what the ranks run instead of the model (code only: :mod:`~iterserve.cluster.ranks.executors`).
+    settings: the ingress's, :class:`~iterserve.cluster.serve.app.ServeArgs` fields
+        (``num_engine_replicas``, ``api_key_env``, ``model_name``, ``tool_call_parser``, ...).
     """
-    from .app import ServeArgs, build_application
+    from .app import ServeArgs
 
     engine = load_config_file(config_file) if config_file else {}
     engine.update(config or {})
-    args = ServeArgs(
-        model=model,
-        config=engine,
-        num_engine_replicas=num_engine_replicas,
-        api_key_env=api_key_env,
-        max_body_bytes=max_body_bytes,
-        model_name=model_name,
-        request_timeout_s=request_timeout_s,
-        strict_fields=strict_fields,
-        tool_call_parser=tool_call_parser,
-        cors_allowed_origins=cors_allowed_origins or [],
-        cors_allow_credentials=cors_allow_credentials,
-        metrics_require_api_key=metrics_require_api_key,
-        routing=routing,
-        http_host=host,
-        http_port=port,
-    )
+    args = ServeArgs(model=model, config=engine, http_host=host, http_port=port, **settings)
+    return start(args, ready_timeout_s=ready_timeout_s, block=block, executor=executor)
+
+
+def start(
+    args,
+    *,
+    ready_timeout_s: float = 900.0,
+    block: bool = True,
+    executor: ExecutorFactory | None = None,
+    quiet: bool = False,
+) -> str:
+    """Starts Ray (unless running), Serve and the app of ``args`` (a ServeArgs);
+    returns the base URL once every engine replica has loaded. With ``block``,
+    serves until Ctrl-C or SIGTERM, then drains and stops everything. ``quiet``:
+    Ray's and Serve's own logs stay in Ray's log files (what ``iterserve serve``
+    does unless ``--log-level debug``)."""
+    from .app import build_application
+
+    host, port = args.http_host, args.http_port
     name = _check_before_starting(args)
+    if executor is None:
+        _check_model_files(args)
 
     import ray
     from ray import serve
@@ -128,10 +134,11 @@ def run_server(
     # so Ray's processes never outlive this one.
     previous = signal.signal(signal.SIGTERM, _interrupt) if block else None
     started_ray = False
+    serving = False
     url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
     try:
         if not ray.is_initialized():
-            _start_ray()
+            _start_ray(quiet)
             started_ray = True
             if block:
                 # Ray's core replaces the handler with one that logs, then aborts
@@ -142,6 +149,7 @@ def run_server(
         serve.run(build_application(args, executor), name=APP_NAME, route_prefix="/")
         engines = serve.get_deployment_handle("EngineServer", APP_NAME)
         infos = engines.broadcast("info").results(timeout_s=ready_timeout_s)
+        serving = True
         print(f"iterserve: serving {name} at {url}/v1{_dtype_note(infos)}", flush=True)
         if block:
             threading.Event().wait()
@@ -149,8 +157,10 @@ def run_server(
         pass
     finally:
         if block:
-            print("iterserve: draining, then shutting down", flush=True)
-            _shutdown(stop_ray=started_ray, drain_timeout_s=args.engine_config().drain_timeout_s)
+            if serving:
+                print("iterserve: draining, then shutting down", flush=True)
+            drain_s = args.engine_config().drain_timeout_s if serving else None
+            _shutdown(stop_ray=started_ray, drain_timeout_s=drain_s)
             signal.signal(signal.SIGTERM, previous)
     return url
 
@@ -171,21 +181,37 @@ def _check_before_starting(args) -> str:
     return args.served_model_name(checked)
 
 
+def _check_model_files(args) -> None:
+    """Refuses a checkpoint the ranks would refuse (its config, its weights' index),
+    and sampling defaults every request would be refused for, before anything starts."""
+    from ...workers.checkpoint import load_checkpoint
+    from .model_files import sampling_defaults
+
+    path = args.engine_config().model_path
+    load_checkpoint(path).close()
+    sampling_defaults(args.generation_config, path, args.override_generation_config)
+
+
 def _dtype_note(infos: list[dict]) -> str:
     """ ", in bfloat16 (auto: why)" from the engines' start-up answers."""
     chosen = {(i["dtype"], i["dtype_reason"]) for i in infos if "dtype" in i}
     return "".join(f", in {dtype} ({reason})" for dtype, reason in sorted(chosen))
 
 
-def _start_ray() -> None:
+def _start_ray(quiet: bool = False) -> None:
     """A fresh single-node Ray, bound to loopback: nothing of it is reachable from
-    other machines; only the HTTP server listens on the given host and port."""
+    other machines; only the HTTP server listens on the given host and port.
+    ``quiet``: the Ray processes' logs stay in Ray's session logs
+    (/tmp/ray/session_latest/logs) instead of printing here too."""
     import ray
 
+    if quiet:
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     ray.init(
         address="local",
         include_dashboard=False,
-        logging_level="WARNING",
+        logging_level="ERROR" if quiet else "WARNING",
+        log_to_driver=not quiet,
         _node_ip_address="127.0.0.1",
         _system_config={"worker_niceness": WORKER_NICENESS},
     )
@@ -195,18 +221,25 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _shutdown(stop_ray: bool, drain_timeout_s: float = 0.0) -> None:
+def _shutdown(stop_ray: bool, drain_timeout_s: float | None = 0.0) -> None:
     """Drains every engine replica (bounded by ``drain_timeout_s``: they finish
-    what they have while the ingress answers new requests 503), stops Serve
-    (bounded: its controller may wait out timeouts), then the Ray this process
-    started, which takes every Ray process with it. Signals wait meanwhile: a
-    second SIGTERM or Ctrl-C must not cut this short."""
+    what they have while the ingress answers new requests 503; None: a start that
+    failed, nothing to drain), stops Serve (bounded: its controller may wait out
+    timeouts), then the Ray this process started, which takes every Ray process
+    with it. Signals wait meanwhile: a second SIGTERM or Ctrl-C must not cut this
+    short."""
     import ray
     from ray import serve
 
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        _drain_engines(drain_timeout_s)
+        if drain_timeout_s is None and stop_ray:
+            # A start that failed: the Ray this process started takes Serve with it
+            # (stopping Serve first only prints its controller's pending calls failing).
+            ray.shutdown()
+            return
+        if drain_timeout_s is not None:
+            _drain_engines(drain_timeout_s)
         stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
         stopper.start()
         stopper.join(SERVE_SHUTDOWN_S)
@@ -233,112 +266,164 @@ def _drain_engines(timeout_s: float) -> None:
     )
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``serve`` subcommand's options; ``serve_from_args`` runs them."""
-    parser.add_argument("--model", help="checkpoint directory (default: the demo model)")
-    parser.add_argument("--config", help="engine config file, YAML or JSON (EngineConfig keys)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
-    parser.add_argument(
-        "--engine-replicas", type=int, default=1, help="data-parallel engine copies (default 1)"
-    )
-    parser.add_argument(
-        "--api-key-env", help="environment variable holding the API key (default: no auth)"
-    )
-    parser.add_argument("--served-model-name", help="name clients use as `model`")
-    parser.add_argument(
-        "--strict-fields",
-        action="store_true",
-        help="refuse request fields the server does not know (default: accept and ignore)",
-    )
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=sorted(TOOL_CALL_PARSERS),
-        help="how tool calls are read from the model's output (needed for tool_choice auto)",
-    )
-    parser.add_argument(
-        "--cors-allowed-origins",
-        type=_origins,
-        default=[],
-        help="comma-separated origins browsers may call from, or * (default: no CORS)",
-    )
-    parser.add_argument(
-        "--cors-allow-credentials", action="store_true", help="let browsers send credentials"
-    )
-    parser.add_argument(
-        "--metrics-without-api-key",
-        dest="metrics_require_api_key",
-        action="store_false",
-        help="serve /metrics without the API key (for scrapers that have none)",
-    )
-    parser.add_argument(
-        "--routing",
-        choices=ROUTINGS,
-        default="prefix",
-        help="how requests spread over engine replicas: to the one likely to hold the "
-        "prompt's prefix, load as the bound (prefix, the default), or by load alone",
-    )
-    from ..lora import add_lora_arguments
+# -- the command ----------------------------------------------------------------------------
 
-    add_lora_arguments(parser)
-    parser.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        help="speculative decoding, as vLLM takes it: JSON such as "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
-    )
-    parser.set_defaults(func=serve_from_args)
-    return parser
+API_KEY_ENV = "ITERSERVE_API_KEY"  # where --api-key's key travels to the ingress
+logger = logging.getLogger("iterserve.serve")
 
 
-def _json_object(text: str) -> dict:
+@dataclass
+class ServePlan:
+    """What a command line asks for, checked, before anything starts."""
+
+    args: Any  # ServeArgs
+    settings: dict[str, Setting]  # what the flags and the config file set, and from where
+    notes: list[str]  # one log line per vLLM flag accepted with nothing to do
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def serve_parser(prog: str = "iterserve serve") -> tuple[FlagParser, list[Flag]]:
+    flags = serve_flags()
+    parser = FlagParser(
+        prog=prog,
+        usage=f"{prog} [MODEL] [flags]",
+        description="The OpenAI-compatible server. Its flags are vLLM's where vLLM has the\n"
+        "setting, in vLLM's help groups; each names its config key [in brackets].",
+        epilog=vllm_epilog(flags),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="a checkpoint directory, or a Hugging Face hub id in the local cache "
+        "(default: the demo model)",
+    )
+    add_flags(parser, flags)
+    return parser, flags
+
+
+def serve_plan(argv: list[str], prog: str = "iterserve serve") -> ServePlan:
+    """The plan of a command line (raises FlagError with the sentence that refuses
+    it; a malformed flag exits as argparse does, with one line)."""
+    parser, flags = serve_parser(prog)
+    return plan_from(parser.parse_args(argv), flags)
+
+
+def plan_from(ns: argparse.Namespace, flags: list[Flag]) -> ServePlan:
+    from pydantic import ValidationError
+
+    from .app import ServeArgs
+    from .model_files import resolve_model
+
+    given = dict(getattr(ns, "given", {}))
+    if ns.model_tag is not None:
+        if "model" in given and given["model"][0] != ns.model_tag:
+            raise FlagError(
+                f"the model is given twice: {ns.model_tag} and --model {given['model'][0]}"
+            )
+        given["model"] = (ns.model_tag, "MODEL")
+    file_settings: dict[str, Setting] = {}
+    file_vllm: list = []
+    if "config" in given:
+        file_settings, file_vllm = from_file(_read_config(given["config"][0]), flags)
+    notes = vllm_answers(file_vllm + getattr(ns, "vllm_flags", []))
+    settings = merged(file_settings, given)
+    parts = split(settings, flags)
+    engine, app, cli = parts[ENGINE], parts[APP], parts[CLI]
+    if engine.get("model") is not None:
+        name = str(engine["model"])
+        engine["model"], from_hub = resolve_model(name, cli.get("download_dir"))
+        if from_hub and "model_name" not in app:
+            app["model_name"] = name  # as vLLM serves it: under its hub id
+    api_key = cli.get("api_key")
+    if api_key is not None:
+        if app.get("api_key_env"):
+            raise FlagError("--api-key and --api-key-env both name the key; give one")
+        app["api_key_env"] = API_KEY_ENV
+    if cli.get("enable_auto_tool_choice") and not app.get("tool_call_parser"):
+        raise FlagError("--enable-auto-tool-choice requires --tool-call-parser")
+    app = {**SERVE_DEFAULTS, **app}
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+        args = ServeArgs(config=engine, **app)
+        args.engine_config()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = str(first["loc"][0]) if first["loc"] else ""
+        message = first["msg"].removeprefix("Value error, ")
+        raise FlagError(_named(key, message, settings)) from None
+    except ValueError as exc:
+        message = str(exc)
+        key = next((k for k in settings if re.search(rf"\b{k}\b", message)), "")
+        raise FlagError(_named(key, message, settings)) from None
+    return ServePlan(args, settings, notes, api_key, cli.get("log_level", "info"))
 
 
-def _origins(text: str) -> list[str]:
-    return [origin.strip() for origin in text.split(",") if origin.strip()]
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        return load_config_file(path)
+    except OSError as exc:
+        raise FlagError(f"--config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSON's errors are ValueErrors
+        raise FlagError(f"--config {path}: {exc}") from None
+    except Exception as exc:  # YAML's
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise FlagError(f"--config {path}: not YAML{where}: {problem}") from None
 
 
-def serve_from_args(args: argparse.Namespace) -> None:
-    run_server(
-        model=args.model,
-        config_file=args.config,
-        host=args.host,
-        port=args.port,
-        num_engine_replicas=args.engine_replicas,
-        api_key_env=args.api_key_env,
-        model_name=args.served_model_name,
-        strict_fields=args.strict_fields,
-        tool_call_parser=args.tool_call_parser,
-        cors_allowed_origins=args.cors_allowed_origins,
-        cors_allow_credentials=args.cors_allow_credentials,
-        metrics_require_api_key=args.metrics_require_api_key,
-        routing=args.routing,
-        config=engine_config_from_args(args),
-    )
+def _named(key: str, message: str, settings: dict[str, Setting]) -> str:
+    """``message`` about config key ``key``, led by where the value came from."""
+    setting = settings.get(key)
+    if setting is None:
+        return message
+    source = setting.source
+    if source.startswith("-"):
+        source = f"{source} {_shown(setting.value)}"
+    return f"{source}: {message}"
 
 
-def engine_config_from_args(args: argparse.Namespace) -> dict:
-    """The engine config keys the flags set (only those given)."""
-    from ..lora import lora_config_from_args
-
-    config = lora_config_from_args(args)
-    if getattr(args, "speculative_config", None) is not None:
-        config["speculative_config"] = args.speculative_config
-    return config
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = add_serve_arguments(argparse.ArgumentParser(prog="iterserve serve"))
-    args = parser.parse_args(argv)
-    args.func(args)
+def main(argv: list[str] | None = None, prog: str = "iterserve serve") -> int:
+    """``iterserve serve``: the exit code (a bad command line: 2, a failed start: 1)."""
+    from . import startup
+
+    parser, flags = serve_parser(prog)
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = plan_from(ns, flags)
+    except ValueError as exc:  # FlagError, a model not found, a bad chat template, ...
+        return startup.refuse(prog, str(exc))
+    debug = plan.log_level == "debug"
+    _log_to_terminal(plan.log_level)
+    for note in plan.notes:
+        logger.info(note)
+    line = startup_line(plan.settings)
+    if line:
+        print(f"iterserve: settings: {line}", flush=True)
+    if plan.api_key is not None:
+        # The Ray started next gives its processes this environment: the key reaches
+        # the ingress without being written into any config.
+        os.environ[API_KEY_ENV] = plan.api_key
+    try:
+        start(plan.args, block=True, quiet=not debug)
+    except Exception as exc:
+        return startup.fail(prog, exc, debug=debug)
     return 0
+
+
+def _log_to_terminal(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    root = logging.getLogger("iterserve")
+    root.addHandler(handler)
+    root.setLevel(level.upper())
 
 
 if __name__ == "__main__":

@@ -57,13 +57,44 @@ def _successor_runs() -> bool:
         return True
 
 
+def openai_serving(engines, config: EngineConfig, args, settings: dict) -> OpenAIServing:
+    """The API over ``engines`` as ``args`` (:class:`~.app.ServeArgs`) configure it: the
+    served names, the chat template, the sampling defaults (an ingress's, run-batch's).
+    ``settings``: what GET /version shows of how the server runs."""
+    from ...workers.tokenizer import Tokenizer
+    from .model_files import chat_template_text, sampling_defaults
+
+    tokenizer = Tokenizer(config.model_path)
+    if args.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(args.chat_template)
+    names = args.served_model_names(config)
+    serving = OpenAIServing(
+        engines,
+        tokenizer,
+        model_name=names[0],
+        max_n=config.scheduler.max_n,
+        max_logprobs=config.scheduler.max_logprobs,
+        request_timeout_s=args.request_timeout_s,
+        strict_fields=args.strict_fields,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        runner=config.runner,
+        normalize_embeddings=config.pooling_normalize,
+        settings=settings,
+    )
+    serving.model_aliases = tuple(names[1:])
+    serving.sampling_defaults = sampling_defaults(
+        args.generation_config, config.model_path, args.override_generation_config
+    )
+    return serving
+
+
 @serve.deployment(ray_actor_options={"num_cpus": resources.INGRESS_CPUS})
 @serve.ingress()
 class OpenAIIngress:
     """The HTTP front: every route of the OpenAI-compatible API."""
 
     def __init__(self, engine, config: EngineConfig, args):
-        from ...workers.tokenizer import Tokenizer
         from ..openai.responses.store import shared_store, store_name
         from .app import metrics_hub_name
 
@@ -96,17 +127,11 @@ class OpenAIIngress:
         if args.routing == "prefix" and config.scheduler.prefix_caching:
             router = PrefixRouter(config.scheduler.block_size)
         self.engines = ChannelEngineClient(engine, router)
-        self.serving = OpenAIServing(
+        self.serving = openai_serving(
             self.engines,
-            Tokenizer(config.model_path),
-            model_name=args.served_model_name(config),
-            max_n=config.scheduler.max_n,
-            max_logprobs=config.scheduler.max_logprobs,
-            request_timeout_s=args.request_timeout_s,
-            strict_fields=args.strict_fields,
-            tool_call_parser=args.tool_call_parser,
-            reasoning_parser=config.reasoning_parser,
-            settings={
+            config,
+            args,
+            {
                 "policy": config.scheduler.policy,
                 "max_num_seqs": config.scheduler.max_num_seqs,
                 "prefix_caching": config.scheduler.prefix_caching,  # on, and a policy using it

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from iterserve.cluster.config import EngineConfig
-from iterserve.cluster.lora import lora_config_from_args
-from iterserve.cluster.serve.cli import add_serve_arguments
+from iterserve.cluster.serve.cli import serve_plan
 
 
 def parse(*argv: str) -> dict:
-    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(list(argv))
-    return lora_config_from_args(args)
+    """The LoRA keys a command line sets (as the CLI hands them to the engine config)."""
+    config = serve_plan(list(argv)).args.config
+    keys = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
+    return {k: v for k, v in config.items() if k in keys}
 
 
 def test_vllm_flags_become_engine_config_keys():

@@ -11,7 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from iterserve.cluster.serve.app import ServeArgs, build_app
-from iterserve.cluster.serve.cli import add_serve_arguments, load_config_file, run_server
+from iterserve.cluster.serve.cli import load_config_file, run_server, serve_plan
+from iterserve.cluster.serve.flags import FlagError
 from tests.serve.conftest import _free_port, fake_engine
 from tests.stand_ins import split
 
@@ -64,35 +65,34 @@ def test_config_files_are_yaml_or_json(tmp_path):
         load_config_file(tmp_path / "bad.yaml")
 
 
-def test_serve_subcommand_arguments():
-    import argparse
-
-    parser = add_serve_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(["--model", "/m", "--port", "9000", "--engine-replicas", "2"])
-    assert (args.model, args.port, args.engine_replicas, args.host) == ("/m", 9000, 2, "127.0.0.1")
-    assert args.func.__name__ == "serve_from_args"
+def test_serve_subcommand_arguments(tmp_path):
+    argv = ["--model", str(tmp_path), "--port", "9000", "--engine-replicas", "2"]
+    args = serve_plan(argv).args
+    assert (args.config["model"], args.http_port, args.num_engine_replicas) == (
+        str(tmp_path), 9000, 2,
+    )  # fmt: skip
+    assert args.http_host == "127.0.0.1"
     assert not args.strict_fields and args.tool_call_parser is None
     assert args.cors_allowed_origins == [] and args.metrics_require_api_key is True
 
 
 def test_serve_subcommand_compatibility_options():
-    import argparse
-
-    parser = add_serve_arguments(argparse.ArgumentParser())
-    args = parser.parse_args(
+    args = serve_plan(
         [
             "--strict-fields",
             "--tool-call-parser", "llama3_json",
             "--cors-allowed-origins", "https://a.example, https://b.example",
             "--cors-allow-credentials",
             "--metrics-without-api-key",
+            "--api-key-env", "MY_KEY",
         ]
-    )  # fmt: skip
+    ).args  # fmt: skip
     assert args.strict_fields and args.tool_call_parser == "llama3_json"
     assert args.cors_allowed_origins == ["https://a.example", "https://b.example"]
     assert args.cors_allow_credentials and args.metrics_require_api_key is False
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--tool-call-parser", "nope"])
+    assert args.api_key_env == "MY_KEY"
+    with pytest.raises(FlagError, match="--tool-call-parser nope: must be one of hermes"):
+        serve_plan(["--tool-call-parser", "nope"])
 
 
 def test_run_server_serves_a_config_file(serve_url, tokenizer_dir, vocab_size, tmp_path):

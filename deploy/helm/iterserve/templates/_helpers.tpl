@@ -149,6 +149,7 @@ The Serve config (serveConfigV2) as YAML.
 {{- /* engine config: generated from EngineConfig by iterserve.cluster.config_docs */}}
 {{- $config := dict
   "dtype" $e.dtype
+  "seed" (int $e.seed)
   "tensor_parallel_size" (int $e.tensorParallelSize)
   "policy" $e.policy
   "max_num_seqs" (int $e.maxNumSeqs)

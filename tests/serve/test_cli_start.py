@@ -1,0 +1,145 @@
+"""The real ``iterserve serve`` command: a vLLM command line starts it, and whatever
+stops it from starting ends it with one line naming the problem and a non-zero code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import USER_ENV
+
+BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
+READY_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "iterserve"), "serve", *args],
+        cwd=cwd, env=USER_ENV, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with a quantization_config, which the loader refuses."""
+    path = tmp_path_factory.mktemp("refused") / "tiny-awq"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, reason, code",
+    [
+        (["{quantized}"], "config.json: 'quantization_config' is set", 1),
+        (["{tiny}", "--max-num-seqs", "abc"], "--max-num-seqs abc: must be an integer", 2),
+        (["{tiny}", "--gpu-memory-utilization", "1.5"],
+         "--gpu-memory-utilization 1.5: kv_memory_fraction must be <= 1", 2),
+        (["{tiny}", "--config", "{bad_yaml}"], "not YAML at line 2", 2),
+        (["{tiny}", "--config", "{missing}"], "No such file or directory", 2),
+        (["{tiny}", "--pipeline-parallel-size", "2"], "vLLM's flag is not implemented", 2),
+        (["{tiny}", "--no-such-flag"], "--no-such-flag is a flag of neither iterserve nor", 2),
+        (["Org/not-in-the-cache"], "iterserve downloads nothing", 2),
+        (["{tiny}", "--chat-template", "{missing}"], "chat_template: no file", 2),
+    ],
+)  # fmt: skip
+def test_what_cannot_start_ends_with_one_sentence(
+    args, reason, code, tiny_model_dir, quantized_checkpoint, tmp_path
+):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("max-num-seqs: [\n")
+    names = dict(tiny=tiny_model_dir, quantized=quantized_checkpoint, bad_yaml=bad_yaml,
+                 missing=tmp_path / "missing.yaml")  # fmt: skip
+    env_cache = {**USER_ENV, "HF_HUB_CACHE": str(tmp_path / "hub")}
+    done = subprocess.run(
+        [str(BIN / "iterserve"), "serve", *(a.format(**names) for a in args),
+         "--port", str(_free_port())],
+        cwd=tmp_path, env=env_cache, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == code, done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("iterserve serve: "), done.stderr
+    assert reason in lines[0], lines[0]
+    assert "Traceback" not in done.stdout + done.stderr
+    if code == 1:  # a failed start: the traceback is in the log file the line names
+        log = Path(lines[0].rsplit("(traceback: ", 1)[1].rstrip(")"))
+        assert "Traceback (most recent call last)" in log.read_text()
+
+
+def test_log_level_debug_prints_the_traceback_too(quantized_checkpoint, tmp_path):
+    done = _serve(str(quantized_checkpoint), "--log-level", "debug", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1].startswith("iterserve serve: config.json")
+
+
+@pytest.mark.slow
+def test_a_vllm_command_line_starts_the_server(tiny_model_dir, tmp_path):
+    """vLLM's flags, unchanged: the served names, the key, the accepted no-ops; then a
+    SIGTERM ends it with exit code 0."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    line = [
+        str(tiny_model_dir), "--dtype", "float32", "--max-model-len", "128",
+        "--max-num-seqs", "4", "--gpu-memory-utilization", "0.5", "--enable-prefix-caching",
+        "--enforce-eager", "--trust-remote-code", "--disable-log-requests",
+        "--served-model-name", "tiny", "tiny-alias", "--api-key", "k-123", "--seed", "1",
+        "--port", str(port),
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "iterserve"), "serve", *line], cwd=tmp_path, env=USER_ENV,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait_healthy(url, proc, log)
+        auth = {"Authorization": "Bearer k-123"}
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "tiny-alias"]
+        body = {"model": "tiny-alias", "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 3}  # fmt: skip
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert answer.status_code == 200 and answer.json()["model"] == "tiny"
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "--enforce-eager: accepted, nothing to do" in text
+    assert "kv_memory_fraction=0.5 (--gpu-memory-utilization)" in text
+    assert "k-123" not in text  # the key is never printed
+    assert "Traceback" not in text, text
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"not healthy within {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
