@@ -157,7 +157,7 @@ class _CeilingRun:
             forward_s += result.forward_s
             steps += 1
             num_tokens += len(result.sampled)
-            sched.update(step, result)
+            sched.update(result)
         return num_tokens / bare_s, 1000 * forward_s / steps
 
     async def engine_pass(self, engine: AsyncEngine) -> tuple[float, float]:

@@ -28,7 +28,7 @@ def ms_per_step(num_seqs: int, num_steps: int = 200, policy: str = "chunked") ->
     # Warm up until every sequence has been prefilled and is decoding.
     while not all(r.is_decoding for r in sched.running.values()) or len(sched.running) < num_seqs:
         step = sched.schedule(0.0)
-        sched.update(step, executor.execute(step.plan))
+        sched.update(executor.execute(step.plan))
     spent = 0.0
     for _ in range(num_steps):
         t0 = time.process_time()
@@ -36,7 +36,7 @@ def ms_per_step(num_seqs: int, num_steps: int = 200, policy: str = "chunked") ->
         t1 = time.process_time()
         result = executor.execute(step.plan)
         t2 = time.process_time()
-        sched.update(step, result)
+        sched.update(result)
         t3 = time.process_time()
         spent += (t1 - t0) + (t3 - t2)
     return spent / num_steps * 1000.0

@@ -252,7 +252,7 @@ def simulate_policy(
         pad_tokens += padding
         real_tokens += tokens - padding
         now += cost.totals(tokens, context, causal, rows).time_s
-        timeline.record(sched.update(step, executor.execute(step.plan)), now)
+        timeline.record(sched.update(executor.execute(step.plan)).outputs, now)
 
     finish = timeline.finish
     assert len(finish) == num_requests, f"{policy}: {num_requests - len(finish)} unfinished"

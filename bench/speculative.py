@@ -72,7 +72,7 @@ def _generate(runner, prompts: list[list[int]], max_tokens: int, spec: dict | No
         block_size=runner.block_size, num_kv_blocks=min(num_blocks, runner.num_kv_blocks),
         speculative_config=spec or {},
     )  # fmt: skip
-    sched = Scheduler(config, max_in_flight=1)
+    sched = Scheduler(config, ahead=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"b{i}", prompt, params))
@@ -81,7 +81,7 @@ def _generate(runner, prompts: list[list[int]], max_tokens: int, spec: dict | No
     while sched.has_work:
         step = sched.schedule(0.0)
         assert step is not None
-        for out in sched.update(step, runner.execute(step.plan)):
+        for out in sched.update(runner.execute(step.plan)).outputs:
             tokens += len(out.new_token_ids)
             if texts is not None:
                 texts.setdefault(int(out.request_id[1:]), []).extend(out.new_token_ids)

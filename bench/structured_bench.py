@@ -96,7 +96,7 @@ class StructuredBench:
                 wall_s[name] += time.perf_counter() - wall
                 cpu_s[name] += time.thread_time() - cpu
                 tokens[name] += len(result.sampled)
-                sched.update(step, result)
+                sched.update(result)
             turn += 1
         return {n: (tokens[n] / wall_s[n], tokens[n] / cpu_s[n], tokens[n]) for n in BATCHES}
 

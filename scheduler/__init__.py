@@ -4,7 +4,8 @@ Public surface:
 - :class:`Request`, :class:`RequestStatus` — a request and its lifecycle.
 - :class:`SamplingParams`, :class:`SamplingParamsError` — validated sampling knobs.
 - :class:`SchedulerConfig` — frozen configuration of the scheduler.
-- :class:`Scheduler` — ``schedule(now) -> ScheduledStep``, ``update(step, StepResult) -> outputs``.
+- :class:`Scheduler` — ``schedule(now) -> ScheduledStep``; ``update(StepResult) -> ScheduledStep``
+  (the oldest step in flight, taken back, with its ``outputs``).
 - :mod:`~iterserve.scheduler.messages` — the two messages that cross to the workers.
 - :mod:`~iterserve.scheduler.codec` — their strict msgpack codec.
 - :class:`FakeExecutor` — a deterministic stand-in for the model workers;

@@ -35,7 +35,7 @@ from .sampling import (
     StructuredOutput,
 )
 
-# 2: StepPlan.lookahead; 3: sequences named by seq_id; 4: the sampling extensions
+# 2: StepPlan.ahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
 # StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
 # 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads)
@@ -281,7 +281,7 @@ def _encode_plan(m: StepPlan) -> list:
         ],
         m.released_slots,
         m.padding_slots,
-        m.lookahead,
+        m.ahead,
         [[a.slot, a.adapter_id, a.name, a.path] for a in m.adapter_loads],
     ]
 

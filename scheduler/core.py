@@ -1,14 +1,29 @@
 """The iteration-level scheduler.
 
 :meth:`Scheduler.schedule` decides which sequences run in the next iteration
-and how many tokens each computes, and returns the :class:`ScheduledStep`;
-:meth:`Scheduler.update` takes it back with the workers' :class:`StepResult`.
-The batching *policy* (static, dynamic, continuous, chunked) only chooses, into
-a :class:`StepBuilder` made for that one call; this module owns the slot table,
-the KV block manager, the waiting queue, preemption and finishing.
+and how many tokens each computes, and returns the :class:`ScheduledStep`,
+which it keeps in its queue of steps in flight; :meth:`Scheduler.update` takes
+the workers' :class:`StepResult` and pairs it with the oldest of them. The
+batching *policy* (static, dynamic, continuous, chunked) only chooses, into a
+:class:`StepBuilder` made for that one call; this module owns the slot table,
+the KV block manager, the waiting queue, the steps in flight, preemption and
+finishing.
 
-Scheduling ahead (a plan built while the step before it runs) is explained in
-:mod:`~iterserve.scheduler.ahead`.
+Scheduling ahead (``ahead``; the engine's ``async_scheduling``): while step N
+runs, ``schedule`` may build step N+1, so the workers start N+1 as soon as N
+ends instead of waiting for the scheduler to take N's result and decide. What
+N will produce is not known yet, so a plan built ahead rests on what is certain:
+
+- every sequence N samples for is counted as one token longer (its token is
+  *pending*); the workers hold that token and feed it to N+1 themselves;
+- a sequence whose last token (``max_tokens``) N samples is *released ahead*:
+  its slot and blocks go to waiting requests in N+1, and it finishes when N's
+  result brings that token (``released_ahead``);
+- a sequence N ends by EOS or a stop token still gets a row in N+1, which the
+  workers compute as padding (the cost of not knowing: one row, once);
+- a plan that would have to preempt, or whose sequences would propose tokens,
+  is not built ahead: ``schedule`` returns None and the caller schedules again
+  once N's result is in.
 
 Prefix caching (which blocks are shared by content, and when) is explained in
 :mod:`~iterserve.scheduler.prefix_cache`.
@@ -20,7 +35,6 @@ import dataclasses
 from collections import deque
 
 from .adapters import AdapterResidency
-from .ahead import finishing_if_ahead_fits, retire
 from .blocks import BlockManager
 from .config import SchedulerConfig
 from .errors import PromptTooLongError, ProtocolError, QueueFullError
@@ -40,19 +54,17 @@ from .step import ScheduledStep, StepBuilder
 
 
 class Scheduler:
-    """``max_in_flight``: steps handed out whose results have not come back, at
-    most (2: one built ahead of the one running; 1: one at a time). ``kv_window``:
-    the model's, when every layer reads only that many last positions (blocks
-    before it are handed on while a sequence runs; paged only)."""
+    """``ahead``: whether a step may be built while the one before it runs (then
+    two are in flight at most; else one at a time). ``kv_window``: the model's,
+    when every layer reads only that many last positions (blocks before it are
+    handed on while a sequence runs; paged only)."""
 
     def __init__(
-        self, config: SchedulerConfig, max_in_flight: int = 2, *, kv_window: int | None = None
+        self, config: SchedulerConfig, *, ahead: bool = True, kv_window: int | None = None
     ):
         config.check_complete()
-        if max_in_flight not in (1, 2):
-            raise ValueError(f"max_in_flight must be 1 or 2, got {max_in_flight}")
         self.config = config
-        self.max_in_flight = max_in_flight
+        self.ahead = ahead
         self.slots = SlotTable(config.max_num_seqs)
         num_kv_blocks, max_model_len = config.num_kv_blocks, config.max_model_len
         assert num_kv_blocks is not None and max_model_len is not None  # check_complete
@@ -76,16 +88,18 @@ class Scheduler:
         )
         self.step = 0
         # The steps handed out whose results have not come back, oldest first: the
-        # one queue of them (the engine keeps none); update() takes the oldest.
-        self.in_flight: deque[ScheduledStep] = deque()
+        # one queue of them (the engine keeps none); update() pairs a result with
+        # the oldest.
+        self._in_flight: deque[ScheduledStep] = deque()
         self._next_seq_id = 0
         # The requests the workers know, by the id results name them with: running
-        # ones and retiring ones. An aborted request leaves at once, so a result
-        # computed for it is dropped even when a new request reuses its request_id.
+        # ones and those released ahead. An aborted request leaves at once, so a
+        # result computed for it is dropped even when a new request reuses its id.
         self._by_seq: dict[int, Request] = {}
-        # Requests whose last token a running step samples: slot and blocks already
-        # handed on; seq_id -> (request, the blocks it held, for the workers' check).
-        self.retiring: dict[int, tuple[Request, list[int]]] = {}
+        # Requests whose last token a step in flight samples, their slot and blocks
+        # handed on ahead of it: seq_id -> (request, the blocks it held, for the
+        # workers' check).
+        self.released_ahead: dict[int, tuple[Request, list[int]]] = {}
         self._released_slots: list[int] = []  # since the last plan: the next one says so
         self.num_preempted = 0  # waiting requests whose KV was dropped
         self.num_preemptions = 0
@@ -147,40 +161,48 @@ class Scheduler:
     def requeue_running(self) -> None:
         """The steps in flight were lost with the workers: forget them and preempt
         every running sequence, to be recomputed on fresh workers. No token is lost."""
-        self.in_flight.clear()
-        self.policy.reset(self)
-        retiring = [request for request, _ in self.retiring.values()]
-        self.retiring.clear()
-        for request in sorted([*self.running.values(), *retiring], key=Request.sort_key):
+        self.drop_in_flight()
+        for request in self.policy.reset():
+            self.release_slot(request, tell_workers=False)  # the workers are gone
+        ahead = [request for request, _ in self.released_ahead.values()]
+        self.released_ahead.clear()
+        for request in sorted([*self.running.values(), *ahead], key=Request.sort_key):
             self.preempt(request, kv_lost=True)
         self.blocks.clear_cache()  # the KV every hash named died with the workers
         self.adapters.forget_resident()  # and so did the adapters they held
 
+    def drop_in_flight(self) -> None:
+        """Forgets the steps in flight: their results will never come (the workers
+        were lost, or the engine stops serving)."""
+        self._in_flight.clear()
+
     # -- the step --------------------------------------------------------------
 
     def schedule(self, now: float) -> ScheduledStep | None:
-        """Builds the next step, or returns None when there is nothing to run or
-        ``max_in_flight`` steps are out already.
+        """Builds the next step and keeps it in the queue of steps in flight, or
+        returns None when there is nothing to run or no room in that queue.
 
-        With a step in flight, builds the step after it (a lookahead plan, see
-        the module docstring), or returns None when that step must wait for the
-        result of the one in flight. The step's result goes back to :meth:`update`
-        with it, oldest step first."""
-        if len(self.in_flight) >= self.max_in_flight:
-            return None
-        lookahead = bool(self.in_flight)
-        finishing: list[Request] | None = []
-        if lookahead and (self.in_flight[-1].num_draft_tokens or self._speculates_next()):
-            # How many tokens a draft adds is known only from its result; and a plan
-            # built ahead proposes nothing: where proposals pay, they beat the overlap.
-            return None
-        if lookahead:
-            finishing = finishing_if_ahead_fits(self)
-            if finishing is None:
+        With a step in flight, builds the step after it (built ahead, see the
+        module docstring), or returns None when that step must wait for the
+        result of the one in flight."""
+        in_flight = self._in_flight
+        finishing: list[Request] = []
+        if in_flight:
+            if not self.ahead or len(in_flight) > 1:
                 return None
-        step = StepBuilder(self, lookahead=lookahead)
+            if in_flight[-1].num_draft_tokens or self._speculates_next():
+                # How many tokens a draft adds is known only from its result; and a plan
+                # built ahead proposes nothing: where proposals pay, they beat the overlap.
+                return None
+            fits = self._finishing_if_ahead_fits()
+            if fits is None:
+                return None
+            finishing = fits
+        for request in self.policy.ended_batch():  # an abort may have ended it
+            self.release_slot(request, tell_workers=False)
+        step = StepBuilder(self, ahead=bool(in_flight))
         if finishing and not self.policy.holds_finished_slots:
-            retire(self, finishing)
+            self._release_ahead(finishing)
         self.policy.schedule(step, now)
         if not step.scheduled:
             return None
@@ -191,69 +213,106 @@ class Scheduler:
         self.step += 1
         scheduled = step.build(self.step, self._released_slots, now)
         self._released_slots = []
-        self.in_flight.append(scheduled)
+        in_flight.append(scheduled)
         return scheduled
 
-    def update(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
-        """Applies the workers' result for ``step`` (the oldest step in flight):
-        append tokens, finish, free."""
-        if not self.in_flight or step is not self.in_flight[0]:
-            raise ProtocolError(f"step {step.plan.step} is not the oldest step in flight")
+    def _finishing_if_ahead_fits(self) -> list[Request] | None:
+        """The running sequences whose last token the step in flight samples; None
+        unless every other one's next step, at its largest, fits in the free blocks
+        (otherwise a choice in a plan built ahead could need a preemption)."""
+        budget = self.config.token_budget
+        num_needed = self.blocks.num_needed
+        needed = 0
+        finishing = []
+        for request in self.running.values():
+            if request.finishes_in_flight:
+                finishing.append(request)  # released ahead (or padding, in static batching)
+                continue
+            target = request.num_computed_tokens + min(request.num_remaining_tokens, budget)
+            needed += num_needed(request.request_id, target)
+        return finishing if needed <= self.blocks.num_free else None
+
+    def _release_ahead(self, finishing: list[Request]) -> None:
+        """Hands on the slot and blocks of every sequence whose last token the step
+        in flight samples. The workers drop it when they sample that token, before
+        they start the step being built, so the step may reuse both."""
+        for request in finishing:
+            # Its KV up to its last known token is computed by the step in flight.
+            known = min(request.num_computed_tokens, request.num_tokens)
+            self.released_ahead[request.seq_id] = (request, self.prefix.release(request, known))
+            self.release_slot(request, tell_workers=False)
+            del self.running[request.request_id]
+            # The step in flight computes its last row with its adapter; a load that
+            # reuses the slot travels in a later plan, applied after that step.
+            self.unpin_adapter(request)
+
+    def update(self, result: StepResult) -> ScheduledStep:
+        """Pairs the workers' result with the oldest step in flight and applies it:
+        append tokens, finish, free. Returns that step, taken out of the queue,
+        with what it produced for each request (``outputs``)."""
+        in_flight = self._in_flight
+        if not in_flight:
+            raise ProtocolError(f"a result for step {result.step}, but no step is in flight")
+        step = in_flight[0]
         if result.step != step.plan.step:
             raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
-        self.in_flight.popleft()
-        request: Request | None
+        in_flight.popleft()
+        running = RequestStatus.RUNNING
+        requests = step.requests
         expected: list[Request] = []
         for entry in step.plan.scheduled:
             if entry.sample:
-                request = step.requests[entry.slot_idx]
-                if request.status == RequestStatus.RUNNING:  # not aborted meanwhile
+                request = requests[entry.slot_idx]
+                if request.status == running:  # not aborted meanwhile
                     request.num_pending -= 1
                     expected.append(request)
         outputs: dict[str, RequestOutput] = {}
         live = self._by_seq
+        at_limit: list[Request] = []  # requests this step took to max_tokens
         for sampled in result.sampled:
-            request = live.get(sampled.seq_id)
-            if request is None:
+            req = live.get(sampled.seq_id)
+            if req is None:
                 continue  # aborted while the step was in flight
-            request.output_token_ids.append(sampled.token_id)
-            out = outputs.get(request.request_id)
+            tokens = req.output_token_ids
+            tokens.append(sampled.token_id)
+            out = outputs.get(req.request_id)
             if out is not None:  # a second token: a draft's accepted run
                 out.new_token_ids.append(sampled.token_id)
             else:
-                out = outputs[request.request_id] = RequestOutput(
-                    request.request_id, [sampled.token_id], request=request
+                out = outputs[req.request_id] = RequestOutput(
+                    req.request_id, [sampled.token_id], request=req
                 )
-                if len(request.output_token_ids) == 1:
-                    out.num_cached_tokens = request.num_cached_tokens
-            if request.params.logprobs is not None:
+                if len(tokens) == 1:
+                    out.num_cached_tokens = req.num_cached_tokens
+            if len(tokens) >= req.params.max_tokens:
+                at_limit.append(req)
+            if req.params.logprobs is not None:
                 logprobs = (sampled.logprob, list(sampled.top_logprobs))
-                request.output_logprobs.append(logprobs)
-                out.new_logprobs.append(logprobs)
+                req.output_logprobs.append(logprobs)
+                if isinstance(out.new_logprobs, list):
+                    out.new_logprobs.append(logprobs)
+                else:
+                    out.new_logprobs = [logprobs]
         for prompt in result.prompt_logprobs:  # once, with the step completing the prompt
-            request = live.get(prompt.seq_id)
-            if request is not None:
-                out = outputs.setdefault(
-                    request.request_id, RequestOutput(request.request_id, request=request)
-                )
+            req = live.get(prompt.seq_id)
+            if req is not None:
+                out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, request=req))
                 out.prompt_logprobs = prompt
         for finished in result.finished:
-            request = live.get(finished.seq_id)
-            if request is None:
+            req = live.get(finished.seq_id)
+            if req is None:
                 continue  # aborted while the step was in flight
-            if finished.seq_id in self.retiring:
-                held = self.retiring[finished.seq_id][1]
-            else:  # a step built after this one may have changed its table since
-                held = step.held(self, request)
+            ahead = self.released_ahead.get(finished.seq_id)
+            held = ahead[1] if ahead is not None else self._held_after(step, req)
             if list(finished.block_ids) != held:
                 raise ProtocolError(
-                    f"{request.request_id}: worker released blocks "
+                    f"{req.request_id}: worker released blocks "
                     f"{finished.block_ids}, scheduler holds {held}"
                 )
             reason = FinishReason(finished.reason)
-            self._finish(request, reason)
+            self._finish(req, reason)
             outputs.setdefault(
-                request.request_id, RequestOutput(request.request_id, request=request)
+                req.request_id, RequestOutput(req.request_id, request=req)
             ).finish_reason = reason
         if step.num_draft_tokens:
             self._settle_drafts(step, outputs)
@@ -262,13 +321,28 @@ class Scheduler:
                 raise ProtocolError(
                     f"{request.request_id}: no token sampled in step {step.plan.step}"
                 )
-            if (
-                request.status == RequestStatus.RUNNING
-                and request.num_output_tokens >= request.params.max_tokens
-            ):
+        for request in at_limit:
+            if request.status == running:
                 raise ProtocolError(f"{request.request_id}: reached max_tokens unfinished")
-        self.policy.after_update(self)
-        return list(outputs.values())
+        for request in self.policy.ended_batch():
+            self.release_slot(request, tell_workers=False)  # ended on the worker
+        step.outputs = list(outputs.values())
+        return step
+
+    def _held_after(self, step: ScheduledStep, request: Request) -> list[int]:
+        """The blocks ``request`` held once the workers applied ``step``: what they
+        release if it ends in it. The step built ahead of its result (still in
+        flight) may have grown its table since, or handed on blocks out of its
+        window: those changes are taken back out."""
+        table = self.blocks.table(request.request_id)
+        end = len(table)
+        first = self.blocks.num_freed.get(request.request_id, 0)
+        for later in self._in_flight:
+            entry = later.entry_of(request)
+            if entry is not None:
+                end -= len(entry.new_block_ids)
+            first = later.freed_before.get(request.seq_id, first)
+        return table[first:end]
 
     def _speculates_next(self) -> bool:
         """Whether the next step, built after the result in flight, would propose:
@@ -296,7 +370,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # it ended in this step and released every block it held
             # Its positions up to the last emitted token's are computed, that one's is not.
-            request.num_computed_tokens = entry.start_pos + emitted
+            self.set_computed(request, entry.start_pos + emitted)
             self.blocks.truncate(request.request_id, request.num_computed_tokens)
 
     # -- what the step builder and the policies call ----------------------------------
@@ -349,12 +423,12 @@ class Scheduler:
         else:  # nothing is in flight: every planned position is computed
             self.prefix.release(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
-        if request.slot_idx >= 0:  # a retiring request has handed its slot on
+        if request.slot_idx >= 0:  # one released ahead has handed its slot on
             self.release_slot(request, tell_workers=True)
             del self.running[request.request_id]
             self.unpin_adapter(request)
         request.num_dropped_tokens = request.num_computed_tokens
-        request.num_computed_tokens = 0
+        self.set_computed(request, 0)
         request.num_pending = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -362,11 +436,20 @@ class Scheduler:
         self.num_preempted += 1
         self.waiting.push(request)
 
+    @staticmethod
+    def set_computed(request: Request, num_tokens: int) -> None:
+        """The one place a request's computed position moves: forward as a step is
+        built (the positions it plans count as computed), back when planned
+        positions turn out not to be (proposals dropped or rejected, an entry
+        taken back out of its step, a preemption). The caller keeps its blocks
+        in step with it."""
+        request.num_computed_tokens = num_tokens
+
     def release_slot(self, request: Request, *, tell_workers: bool) -> None:
         """Frees a request's slot, the one place slots are freed. ``tell_workers``:
         the next plan releases it (an abort, an error, a preemption: the workers
         still hold the sequence); otherwise they dropped it themselves (it ended
-        where it was sampled, or its last token is being sampled: retiring)."""
+        where it was sampled, or its last token is being sampled: released ahead)."""
         self.slots.release(request.slot_idx)
         if tell_workers:
             self._released_slots.append(request.slot_idx)
@@ -380,8 +463,8 @@ class Scheduler:
         if was == RequestStatus.PREEMPTED:
             self.num_preempted -= 1
         self._by_seq.pop(request.seq_id, None)
-        if self.retiring.pop(request.seq_id, None) is not None:
-            return  # slot and blocks were handed on when it retired
+        if self.released_ahead.pop(request.seq_id, None) is not None:
+            return  # slot and blocks were handed on ahead of its last token
         if reason == FinishReason.ERROR:
             self.blocks.free(request.request_id)  # the workers' state is not trusted
         else:
@@ -405,15 +488,16 @@ class Scheduler:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self.in_flight)
+        """Steps handed out whose results have not come back."""
+        return len(self._in_flight)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.retiring) or len(self.waiting) > 0
+        return bool(self.running) or bool(self.released_ahead) or len(self.waiting) > 0
 
     def next_deadline(self) -> float | None:
         """When a waiting-but-unlaunched batch must launch (static/dynamic), if any."""
-        return self.policy.next_deadline(self)
+        return self.policy.next_deadline(self.waiting)
 
     def stats(self) -> dict:
         """The scheduler's state, from counts kept up to date as it changes."""
@@ -421,7 +505,7 @@ class Scheduler:
             "policy": self.config.policy,
             "max_num_batched_tokens": self.config.token_budget,
             "step": self.step,
-            "num_running": len(self.running) + len(self.retiring),
+            "num_running": len(self.running) + len(self.released_ahead),
             "num_waiting": len(self.waiting),
             "num_preempted": self.num_preempted,
             "slots_used": self.slots.num_used,
@@ -449,9 +533,10 @@ class Scheduler:
             assert self.slots.owner(request.slot_idx) == request.request_id, "slot owner mismatch"
             assert request.status == RequestStatus.RUNNING
             self.prefix.check_request(request)
-        for request, _ in self.retiring.values():
+        ahead = [request for request, _ in self.released_ahead.values()]
+        for request in ahead:
             assert request.status == RequestStatus.RUNNING and request.slot_idx < 0
-        live = [*self.running.values(), *(request for request, _ in self.retiring.values())]
+        live = [*self.running.values(), *ahead]
         assert {r.seq_id: r for r in live} == self._by_seq, "live sequences mismatch"
         pins: dict[int, int] = {}
         for request in self.running.values():
@@ -460,7 +545,7 @@ class Scheduler:
                 pins[aid] = pins.get(aid, 0) + 1
                 assert self.adapters.slot_of[aid] == request.lora_slot, "adapter slot mismatch"
         self.adapters.check_integrity(pins)
-        counted = len(self.waiting) + len(self.running) + len(self.retiring)
+        counted = len(self.waiting) + len(self.running) + len(ahead)
         assert counted == len(self.requests), "requests lost"
         preempted = sum(r.status == RequestStatus.PREEMPTED for r in self.requests.values())
         assert preempted == self.num_preempted, "preempted count mismatch"

@@ -29,16 +29,17 @@ layer), so a sequence may start on cached blocks that another sequence of the
 same step computes (prefix caching: ``NewSequence.num_cached_tokens``). A block
 two sequences share is only ever written by the step that first computes it.
 
-A ``lookahead`` plan was built while the step before it was still running, so
-the scheduler did not yet know which sequences that step would end. A worker
+A plan built ``ahead`` was built while the step before it was still running,
+so the scheduler did not yet know which sequences that step would end. A worker
 turns each of its entries whose sequence ended in the previous step (by EOS or
 a stop token: the scheduler foresees length limits) into one padding row: the
 row is computed, as it would be on any machine, and its token discarded. Only
-a lookahead plan may name such a slot; in any other plan it is an error.
+a plan built ahead may name such a slot; in any other plan it is an error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
@@ -109,10 +110,13 @@ class ScheduledSeq:
     slot_idx: int
     start_pos: int
     num_tokens: int
-    new_block_ids: list[int] = field(default_factory=list)
+    # Read-only: the scheduler gives an entry that has none the shared empty tuple
+    # (a decode in its last block; no proposals), so that a step of decodes does not
+    # allocate two lists per sequence for the collector to count.
+    new_block_ids: Sequence[int] = field(default_factory=list)
     sample: bool = False
     num_pad_tokens: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
+    draft_token_ids: Sequence[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # unset with named proposals: as many as they are
 
     def __post_init__(self) -> None:
@@ -129,7 +133,7 @@ class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     released_slots: list[int] = field(default_factory=list)
     padding_slots: list[int] = field(default_factory=list)
-    lookahead: bool = False
+    ahead: bool = False  # built while the step before it ran
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
 
     @property

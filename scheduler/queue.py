@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .request import Request
 
@@ -44,19 +44,16 @@ class WaitingQueue:
         self._drop_dead()
         return self._heap[0][2] if self._heap else None
 
-    def first(self, accept: Callable[[Request], bool]) -> Request | None:
-        """The first request in service order that ``accept`` takes (a full scan:
-        only for when the head cannot go, e.g. its adapter has no slot)."""
+    def in_order(self) -> Iterator[Request]:
+        """Every waiting request in service order (a full sort: for a static batch's
+        launch, or when the head cannot go)."""
         for entry in sorted(self._entries.values(), key=lambda e: (e[0], e[1])):
-            if accept(entry[2]):
-                return entry[2]
-        return None
+            yield entry[2]
 
-    def pop(self) -> Request:
-        self._drop_dead()
-        entry = heapq.heappop(self._heap)
-        del self._entries[entry[2].request_id]
-        return entry[2]
+    def first(self, accept: Callable[[Request], bool]) -> Request | None:
+        """The first request in service order that ``accept`` takes (e.g. one whose
+        adapter has a slot, when the head's has none)."""
+        return next((request for request in self.in_order() if accept(request)), None)
 
     def remove(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)

@@ -192,7 +192,9 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list = field(default_factory=list)  # (logprob, [(token_id, logprob)]) per token
+    # (logprob, [(token_id, logprob)]) per token; the shared empty tuple until one
+    # comes (most requests ask for none: no list per output for the collector).
+    new_logprobs: list | tuple = ()
     finish_reason: FinishReason | None = None
     # Set on a request's first output with tokens: how many of its prompt tokens
     # were found in the prefix cache (usage.prompt_tokens_details.cached_tokens).

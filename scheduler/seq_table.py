@@ -118,14 +118,14 @@ class SequenceTable:
 
     def apply(self, plan: StepPlan) -> StepPlan:
         """Steps 1-3 of a plan's bookkeeping (see :mod:`messages`). Returns the plan
-        to compute: ``plan`` itself, or for a lookahead plan naming sequences the
+        to compute: ``plan`` itself, or for a plan built ahead naming sequences the
         previous step ended, a copy in which their entries are padding slots."""
         ended, self.ended = self.ended, set()
         for slot_idx in plan.released_slots:
             self.forget(slot_idx)
         for new in plan.new_seqs:
             self._add(new)
-        if plan.lookahead and ended:
+        if plan.ahead and ended:
             plan = self._pad_ended(plan, ended)
         for entry in plan.scheduled:
             seq = self.get(entry.slot_idx)

@@ -3,9 +3,10 @@
 A :class:`StepBuilder` is made for one call and thrown away after it. It owns
 the step being built: the token budget, the entries, the new sequences, the
 padding slots, whether the step is built ahead of one in flight, whether it
-preempted. Policies fill it through its small API::
+preempted. Policies read the scheduler and write to it only through its small
+API::
 
-    step.running / step.waiting             who could run
+    step.running / step.waiting             who could run (to read: the builder admits)
     step.num_to_compute(request)            tokens before its next sample, after any
                                             cached prefix a waiting request would reuse
     step.try_schedule(request, num_tokens)  tokens of one request, admitting it
@@ -16,17 +17,18 @@ preempted. Policies fill it through its small API::
 
 :meth:`StepBuilder.build` turns it into a :class:`ScheduledStep`: the plan for
 the workers and what ``update`` needs to take the result; the scheduler keeps
-it in its queue of steps in flight until then.
+it in its queue of steps in flight until then, and hands it back from
+``update`` with the step's outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .blocks import blocks_before_window
 from .messages import NewSequence, ScheduledSeq, StepPlan
-from .request import Request
+from .request import Request, RequestOutput
 from .speculation import propose_ngram, speculable
 
 if TYPE_CHECKING:
@@ -39,30 +41,35 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class ScheduledStep:
     """A plan handed to the workers, with what the scheduler needs to take its
-    result: the request each entry computes, and how many blocks each request's
-    table has once the workers applied the plan (their release is checked
-    against that, whatever a step built after it granted since)."""
+    result: the request each entry computes, and what the step changed in
+    tables it did not grow (``freed_before``: seq_id -> the leading blocks a
+    table had handed on before this step handed on more out of its window), so
+    that the blocks a sequence held after the step before it can be told
+    (``Scheduler._held_after``). ``update`` fills in ``outputs``."""
 
     plan: StepPlan
     requests: dict[int, Request]  # slot_idx -> the request its entry computes
-    num_blocks: dict[int, int]  # seq_id -> blocks in its table after this step
-    num_freed: dict[int, int]  # seq_id -> of those, the leading ones handed on (windows)
+    freed_before: dict[int, int] = field(default_factory=dict)
     scheduled_at: float = 0.0  # the ``now`` it was scheduled at
     num_draft_tokens: int = 0  # proposed tokens it verifies (speculative decoding)
+    outputs: list[RequestOutput] = field(default_factory=list)  # what update took from it
+    _by_slot: dict[int, ScheduledSeq] | None = None
 
-    def held(self, sched: Scheduler, request: Request) -> list[int]:
-        """The blocks ``request`` held once the workers applied this step: what they
-        release if it ends in it (a step built after it may have changed its table)."""
-        table = sched.blocks.table(request.request_id)
-        return table[self.num_freed[request.seq_id] : self.num_blocks[request.seq_id]]
+    def entry_of(self, request: Request) -> ScheduledSeq | None:
+        """The entry computing ``request`` in this step, if any."""
+        if self.requests.get(request.slot_idx) is not request:
+            return None
+        if self._by_slot is None:  # built on the first question: finishes are rare
+            self._by_slot = {entry.slot_idx: entry for entry in self.plan.scheduled}
+        return self._by_slot[request.slot_idx]
 
 
 class StepBuilder:
     """One step being built; see the module docstring."""
 
-    def __init__(self, sched: Scheduler, *, lookahead: bool):
+    def __init__(self, sched: Scheduler, *, ahead: bool):
         self.sched = sched
-        self.lookahead = lookahead
+        self.ahead = ahead  # built while the step before it runs
         self.budget_left = sched.config.token_budget
         self.new_seqs: list[NewSequence] = []
         self.scheduled: list[ScheduledSeq] = []
@@ -70,6 +77,7 @@ class StepBuilder:
         self.requests: dict[int, Request] = {}  # slot_idx -> request, for scheduled entries
         self.preempted = False
         self.num_draft_tokens = 0  # proposed tokens among the scheduled ones
+        self.freed_before: dict[int, int] = {}  # see ScheduledStep
 
     # -- what policies read --------------------------------------------------------
 
@@ -149,22 +157,30 @@ class StepBuilder:
         """One decode token for each running request, plus its proposed tokens
         where speculation pays (:mod:`.speculation`); the caller has checked that
         their new blocks for one token fit. The hot path of every step."""
-        allocate = self.sched.blocks.allocate
-        windowed = self.sched.blocks.window is not None
-        spec = self.sched.speculation
-        if spec is not None and (self.lookahead or len(requests) > spec.max_batch):
+        sched = self.sched
+        allocate, num_needed = sched.blocks.allocate, sched.blocks.num_needed
+        set_computed = sched.set_computed
+        windowed = sched.blocks.window is not None
+        spec = sched.speculation
+        if spec is not None and (self.ahead or len(requests) > spec.max_batch):
             spec = None
+        scheduled, by_slot = self.scheduled, self.requests
         # The blocks decodes fill are registered when the sequence ends or is
         # preempted (PrefixCache.release): what reuses generated tokens (a
         # chat's next turn, the sequence's own recompute) only comes after that.
-        for request in requests:
+        for request in requests:  # what _add does, inlined: this loop is the hot path
             pos = request.num_computed_tokens
             if windowed:
                 self._free_out_of_window(request, pos)
-            new_blocks = allocate(request.request_id, pos + 1)
+            request_id = request.request_id  # a new block only when its last one is full:
+            new_blocks = allocate(request_id, pos + 1) if num_needed(request_id, pos + 1) else ()
             if new_blocks is None:
                 raise RuntimeError("schedule_decodes called without room for new blocks")
-            self._add(request, ScheduledSeq(request.slot_idx, pos, 1, new_blocks, True, 0))
+            slot_idx = request.slot_idx
+            scheduled.append(ScheduledSeq(slot_idx, pos, 1, new_blocks, True, 0, (), 0))
+            by_slot[slot_idx] = request
+            set_computed(request, pos + 1)
+            request.num_pending += 1
         self.budget_left -= len(requests)
         if spec is None:
             return
@@ -178,7 +194,7 @@ class StepBuilder:
                 entry.num_tokens += k
                 entry.num_draft_tokens = k
                 entry.draft_token_ids = drafts
-                request.num_computed_tokens += k
+                set_computed(request, entry.start_pos + entry.num_tokens)
                 self.budget_left -= k
                 self.num_draft_tokens += k
 
@@ -212,7 +228,7 @@ class StepBuilder:
         more = sched.blocks.allocate(request.request_id, pos + 1 + k)
         if more is None:
             return 0, []  # a proposal never takes blocks a preemption would have to free
-        entry.new_block_ids.extend(more)
+        entry.new_block_ids = [*entry.new_block_ids, *more]
         return k, drafts
 
     def _free_out_of_window(self, request: Request, first_query: int) -> None:
@@ -223,14 +239,16 @@ class StepBuilder:
         if blocks.window is None:
             return
         gone = blocks_before_window(first_query, blocks.window, blocks.block_size)
-        if gone > blocks.num_freed.get(request.request_id, 0):
+        freed = blocks.num_freed.get(request.request_id, 0)
+        if gone > freed:
             self.sched.prefix.register(request, gone * blocks.block_size)
+            self.freed_before.setdefault(request.seq_id, freed)
         blocks.free_out_of_window(request.request_id, first_query)
 
     def _add(self, request: Request, entry: ScheduledSeq) -> None:
         self.scheduled.append(entry)
         self.requests[entry.slot_idx] = request
-        request.num_computed_tokens = entry.start_pos + entry.num_tokens
+        self.sched.set_computed(request, entry.start_pos + entry.num_tokens)
         request.num_pending += entry.sample
 
     def pad_slot(self, slot_idx: int) -> None:
@@ -249,12 +267,12 @@ class StepBuilder:
                 continue
             request = self.requests[entry.slot_idx]
             dropped = blocks.truncate(request.request_id, entry.start_pos + 1)
-            del entry.new_block_ids[len(entry.new_block_ids) - len(dropped) :]
+            entry.new_block_ids = entry.new_block_ids[: len(entry.new_block_ids) - len(dropped)]
             self.budget_left += entry.num_draft_tokens
             entry.num_tokens = 1
             entry.num_draft_tokens = 0
-            entry.draft_token_ids = []
-            request.num_computed_tokens = entry.start_pos + 1
+            entry.draft_token_ids = ()
+            self.sched.set_computed(request, entry.start_pos + 1)
         self.num_draft_tokens = 0
         return True
 
@@ -262,7 +280,7 @@ class StepBuilder:
         """Frees a running request's blocks and slot; it waits to be recomputed,
         keeping every token it produced. One already scheduled in this step is
         taken back out of it."""
-        if self.lookahead:
+        if self.ahead:
             raise RuntimeError("a plan built ahead of the step in flight cannot preempt")
         if any(new.seq_id == request.seq_id for new in self.new_seqs):
             raise RuntimeError("a request admitted in this step cannot be preempted in it")
@@ -274,7 +292,7 @@ class StepBuilder:
             self.num_draft_tokens -= entry.num_draft_tokens
             # Its positions of this step are not computed after all: neither are
             # any blocks registered for them.
-            request.num_computed_tokens = entry.start_pos
+            self.sched.set_computed(request, entry.start_pos)
             request.num_pending -= entry.sample
         self.sched.preempt(request)
         self.preempted = True
@@ -288,11 +306,7 @@ class StepBuilder:
             scheduled=self.scheduled,
             released_slots=released_slots,
             padding_slots=self.padding_slots,
-            lookahead=self.lookahead,
+            ahead=self.ahead,
             adapter_loads=self.sched.adapters.take_loads(),
         )
-        blocks = self.sched.blocks
-        num_blocks = {r.seq_id: len(blocks.tables[r.request_id]) for r in self.requests.values()}
-        num_freed = {r.seq_id: blocks.num_freed[r.request_id] for r in self.requests.values()}
-        return ScheduledStep(plan, self.requests, num_blocks, num_freed, now,
-                             self.num_draft_tokens)  # fmt: skip
+        return ScheduledStep(plan, self.requests, self.freed_before, now, self.num_draft_tokens)

@@ -1,14 +1,15 @@
 """The scheduler actor: owns the iteration clock, the slot table and the workers.
 
 Its loop is one tick after another. The steps handed to the ranks and not yet
-taken back are one queue, the scheduler's ``in_flight``: it holds at most two
-(the one running and the one built ahead of it) with ``async_scheduling``,
-else one, and ``schedule`` builds nothing while it is full::
+taken back are one queue, the scheduler's own: it holds at most two (the one
+running and the one built ahead of it) with ``async_scheduling``, else one;
+``schedule`` builds nothing while it is full, and ``update`` pairs each result
+with the oldest::
 
     tick():
         submit(scheduler.schedule(now))             # when the queue has room
         submit(scheduler.schedule(now))             # built ahead, while the one before runs
-        outputs = scheduler.update(oldest, await collect())   # tokens, finishes, freed KV
+        outputs = scheduler.update(await collect()).outputs   # tokens, finishes, freed KV
         publish(outputs)
 
 With two in flight the ranks start step N+1 the moment N ends, and the
@@ -150,7 +151,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 device=info["device"],
             ),
-            max_in_flight=2 if self.config.async_scheduling else 1,
+            ahead=self.config.async_scheduling,
             kv_window=info.get("kv_window"),
         )
         self.adapters = EngineAdapters(
@@ -237,7 +238,7 @@ class EngineCore:
     async def _loop(self) -> None:
         try:
             while self.dead_reason is None:
-                if not self.scheduler.has_work and not self.scheduler.in_flight:
+                if not self.scheduler.has_work and not self.scheduler.num_in_flight:
                     # The allocators check themselves each time the engine goes idle:
                     # every slot and block free again, no request lost. A failure is a
                     # bug, and ends the engine as any other.
@@ -259,7 +260,7 @@ class EngineCore:
         """One iteration (see the module docstring). False when nothing ran."""
         async with self.step_lock:
             await self._submit_next()
-            if not self.scheduler.in_flight:
+            if not self.scheduler.num_in_flight:
                 return False
             if self.scheduler.has_work:
                 await self._submit_next()  # built ahead, while the one before runs
@@ -273,22 +274,21 @@ class EngineCore:
             await self.workers.submit(step.plan)
 
     async def _collect(self) -> list[RequestOutput]:
-        step = self.scheduler.in_flight[0]
         result = await self.workers.collect()
-        outputs = self.scheduler.update(step, result)
+        step = self.scheduler.update(result)  # the oldest step in flight, taken back
         now = time.monotonic()
         # The step's time on the critical path: from the previous result when it was
         # built ahead, else from the start of its scheduling.
         step_s = now - max(step.scheduled_at, self.last_result_at)
         self.last_result_at = now
         self.recorder.step(step, result, step_s, self.scheduler)
-        return outputs
+        return step.outputs
 
     async def _drain(self) -> None:
         """Collects every step in flight (under ``step_lock``), so that nothing runs
         behind a health check or an integrity check. A result that breaks the
         scheduler here ends the engine as it would in the loop."""
-        while self.scheduler.in_flight:
+        while self.scheduler.num_in_flight:
             try:
                 outputs = await self._collect()
             except WorkerFailure:
@@ -335,7 +335,7 @@ class EngineCore:
         """Fails every request at once and reports unhealthy from now on, so that
         nobody waits on an engine that no longer steps; under Serve the health
         check then replaces this replica."""
-        self.scheduler.in_flight.clear()  # nothing will collect them
+        self.scheduler.drop_in_flight()  # nothing will collect them
         self._fail_all(message)
         try:
             await self.workers.stop()

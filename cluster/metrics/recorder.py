@@ -60,7 +60,7 @@ class MetricsRecorder:
         self.metrics.observe_step(
             duration_s=step_s,
             forward_s=result.forward_s,
-            built_ahead=plan.lookahead,
+            built_ahead=plan.ahead,
             num_prefill_tokens=result.num_tokens - decode,
             num_decode_tokens=decode,
             num_padding_tokens=result.num_padding_tokens,

@@ -4,7 +4,8 @@ A policy only *chooses*: in ``schedule(step, now)`` it calls
 ``step.try_schedule(request, num_tokens)`` (and ``step.pad_slot`` /
 ``step.preempt``) on the :class:`~iterserve.scheduler.step.StepBuilder` of that
 one step until it is full. Everything else — slots, blocks, messages — belongs
-to the :class:`~iterserve.scheduler.core.Scheduler`.
+to the :class:`~iterserve.scheduler.core.Scheduler`, which policies never see:
+they import neither it nor anything that does.
 """
 
 from __future__ import annotations

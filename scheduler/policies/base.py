@@ -6,16 +6,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..config import SchedulerConfig
-    from ..core import Scheduler
+    from ..queue import WaitingQueue
+    from ..request import Request
     from ..step import StepBuilder
 
 
 class Policy:
     """Chooses what runs in each step, through the :class:`StepBuilder` of that
-    step; between steps it sees the scheduler only to end a batch.
+    step: it reads the scheduler and writes to it only there. Between steps it
+    answers the scheduler's questions and changes nothing of it.
 
     ``holds_finished_slots``: a finished sequence keeps its slot (computed as
-    padding) until the policy releases it — static batching's honest cost.
+    padding) until the policy lets it go — static batching's honest cost.
     """
 
     holds_finished_slots = False
@@ -26,12 +28,17 @@ class Policy:
     def schedule(self, step: StepBuilder, now: float) -> None:
         raise NotImplementedError
 
-    def after_update(self, sched: Scheduler) -> None:
-        """Called at the end of every update (a batch may have ended)."""
+    def ended_batch(self) -> list[Request]:
+        """Finished requests whose slots the policy held and lets go now (a batch
+        that has wholly ended); the scheduler frees them. Asked after every update
+        and before every step."""
+        return []
 
-    def reset(self, sched: Scheduler) -> None:
-        """Forget batch state: every running sequence is about to be preempted."""
+    def reset(self) -> list[Request]:
+        """Forgets batch state: every running sequence is about to be preempted.
+        Returns the finished requests whose slots it held."""
+        return []
 
-    def next_deadline(self, sched: Scheduler) -> float | None:
+    def next_deadline(self, waiting: WaitingQueue) -> float | None:
         """The time at which waiting work must launch even if nothing else happens."""
         return None

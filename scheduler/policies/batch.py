@@ -22,7 +22,7 @@ from .base import Policy
 
 if TYPE_CHECKING:
     from ..config import SchedulerConfig
-    from ..core import Scheduler
+    from ..queue import WaitingQueue
     from ..request import Request
     from ..step import StepBuilder
 
@@ -38,7 +38,6 @@ class StaticPolicy(Policy):
         return self.config.batch_timeout_s
 
     def schedule(self, step: StepBuilder, now: float) -> None:
-        self._close_if_done(step.sched)  # an abort may have ended the batch between steps
         if not self.batch:
             self._launch(step, now)
             return
@@ -50,23 +49,20 @@ class StaticPolicy(Policy):
             elif member.slot_idx >= 0:  # finished, still batched
                 step.pad_slot(member.slot_idx)
 
-    def after_update(self, sched: Scheduler) -> None:
-        self._close_if_done(sched)
-
-    def _close_if_done(self, sched: Scheduler) -> None:
+    def ended_batch(self) -> list[Request]:
         if self.batch and all(m.status.finished for m in self.batch):
-            self.reset(sched)
+            return self.reset()
+        return []
 
-    def reset(self, sched: Scheduler) -> None:
-        for member in self.batch:
-            if member.status.finished and member.slot_idx >= 0:
-                sched.release_slot(member, tell_workers=False)  # ended on the worker
+    def reset(self) -> list[Request]:
+        held = [m for m in self.batch if m.status.finished and m.slot_idx >= 0]
         self.batch = []
+        return held
 
-    def next_deadline(self, sched: Scheduler) -> float | None:
+    def next_deadline(self, waiting: WaitingQueue) -> float | None:
         if self.batch:
             return None
-        oldest = sched.waiting.oldest_arrival()
+        oldest = waiting.oldest_arrival()
         return None if oldest is None else oldest + self.launch_wait_s()
 
     def _ready(self, step: StepBuilder, now: float) -> bool:
@@ -81,9 +77,9 @@ class StaticPolicy(Policy):
         members: list[Request] = []
         longest = 0
         reserved = 0
-        while len(members) < min(self.config.max_num_seqs, step.num_free_slots):
-            request = step.waiting.peek()
-            if request is None:
+        room = min(self.config.max_num_seqs, step.num_free_slots)
+        for request in step.waiting.in_order():
+            if len(members) >= room:
                 break
             new_longest = max(longest, request.num_tokens)
             # Padded prefill: every member computes new_longest tokens.
@@ -92,17 +88,15 @@ class StaticPolicy(Policy):
             worst = step.blocks_needed(request, self._worst_tokens(request))
             if reserved + worst > step.num_free_blocks:
                 break
-            step.waiting.pop()
             members.append(request)
             longest = new_longest
             reserved += worst
         for request in members:
-            # Reserve the worst case now so decoding never runs out of blocks.
+            # Reserve the worst case now so decoding never runs out of blocks; one
+            # whose blocks are not there after all waits for the next batch.
             pad = longest - request.num_tokens
             if step.try_schedule(request, request.num_tokens, pad, self._worst_tokens(request)):
                 self.batch.append(request)
-            else:  # its blocks are not there after all: it waits for the next batch
-                step.waiting.push(request)
 
     @staticmethod
     def _worst_tokens(request: Request) -> int:

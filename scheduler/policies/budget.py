@@ -40,8 +40,11 @@ class ContinuousPolicy(Policy):
         prefills: list[Request] = []
         for request in step.running:
             (decodes if request.num_remaining_tokens == 1 else prefills).append(request)
-        needed = sum(step.blocks_needed(r, r.num_computed_tokens + 1) for r in decodes)
-        if needed <= step.num_free_blocks:
+        # A decode needs one new block at most: count them only when that may not fit.
+        free = step.num_free_blocks
+        if len(decodes) <= free or (
+            sum(step.blocks_needed(r, r.num_computed_tokens + 1) for r in decodes) <= free
+        ):
             # The common case: no decode can run out of blocks, so order does not matter.
             step.schedule_decodes(decodes)
             running = sorted(prefills, key=Request.sort_key)

@@ -124,7 +124,7 @@ def single_process(path: str, prompts, params, policy="chunked") -> list[list[in
     outputs = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_work:
         step = sched.schedule(1e9)  # far future: static/dynamic launch at once
-        for out in sched.update(step, runner.execute(step.plan)):
+        for out in sched.update(runner.execute(step.plan)).outputs:
             outputs[out.request_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 

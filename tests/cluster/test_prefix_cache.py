@@ -103,7 +103,7 @@ def test_a_chat_continued_on_its_cached_history_answers_as_recomputed(tiny_llama
             answer: list[int] = []
             while sched.has_work:
                 step = sched.schedule(0.0)
-                for out in sched.update(step, runner.execute(step.plan)):
+                for out in sched.update(runner.execute(step.plan)).outputs:
                     answer += out.new_token_ids
                 sched.check_integrity()
             answers.append(answer)
@@ -144,7 +144,7 @@ def test_the_triton_kernels_and_decode_graphs_read_shared_blocks_as_their_own(ti
         outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         while sched.has_work:
             step = sched.schedule(0.0)
-            for out in sched.update(step, runner.execute(step.plan)):
+            for out in sched.update(runner.execute(step.plan)).outputs:
                 outputs[out.request_id].extend(out.new_token_ids)
         assert runner.graphs.num_replays > 0
         if enable:
@@ -212,7 +212,7 @@ def single_process_outputs(path, prompts, params, **config) -> list[list[int]]:
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while sched.has_work:
         step = sched.schedule(1e9)
-        for out in sched.update(step, runner.execute(step.plan)):
+        for out in sched.update(runner.execute(step.plan)).outputs:
             outputs[out.request_id].extend(out.new_token_ids)
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 

@@ -242,7 +242,7 @@ def test_speculation_series_follow_the_schedulers_counts():
         speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                             "prompt_lookup_min": 1, "prompt_lookup_max": 2},
     )  # fmt: skip
-    sched = Scheduler(config, max_in_flight=1)
+    sched = Scheduler(config, ahead=False)
     executor = FakeExecutor(vocab_size=64, block_size=4, period=4)
     metrics = EngineMetrics("demo", 0, "chunked")
     recorder = MetricsRecorder(metrics)
@@ -251,7 +251,7 @@ def test_speculation_series_follow_the_schedulers_counts():
     while sched.has_work:
         step = sched.schedule(0.0)
         result = executor.execute(step.plan)
-        recorder.outputs(sched.update(step, result))
+        recorder.outputs(sched.update(result).outputs)
         recorder.step(step, result, 0.01, sched)
     stats = sched.spec_stats
     assert stats.num_accepted_tokens > 0

@@ -30,7 +30,7 @@ def test_prefix_cache_hits_queries_and_cached_blocks_reach_the_metrics():
     while sched.has_work:
         step = sched.schedule(0.0)
         result = executor.execute(step.plan)
-        recorder.outputs(sched.update(step, result))
+        recorder.outputs(sched.update(result).outputs)
         recorder.step(step, result, 0.01, sched)
     got = values(metrics)
     # All three were admitted in one step: the second and third found the first's blocks.
@@ -74,7 +74,7 @@ def test_queue_time_is_recorded_for_requests_whose_label_is_not_their_id(monkeyp
     while sched.has_work:
         step = sched.schedule(clock.monotonic())
         result = executor.execute(step.plan)
-        outputs = sched.update(step, result)
+        outputs = sched.update(result).outputs
         recorder.step(step, result, 0.5, sched)  # as the engine does: the step, then its outputs
         recorder.outputs(outputs)
     got = values(metrics)

@@ -179,7 +179,7 @@ def test_a_scheduler_and_fake_executor_loop_runs_without_pickle(no_pickle):
     while scheduler.has_work:
         step = scheduler.schedule(now=0.0)
         assert isinstance(step.plan, StepPlan)
-        for out in scheduler.update(step, wire(fake.execute(wire(step.plan)))):
+        for out in scheduler.update(wire(fake.execute(wire(step.plan)))).outputs:
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         scheduler.check_integrity()
     assert outputs == {f"r{i}": fake.expected_output(f"r{i}", params)[0] for i in range(6)}

@@ -60,12 +60,12 @@ def one_step(sched: Scheduler, executor: FakeExecutor, now: float = 0.0):
     scheduled = sched.schedule(now)
     if scheduled is None:
         return None, []
-    return scheduled.plan, sched.update(scheduled, executor.execute(scheduled.plan))
+    return scheduled.plan, sched.update(executor.execute(scheduled.plan)).outputs
 
 
-def retiring_ids(sched: Scheduler) -> set[str]:
+def released_ahead_ids(sched: Scheduler) -> set[str]:
     """Request ids whose last token the step in flight samples."""
-    return {request.request_id for request, _ in sched.retiring.values()}
+    return {request.request_id for request, _ in sched.released_ahead.values()}
 
 
 def prompt_for(request_id: str, n: int) -> list[int]:
@@ -123,7 +123,7 @@ class Checker:
             scheduled = {sched.slots.owner(s.slot_idx) for s in plan.scheduled}
             for request_id, decoding in was_decoding.items():
                 request = sched.requests.get(request_id)
-                if request_id in retiring_ids(sched):
+                if request_id in released_ahead_ids(sched):
                     continue  # its last token is being sampled by the step in flight
                 if decoding and request is not None and request.status == RequestStatus.RUNNING:
                     assert request_id in scheduled, f"running decode {request_id} left out"
@@ -145,10 +145,10 @@ def run(
     ahead: bool = False,
 ) -> RunLog:
     log = RunLog()
-    # Steps the executor has run and the scheduler has not yet taken back, with
-    # their results: the executor runs each plan when it is handed over, in order,
+    # The results of the steps the executor has run and the scheduler has not yet
+    # taken back: the executor runs each plan when it is handed over, in order,
     # like a rank.
-    in_flight: deque[tuple[ScheduledStep, StepResult]] = deque()
+    in_flight: deque[StepResult] = deque()
     pending = sorted(arrivals, key=lambda a: a.step)
     checker = Checker(sched)
     clock = 0
@@ -173,7 +173,7 @@ def run(
         result = executor.execute(plan)
         if through_codec:
             result = decode(encode(result), StepResult)
-        in_flight.append((step, result))
+        in_flight.append(result)
 
     while pending or sched.has_work or in_flight:
         assert clock < max_steps, "scheduler made no progress"
@@ -211,9 +211,9 @@ def run(
             was_decoding = checker.before()
             step = sched.schedule(float(clock - 1))
             if step is not None:
-                assert step.plan.lookahead
+                assert step.plan.ahead
                 hand_over(step, was_decoding)
-        for out in sched.update(*in_flight.popleft()):
+        for out in sched.update(in_flight.popleft()).outputs:
             key = live[out.request_id]
             log.outputs[key].extend(out.new_token_ids)
             if out.finished:

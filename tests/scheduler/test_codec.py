@@ -79,7 +79,7 @@ plans = st.builds(
     ),
     released_slots=st.lists(ints, max_size=8),
     padding_slots=st.lists(ints, max_size=8),
-    lookahead=st.booleans(),
+    ahead=st.booleans(),
     adapter_loads=st.lists(
         st.builds(
             AdapterLoad,
@@ -254,7 +254,7 @@ _PARAMS = msgpack.unpackb(encode(StepPlan(1, [NewSequence(0, "r", 0, [1], 1, Sam
         msgpack.packb(msgpack.ExtType(1, b"x")),  # extension type
         msgpack.packb([1, V, 1.5]),  # wrong field type
         msgpack.packb([9, V]),  # unknown tag
-        msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``lookahead``
+        msgpack.packb([1, 1, 1, [], [], [], []]),  # version 1: a plan without ``ahead``
         msgpack.packb([1, 2, 1, [["r", 0, [1], 1, []]], [], [], [], False]),  # version 2
         msgpack.packb([2, 3, 1, [], [], 0.0, 0, 0]),  # version 3: no prompt logprobs
         msgpack.packb([1, V + 1, 1, [], [], [], [], False]),  # unknown version

@@ -40,7 +40,7 @@ def test_a_worse_decode_gives_way_to_a_better_prompt_part_way_through_prefill():
     assert _entries(sched, scheduled.plan) == [("high", 7, 4)]
     assert sched.requests["low"].num_preemptions == 1
     assert sched.requests["high"].num_preemptions == 0
-    sched.update(scheduled, fake.execute(scheduled.plan))
+    sched.update(fake.execute(scheduled.plan))
     sched.check_integrity()
 
 
@@ -69,5 +69,5 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
     assert _entries(sched, scheduled.plan) == [("a", 4, 1)]
     assert scheduled.plan.new_seqs == []
     assert sched.requests["b"].num_preemptions == 1
-    sched.update(scheduled, fake.execute(scheduled.plan))
+    sched.update(fake.execute(scheduled.plan))
     sched.check_integrity()

@@ -278,11 +278,11 @@ def test_a_plan_built_ahead_admits_on_cached_blocks():
     first = sched.schedule(0.0)
     sched.add_request(req("b", PROMPT, max_tokens=8))
     ahead = sched.schedule(0.0)  # built while the first step runs
-    assert ahead.plan.lookahead
+    assert ahead.plan.ahead
     assert [n.num_cached_tokens for n in ahead.plan.new_seqs] == [8]
     results = [executor.execute(first.plan), executor.execute(ahead.plan)]
-    sched.update(first, results[0])
-    sched.update(ahead, results[1])
+    sched.update(results[0])
+    sched.update(results[1])
     sched.check_integrity()
     drain(sched, executor)
     assert sched.blocks.num_used == 0

@@ -79,7 +79,7 @@ def test_prompt_logprobs_come_once_with_the_step_completing_the_prompt():
     outputs = []
     while sched.has_work:
         step = sched.schedule(0.0)
-        outputs += sched.update(step, executor.execute(step.plan))
+        outputs += sched.update(executor.execute(step.plan)).outputs
     prompts = [out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None]
     (prompt,) = prompts  # a prompt of 6, in pieces of 4: once, with its first token
     assert outputs[0].prompt_logprobs is prompt and outputs[0].new_token_ids

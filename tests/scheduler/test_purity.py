@@ -31,3 +31,13 @@ def test_importing_the_scheduler_loads_none_of_them():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_policies_see_the_scheduler_only_through_the_step_builder():
+    # No policy imports the scheduler's core, not even to name its type: what a
+    # policy reads and writes goes through StepBuilder's API.
+    for path in (SCHEDULER / "policies").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                module = node.module or ""
+                assert module.split(".")[-1] != "core", f"policies/{path.name} imports the core"

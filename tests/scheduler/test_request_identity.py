@@ -38,10 +38,10 @@ def test_a_reused_id_never_receives_the_aborted_requests_token():
     sched.add_request(fresh)
     ahead = sched.schedule(0.0)  # built while the first step runs: admits the new x
     assert ahead is not None and [n.label for n in ahead.plan.new_seqs] == ["x"]
-    outputs = sched.update(first, in_flight)
+    outputs = sched.update(in_flight).outputs
     assert all(not out.new_token_ids for out in outputs if out.request_id == "x")
     assert fresh.output_token_ids == []
-    outputs = sched.update(ahead, fake.execute(ahead.plan))
+    outputs = sched.update(fake.execute(ahead.plan)).outputs
     assert [out.new_token_ids for out in outputs] == [fresh.output_token_ids]
     sched.check_integrity()
 
@@ -59,8 +59,8 @@ def test_a_reused_id_does_not_inherit_the_aborted_requests_finish():
     fresh = _req("x", [9, 9, 9, 9, 9], max_tokens=3)
     sched.add_request(fresh)
     ahead = sched.schedule(0.0)
-    sched.update(first, in_flight)  # no ProtocolError, and the new x keeps running
+    sched.update(in_flight)  # no ProtocolError, and the new x keeps running
     assert fresh.status.name == "RUNNING" and fresh.finish_reason is None
-    sched.update(ahead, fake.execute(ahead.plan))
+    sched.update(fake.execute(ahead.plan))
     sched.check_integrity()
     assert len(fresh.output_token_ids) == 1

@@ -8,6 +8,7 @@ from iterserve.scheduler import (
     FakeExecutor,
     FinishReason,
     PromptTooLongError,
+    ProtocolError,
     QueueFullError,
     Request,
     RequestStatus,
@@ -16,9 +17,9 @@ from iterserve.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from iterserve.scheduler.messages import ScheduledSeq, StepPlan
+from iterserve.scheduler.messages import ScheduledSeq, StepPlan, StepResult
 from iterserve.scheduler.seq_table import PlanMismatchError
-from tests.scheduler.driver import Arrival, one_step, prompt_for, retiring_ids, run
+from tests.scheduler.driver import Arrival, one_step, prompt_for, released_ahead_ids, run
 
 
 def make(policy="continuous", **kw) -> Scheduler:
@@ -106,7 +107,7 @@ def test_abort_in_any_state_frees_slot_and_blocks(policy, when):
     else:
         scheduled = sched.schedule(0.0)
         out = sched.abort("a")
-        outputs = sched.update(scheduled, executor.execute(scheduled.plan))
+        outputs = sched.update(executor.execute(scheduled.plan)).outputs
         assert all(o.request_id != "a" for o in outputs)
     assert out.finish_reason is FinishReason.ABORT
     assert "a" not in sched.blocks.tables
@@ -237,18 +238,42 @@ def test_a_sequence_reaching_max_tokens_hands_its_slot_on_in_the_plan_built_ahea
     first = sched.schedule(0.0)  # a: prefill, samples its first token
     result = executor.execute(first.plan)
     ahead = sched.schedule(0.0)  # a: decode of its last token
-    assert ahead.plan.lookahead and [s.sample for s in ahead.plan.scheduled] == [True]
-    sched.update(first, result)
+    assert ahead.plan.ahead and [s.sample for s in ahead.plan.scheduled] == [True]
+    sched.update(result)
     later = executor.execute(ahead.plan)
-    # Built while a's last token is still being sampled: a retires, b takes the slot.
+    # Built while a's last token is still being sampled: a is released ahead, b takes its slot.
     third = sched.schedule(0.0)
-    assert "a" in retiring_ids(sched) and [n.label for n in third.plan.new_seqs] == ["b"]
+    assert "a" in released_ahead_ids(sched) and [n.label for n in third.plan.new_seqs] == ["b"]
     assert sched.blocks.table("a") == [] and sched.slots.owner(0) == "b"
     sched.check_integrity()
-    outputs = {o.request_id: o for o in sched.update(ahead, later)}
-    assert outputs["a"].finish_reason == FinishReason.LENGTH and not sched.retiring
-    sched.update(third, executor.execute(third.plan))
+    outputs = {o.request_id: o for o in sched.update(later).outputs}
+    assert outputs["a"].finish_reason == FinishReason.LENGTH and not sched.released_ahead
+    sched.update(executor.execute(third.plan))
     sched.check_integrity()
+
+
+def test_update_pairs_a_result_with_the_oldest_step_in_flight_and_nothing_else():
+    sched = make("continuous", max_num_seqs=2)
+    executor = FakeExecutor(output_len=None, block_size=4)
+    with pytest.raises(ProtocolError, match="no step is in flight"):
+        sched.update(StepResult(step=1))
+    sched.add_request(req("a", max_tokens=4))
+    first = sched.schedule(0.0)
+    ahead = sched.schedule(0.0)
+    first_result, ahead_result = executor.execute(first.plan), executor.execute(ahead.plan)
+    with pytest.raises(ProtocolError, match="expected 1"):
+        sched.update(ahead_result)  # the oldest step in flight is the first
+    assert sched.update(first_result) is first and first.outputs[0].request_id == "a"
+    assert sched.update(ahead_result) is ahead and sched.num_in_flight == 0
+    sched.check_integrity()
+
+
+def test_a_scheduler_that_does_not_schedule_ahead_builds_one_step_at_a_time():
+    sched = Scheduler(make().config, ahead=False)
+    sched.add_request(req("a", max_tokens=4))
+    assert sched.schedule(0.0) is not None and sched.schedule(0.0) is None
+    sched.drop_in_flight()  # the engine stops serving: nothing will collect it
+    assert sched.num_in_flight == 0
 
 
 def test_the_step_after_an_unforeseen_eos_computes_that_sequence_as_padding():
@@ -260,12 +285,12 @@ def test_the_step_after_an_unforeseen_eos_computes_that_sequence_as_padding():
     result = executor.execute(first.plan)  # a samples EOS
     ahead = sched.schedule(0.0)  # the scheduler does not know yet: both decode
     assert len(ahead.plan.scheduled) == 2
-    outputs = {o.request_id: o for o in sched.update(first, result)}
+    outputs = {o.request_id: o for o in sched.update(result).outputs}
     assert outputs["a"].finish_reason == FinishReason.EOS
     after = executor.execute(ahead.plan)
     assert after.num_tokens == 1 and after.num_padding_tokens == 1
     assert [t.seq_id for t in after.sampled] == [sched.requests["b"].seq_id]
-    sched.update(ahead, after)  # a's row is not a missing token
+    sched.update(after)  # a's row is not a missing token
     sched.check_integrity()
     assert sched.blocks.num_used == len(sched.blocks.table("b"))
 
@@ -292,18 +317,18 @@ def test_a_plan_that_would_preempt_is_not_built_ahead():
     result = executor.execute(current.plan)
     for _ in range(4):  # decodes at positions 8-11, each built ahead
         ahead = sched.schedule(0.0)
-        assert ahead.plan.lookahead
-        sched.update(current, result)
+        assert ahead.plan.ahead
+        sched.update(result)
         current, result = ahead, executor.execute(ahead.plan)
     assert sched.blocks.num_free == 1
     assert sched.schedule(0.0) is None  # would need a preemption: wait for the result
-    sched.update(current, result)
+    sched.update(result)
     plan = sched.schedule(0.0).plan  # one step at a time, it preempts the latest arrival
-    assert not plan.lookahead and sched.num_preemptions == 1
+    assert not plan.ahead and sched.num_preemptions == 1
     sched.check_integrity()
 
 
-def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
+def test_lost_steps_requeue_sequences_released_ahead_with_every_token_they_have():
     sched = make("continuous", max_num_seqs=2)
     executor = FakeExecutor(output_len=None, block_size=4)
     sched.add_request(req("a", max_tokens=2))
@@ -312,10 +337,10 @@ def test_lost_steps_requeue_retiring_sequences_with_every_token_they_have():
     for out in step(sched, executor)[1]:
         tokens[out.request_id] += out.new_token_ids
     sched.schedule(0.0)  # in flight: a's last token, b's second
-    ahead = sched.schedule(0.0)  # built ahead: a retires, b decodes again
-    assert ahead.plan.lookahead and "a" in retiring_ids(sched) and sched.num_in_flight == 2
+    ahead = sched.schedule(0.0)  # built ahead: a is released ahead, b decodes again
+    assert ahead.plan.ahead and "a" in released_ahead_ids(sched) and sched.num_in_flight == 2
     sched.requeue_running()  # the workers died with both steps
-    assert sched.num_in_flight == 0 and not sched.retiring and not sched.running
+    assert sched.num_in_flight == 0 and not sched.released_ahead and not sched.running
     for request in sched.requests.values():
         assert request.status == RequestStatus.PREEMPTED
         assert request.num_output_tokens == 1 and request.num_pending == 0

@@ -31,7 +31,7 @@ def drive(sched: Scheduler, executor: FakeExecutor, requests: list[Request]):
     used = []
     while sched.has_work:
         step = sched.schedule(0.0)
-        for out in sched.update(step, executor.execute(step.plan)):
+        for out in sched.update(executor.execute(step.plan)).outputs:
             outputs[out.request_id].extend(out.new_token_ids)
         sched.check_integrity()
         used.append(sched.blocks.num_used)

@@ -100,7 +100,7 @@ def test_a_longrope_draft_takes_the_factors_of_the_context_served(long_phi3, max
         speculative_config={"method": "draft_model", "model": str(path),
                             "num_speculative_tokens": 3},
     )  # fmt: skip
-    sched = Scheduler(config, max_in_flight=1)
+    sched = Scheduler(config, ahead=False)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -110,7 +110,7 @@ def test_a_longrope_draft_takes_the_factors_of_the_context_served(long_phi3, max
     while sched.has_work:
         step = sched.schedule(float(steps))
         assert step is not None
-        for out in sched.update(step, r.execute(step.plan)):
+        for out in sched.update(r.execute(step.plan)).outputs:
             outputs[out.request_id] += out.new_token_ids
         steps += 1
     assert outputs == {f"r{i}": hf.greedy(p, max_tokens) for i, p in enumerate(prompts)}

@@ -271,7 +271,7 @@ def test_the_scheduler_and_runner_keep_peft_tokens_through_preemption_and_evicti
             break
         plan = decode(encode(step.plan), StepPlan)  # what a rank receives
         result = decode(encode(runner.execute(plan)), StepResult)
-        for out in sched.update(step, result):
+        for out in sched.update(result).outputs:
             got[out.request_id] += out.new_token_ids
         sched.check_integrity()
     assert not sched.has_work

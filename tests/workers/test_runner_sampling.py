@@ -137,7 +137,7 @@ def _serve(path, requests: dict, num_kv_blocks: int, restart_at_step: int | None
             sched.requeue_running()
             runner = make_runner(path, num_kv_blocks=num_kv_blocks)
         step = sched.schedule(0.0)
-        for out in sched.update(step, runner.execute(step.plan)):
+        for out in sched.update(runner.execute(step.plan)).outputs:
             outputs[out.request_id] += out.new_token_ids
     return outputs, sched.num_preemptions
 

@@ -44,7 +44,7 @@ def generate(path, params: list[SamplingParams], speculative: dict | None, *, bu
         max_model_len=max_model_len, block_size=4, num_kv_blocks=num_blocks,
         speculative_config=speculative or {},
     )  # fmt: skip
-    sched = Scheduler(config, max_in_flight=1)
+    sched = Scheduler(config, ahead=False)
     outputs: dict[str, list[int]] = {}
     for i, (prompt, p) in enumerate(zip(prompts(), params)):
         sched.add_request(Request(f"r{i}", prompt, p))
@@ -53,7 +53,7 @@ def generate(path, params: list[SamplingParams], speculative: dict | None, *, bu
     while sched.has_work:
         step = sched.schedule(float(steps))
         assert step is not None
-        for out in sched.update(step, runner.execute(step.plan)):
+        for out in sched.update(runner.execute(step.plan)).outputs:
             outputs[out.request_id] += out.new_token_ids
             if logprobs is not None:
                 logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)

@@ -39,7 +39,7 @@ def test_window_blocks_handed_on_and_prefixes_reused_with_exact_tokens(
             sched.add_request(Request(f"w{w}r{i}", prompt, params))
         while sched.has_work:
             step = sched.schedule(0.0)
-            for out in sched.update(step, runner.execute(step.plan)):
+            for out in sched.update(runner.execute(step.plan)).outputs:
                 outputs[out.request_id].extend(out.new_token_ids)
             sched.check_integrity()
             decoding = [r for r in sched.running.values() if r.num_output_tokens > 1]
