@@ -1,5 +1,5 @@
-"""The ``iterserve`` command line: ``serve`` (the cluster's, with vLLM's
-flags), ``bench`` and ``simulate`` (the benchmarks'). It lives above
+"""The ``iterserve`` command line: ``serve`` and ``run-batch`` (the cluster's,
+with vLLM's flags), ``bench`` and ``simulate`` (the benchmarks'). It lives above
 both so that the cluster never imports the benchmarks."""
 
 from __future__ import annotations
@@ -81,9 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    # serve parses its own flags (vLLM's): main hands them their arguments.
+    # serve and run-batch parse their own flags (vLLM's): main hands them their arguments.
     commands.add_parser(
         "serve", add_help=False, help="the OpenAI-compatible server (default: the demo model)"
+    )
+    commands.add_parser(
+        "run-batch", add_help=False, help="an OpenAI batch file through the offline engine"
     )
 
     bench = commands.add_parser("bench", help="benchmarks that print ratios; they never assert")
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-OWN_PARSERS = {"serve": "cli"}  # modules of iterserve.cluster.serve
+OWN_PARSERS = {"serve": "cli", "run-batch": "batch"}  # modules of iterserve.cluster.serve
 
 
 def main(argv: list[str] | None = None) -> int:

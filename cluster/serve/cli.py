@@ -39,14 +39,12 @@ from .flags import (
     FlagError,
     FlagParser,
     Setting,
-    add_flags,
+    command_parser,
     from_file,
     merged,
-    serve_flags,
     split,
     startup_line,
     vllm_answers,
-    vllm_epilog,
 )
 
 if TYPE_CHECKING:
@@ -284,15 +282,11 @@ class ServePlan:
 
 
 def serve_parser(prog: str = "iterserve serve") -> tuple[FlagParser, list[Flag]]:
-    flags = serve_flags()
-    parser = FlagParser(
-        prog=prog,
-        usage=f"{prog} [MODEL] [flags]",
-        description="The OpenAI-compatible server. Its flags are vLLM's where vLLM has the\n"
+    parser, flags = command_parser(
+        prog,
+        f"{prog} [MODEL] [flags]",
+        "The OpenAI-compatible server. Its flags are vLLM's where vLLM has the\n"
         "setting, in vLLM's help groups; each names its config key [in brackets].",
-        epilog=vllm_epilog(flags),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
     )
     parser.add_argument(
         "model_tag",
@@ -301,7 +295,6 @@ def serve_parser(prog: str = "iterserve serve") -> tuple[FlagParser, list[Flag]]
         help="a checkpoint directory, or a Hugging Face hub id in the local cache "
         "(default: the demo model)",
     )
-    add_flags(parser, flags)
     return parser, flags
 
 

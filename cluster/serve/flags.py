@@ -372,6 +372,22 @@ class FlagParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n")
 
 
+def command_parser(prog: str, usage: str, description: str) -> tuple[FlagParser, list[Flag]]:
+    """A command's parser with every generated flag in vLLM's groups (serve's, run-batch's);
+    the command adds its own arguments."""
+    flags = serve_flags()
+    parser = FlagParser(
+        prog=prog,
+        usage=usage,
+        description=description,
+        epilog=vllm_epilog(flags),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_flags(parser, flags)
+    return parser, flags
+
+
 def _dashes(arg: str) -> str:
     if not arg.startswith("--"):
         return arg

@@ -184,12 +184,21 @@ def test_vllm_flags_as_data_have_unique_names_and_a_reason():
 def test_help_groups_flags_as_vllm_does(capsys):
     parser, _ = serve_parser()
     text = parser.format_help()
-    order = [text.index(f"\n{g}:\n") for g in ("Frontend", "ModelConfig", "ParallelConfig",
-                                                "CacheConfig", "LoRAConfig", "SchedulerConfig")]
+    order = [
+        text.index(f"\n{g}:\n")
+        for g in (
+            "Frontend",
+            "ModelConfig",
+            "ParallelConfig",
+            "CacheConfig",
+            "LoRAConfig",
+            "SchedulerConfig",
+        )
+    ]
     assert order == sorted(order)
-    model_config = text[text.index("\nModelConfig:\n"):text.index("\nLoadConfig:\n")]
+    model_config = text[text.index("\nModelConfig:\n") : text.index("\nLoadConfig:\n")]
     assert "--max-model-len" in model_config and "--served-model-name" in model_config
-    assert "--gpu-memory-utilization" in text[text.index("\nCacheConfig:\n"):]
+    assert "--gpu-memory-utilization" in text[text.index("\nCacheConfig:\n") :]
 
 
 def test_a_config_file_takes_keys_or_flag_names_and_a_flag_wins(model, tmp_path):

@@ -7,24 +7,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import USER_ENV
-
-BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
-READY_TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.test_quickstart import BIN, _free_port, _wait_healthy
 
 
 def _serve(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -129,17 +119,3 @@ def test_a_vllm_command_line_starts_the_server(tiny_model_dir, tmp_path):
     assert "kv_memory_fraction=0.5 (--gpu-memory-utilization)" in text
     assert "k-123" not in text  # the key is never printed
     assert "Traceback" not in text, text
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"not healthy within {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
