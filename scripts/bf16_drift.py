@@ -161,15 +161,15 @@ def study(
     from iterserve.kernels import build_cos_sin_cache, get_ops
     from iterserve.scheduler.blocks import blocks_for
     from iterserve.workers.kv_cache import KVCache
-    from iterserve.workers.model import AttentionInputs, LlamaModel
+    from iterserve.workers.model import AttentionInputs, Decoder
 
     torch.manual_seed(seed)
     c = config_for(hidden, layers, vocab)
     cos_sin = build_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta)
     ref = get_ops("torch")
-    bf16 = LlamaModel(c, ref, cos_sin, dtype=torch.bfloat16, device="cpu")
+    bf16 = Decoder(c, ref, cos_sin, dtype=torch.bfloat16, device="cpu")
     bf16.init_random_(seed, std=0.02 * math.sqrt(4096 / hidden))
-    fp32 = LlamaModel(c, ref, cos_sin, dtype=torch.float32, device="cpu")
+    fp32 = Decoder(c, ref, cos_sin, dtype=torch.float32, device="cpu")
     fp32.load_state_dict(bf16.state_dict())  # the same values, widened
     bs = 16
     tables, nb = [], 0

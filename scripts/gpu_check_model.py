@@ -180,7 +180,7 @@ def check_logits(r: Report, bench: ModelBench) -> None:
     from iterserve.workers.batch import layout_batch, to_device
     from iterserve.workers.graphs import bucket_for
     from iterserve.workers.kv_cache import KVCache
-    from iterserve.workers.model import LlamaModel
+    from iterserve.workers.model import Decoder
 
     runner, config, dev = bench.runner, bench.config, bench.dev
     assert runner is not None
@@ -206,7 +206,7 @@ def check_logits(r: Report, bench: ModelBench) -> None:
     plan = runner.table.apply(StepPlan(10_000, new_seqs=new, scheduled=entries))
 
     # The truth: the same weights widened to fp32 through the torch references.
-    model = LlamaModel(config, torch_ops, runner.model.cos_sin, dtype=torch.float32, device=dev)
+    model = Decoder(config, torch_ops, runner.model.cos_sin, dtype=torch.float32, device=dev)
     model.load_state_dict(runner.model.state_dict())
     kv = KVCache.allocate(config.num_layers, nb, BLOCK_SIZE, config.num_kv_heads,
                           config.head_dim, torch.float32, dev)  # fmt: skip

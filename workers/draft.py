@@ -35,7 +35,7 @@ from ..scheduler.messages import ScheduledSeq, StepPlan
 from ..scheduler.seq_table import SequenceTable
 from .batch import Staging, layout_batch, to_device
 from .kv_cache import KVCache, bytes_per_block
-from .model import LlamaModel, rope_table
+from .model import Decoder, rope_table
 from .sampler import _argmax_rows
 
 __all__ = ["DraftModel", "check_draft", "draft_block_bytes"]
@@ -105,7 +105,7 @@ class DraftModel:
 
         ckpt = load_checkpoint(path)
         c = self.config = ckpt.config
-        self.model = LlamaModel(c, ops, rope_table(c, max_model_len), dtype=dtype, device=device,
+        self.model = Decoder(c, ops, rope_table(c, max_model_len), dtype=dtype, device=device,
                                 max_model_len=max_model_len)  # fmt: skip
         self.model.load_weights(ckpt)
         ckpt.close()

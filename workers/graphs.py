@@ -35,7 +35,7 @@ import torch
 from ..scheduler.blocks import blocks_for
 from .batch import INDEX_DTYPE, HostBatch, segment_offsets
 from .kv_cache import KVCache
-from .model import AttentionInputs, LlamaModel
+from .model import AttentionInputs, Decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -137,7 +137,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Decoder,
         kv_cache: KVCache,
         *,
         batch_sizes: Sequence[int],

@@ -4,7 +4,7 @@ and what every layer shares: this rank's slice of the model (:class:`TPLayout`)
 and how the flat batch splits into sequences (:class:`AttentionInputs`).
 
 Every matrix product goes through :func:`iterserve.kernels.cpu.linear.linear`
-with the weight's packed copy when there is one (``LlamaModel.pack_weights``).
+with the weight's packed copy when there is one (``Decoder.pack_weights``).
 """
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ class Attention(nn.Module):
         self.o_bias = weight(config.hidden_size, **kw) if config.o_bias else None
         self.q_norm = weight(hd, **kw) if config.qk_norm else None
         self.k_norm = weight(hd, **kw) if config.qk_norm else None
-        # The same weights laid out for oneDNN, once loaded (LlamaModel.pack_weights).
+        # The same weights laid out for oneDNN, once loaded (Decoder.pack_weights).
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
-        # Adds the step's LoRA deltas to a product (LlamaModel.enable_lora); None: none.
+        # Adds the step's LoRA deltas to a product (Decoder.enable_lora); None: none.
         self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(

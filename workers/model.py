@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model doe
 __all__ = [
     "AllReduce",
     "AttentionInputs",
+    "Decoder",
     "DecoderLayer",
-    "LlamaModel",
     "rope_table",
     "weight_bytes",
 ]
@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
         return norm(self.mlp(hidden), self.post_mlp_norm, eps), residual
 
 
-class LlamaModel(nn.Module):
+class Decoder(nn.Module):
     """Decoder stack plus LM head; ``forward`` returns logits for selected rows only."""
 
     def __init__(
@@ -267,7 +267,7 @@ def weight_bytes(
 ) -> int:
     """Bytes of one rank's weights: the model built on the meta device, so the
     count follows the model's own definition and allocates nothing."""
-    model = LlamaModel(
+    model = Decoder(
         config,
         None,
         torch.empty(0, config.rope_dim),

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .dtype import choose_dtype
 from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
-from .model import AllReduce, LlamaModel, rope_table
+from .model import AllReduce, Decoder, rope_table
 from .prompt_logprobs import PromptLogprobsCollector
 from .sampler import Sampler, SamplerOutput
 from .step_params import DraftRow, SampleRow
@@ -42,14 +42,14 @@ logger = logging.getLogger(__name__)
 # would cost 32 KB per row per step for sequences that rarely need it.
 GRAPH_MAX_LEN = 8192
 # The cpu backend keeps a oneDNN copy of the matrix products' fp32 weights
-# (LlamaModel.pack_weights) for models up to this size: the copy doubles their
+# (Decoder.pack_weights) for models up to this size: the copy doubles their
 # memory, and a model past it is bound by reading its weights, which the layout
 # does not change. bf16 weights are always packed: their plain copies are let go.
 PACK_WEIGHTS_MAX_BYTES = 2 << 30
 
 
 class ModelRunner:
-    """Runs a Llama-family checkpoint over a paged KV cache, step by step.
+    """Runs a checkpoint of a supported architecture over a paged KV cache, step by step.
 
     Every tensor-parallel rank runs one runner with the same plans; all ranks
     compute the same logits and, with the same ``seed``, sample the same tokens,
@@ -155,7 +155,7 @@ class ModelRunner:
         self.block_size = block_size
         # fp32 table regardless of model dtype: the kernels rotate in fp32. Every rank
         # builds it from the same max_model_len, so all take the same longrope factors.
-        self.model = LlamaModel(
+        self.model = Decoder(
             c,
             self.ops,
             rope_table(c, max_model_len),

@@ -27,7 +27,7 @@ from .config import CheckpointError
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
-    from .model import LlamaModel
+    from .model import Decoder
 
 FUSED = {"Phi3ForCausalLM"}
 EXPERT_NAMES = {  # architecture -> (block, router, gate, up, down)
@@ -37,7 +37,7 @@ EXPERT_NAMES = {  # architecture -> (block, router, gate, up, down)
 
 
 class _Loader:
-    def __init__(self, model: LlamaModel, ckpt: Checkpoint):
+    def __init__(self, model: Decoder, ckpt: Checkpoint):
         self.ckpt, self.tp = ckpt, model.tp
         self.norm_offset = model.config.norm_offset
 
@@ -83,7 +83,7 @@ class _Loader:
             at, offset = at + per_rank, offset + whole
 
 
-def load_weights(model: LlamaModel, ckpt: Checkpoint) -> None:
+def load_weights(model: Decoder, ckpt: Checkpoint) -> None:
     c, tp = model.config, model.tp
     hd, load = c.head_dim, _Loader(model, ckpt)
     fused = c.architecture in FUSED

@@ -70,7 +70,7 @@ def exercise() -> None:
     from iterserve.workers.config import FULL, SLIDING, ModelConfig
     from iterserve.workers.graphs import DecodeGraphs, EagerReplay
     from iterserve.workers.kv_cache import KVCache
-    from iterserve.workers.model import LlamaModel
+    from iterserve.workers.model import Decoder
 
     checks.check_triton_device = lambda *a: None  # meta tensors stand in for CUDA ones
     ops = get_ops("triton")
@@ -140,7 +140,7 @@ def exercise() -> None:
     for name, dtype, block_size in cases:
         config, tp = shapes[name]
         cos_sin = build_cos_sin_cache(config.head_dim, config.max_position_embeddings, 1e4)
-        model = LlamaModel(config, ops, cos_sin, dtype=dtype, device=meta, tp_size=tp,
+        model = Decoder(config, ops, cos_sin, dtype=dtype, device=meta, tp_size=tp,
                            all_reduce=lambda t: t)  # fmt: skip
         num_blocks = 64 * (8192 // block_size) + 16
         kv = KVCache.allocate(config.num_layers, num_blocks, block_size, model.tp.num_kv_heads,
