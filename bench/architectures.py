@@ -125,17 +125,19 @@ def moe_experts_used(
     config = config_of(moe, base)
     num_blocks = cache_blocks((batch_size,), context, 16, steps, block_size)
     ms = {}
-    for n in sorted(set(used) | {config.num_experts}):
+    experts = config.experts
+    assert experts is not None, "moe must name a mixture-of-experts architecture"
+    for n in sorted(set(used) | {experts.num_experts}):
         # A fresh runner (the same weights) for each count: the same steps and contexts.
         runner = _runner(config, device, num_blocks, block_size)
         with experts_confined_to(n):
             got = measure(runner, (batch_size,), context, 16, steps, cpu_clock=_one_thread())
         ms[n] = 1000 * batch_size / got[f"decode_tok_s_{batch_size}"]
         del runner
-    full = ms[config.num_experts]
-    out: dict[str, Any] = {"num_experts": config.num_experts, "top_k": config.num_experts_per_tok,
+    full = ms[experts.num_experts]
+    out: dict[str, Any] = {"num_experts": experts.num_experts, "top_k": experts.top_k,
                            "batch_size": batch_size}  # fmt: skip
     for n, t in ms.items():
         out[f"decode_ms_experts_{n}"] = round(t, 2)
-        out[f"ratio_experts_{n}_vs_{config.num_experts}"] = round(t / full, 3)
+        out[f"ratio_experts_{n}_vs_{experts.num_experts}"] = round(t / full, 3)
     return out

@@ -134,11 +134,13 @@ def config_for(hidden: int, layers: int, vocab: int):
     from iterserve.workers.config import ModelConfig
 
     heads = hidden // 128
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
-                       intermediate_size=hidden * 7 // 2, num_layers=layers, num_heads=heads,
-                       num_kv_heads=max(1, heads // 4), head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, max_position_embeddings=8192,
-                       eos_token_ids=(1,))  # fmt: skip
+    return ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": hidden * 7 // 2, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 8192, "eos_token_id": 1,
+    })  # fmt: skip
 
 
 def run_path(model, ops, kv, steps):

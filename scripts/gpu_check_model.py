@@ -63,15 +63,14 @@ SMOKE = Sizes("float16", (1, 4), 64, 2, 1, (40, 17), (1, 4), 12, 3, 20, 1, 0)
 def model_config(smoke: bool):
     from iterserve.workers.config import ModelConfig
 
-    if smoke:
-        return ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64,
-                           intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                           head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                           max_position_embeddings=512, eos_token_ids=(2,))  # fmt: skip
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                       head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                       max_position_embeddings=8192, eos_token_ids=(128001,))  # fmt: skip
+    # Llama-3-8B's shape, or a tiny one in smoke mode.
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+            "max_position_embeddings", "eos_token_id")  # fmt: skip
+    sizes = ((256, 64, 128, 2, 4, 2, 16, 10000.0, 512, 2) if smoke else
+             (128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 8192, 128001))  # fmt: skip
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+                                  **dict(zip(keys, sizes, strict=True))})  # fmt: skip
 
 
 class ModelBench:

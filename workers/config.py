@@ -1,12 +1,15 @@
-"""``config.json`` of a checkpoint, parsed and validated once.
+"""What the shared decoder (:mod:`.model`) builds a model from.
 
-The fields every architecture shares are read here; what each architecture
-adds or changes (q/k norms, Gemma's norms and scales, sliding-window layers,
-experts) is read by :mod:`~iterserve.workers.architectures`, which also
-refuses, naming the key, whatever a config asks for that the runtime does not
-compute. Both rope spellings in the wild are read: transformers >= 5 writes
-``rope_parameters`` (theta inside), older files ``rope_theta`` plus an optional
-``rope_scaling``.
+:class:`ModelConfig` is a checkpoint's shape (sizes, heads, vocabulary), its
+rope, what the model does at its two ends (scaled embeddings, a tied or
+soft-capped LM head), its experts' sizes, and one :class:`LayerSpec` per layer:
+norm placement, q/k norms, biases, the sliding window, the rope table, the soft
+cap on scores, the MLP's kind and activation. Nothing here names an
+architecture's feature as a flag: each architecture's parser
+(:mod:`.architectures`) reads its ``config.json`` into these, with the readers
+below, and the decoder reads only these. Both rope spellings in the wild are
+read: transformers >= 5 writes ``rope_parameters`` (theta inside), older files
+``rope_theta`` plus an optional ``rope_scaling``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types
+PRE, SANDWICH = "pre", "sandwich"
+DENSE, MOE = "dense", "moe"
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 class CheckpointError(ValueError):
@@ -23,50 +29,79 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer computes, beyond the model's shape."""
+
+    # PRE: a norm before attention and one before the MLP, each fused with the
+    # residual add; SANDWICH (Gemma): a norm after each sublayer's output too, and
+    # the MLP's own norm before it.
+    norms: str = PRE
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary
+    qkv_bias: bool = False
+    o_bias: bool = False  # added once, after the all-reduce
+    window: int | None = None  # reads positions p - window + 1 .. p; None: all of them
+    local_rope: bool = False  # rotates with the model's local table (Gemma 3's sliding layers)
+    soft_cap: float | None = None  # scores capped as cap * tanh(score / cap)
+    mlp: str = DENSE  # MOE: the model's experts in place of the dense MLP
+    activation: str = "silu"  # the MLP's (or experts') gate: silu or gelu_tanh
+    mlp_bias: bool = False  # gate/up and down biases of the dense MLP
+
+    def __post_init__(self) -> None:
+        if self.norms not in (PRE, SANDWICH) or self.mlp not in (DENSE, MOE):
+            raise ValueError(f"unknown norm placement or MLP kind: {self.norms!r}, {self.mlp!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture of experts' sizes and routing, shared by its MOE layers."""
+
+    num_experts: int
+    top_k: int  # experts a token uses
+    intermediate_size: int  # one expert's MLP width
+    renormalize: bool = True  # the chosen experts' weights rescaled to sum to 1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The parts of ``config.json`` the runtime needs, validated once."""
+    """A checkpoint's model as the decoder builds it, validated once."""
 
     architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+    layers: tuple[LayerSpec, ...]  # one per layer
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    rotary_dim: int | None = None  # rotated width of a head; None: all of it
+    # The table of layers with local_rope (Gemma 3's local base).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    attn_scale_dim: float | None = None  # scores times attn_scale_dim ** -0.5; None: head_dim
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    # The window of the layers that slide (all of them unless layer_types says).
-    sliding_window: int | None = None
+    final_softcap: float | None = None  # the logits capped as cap * tanh(logit / cap)
+    experts: Experts | None = None  # the MOE layers' experts
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    # Per layer, FULL or SLIDING; None: every layer slides when sliding_window is set.
-    layer_types: tuple[str, ...] | None = None
-    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (Qwen3, Gemma 3)
-    norm_offset: float = 0.0  # Gemma stores every norm's scale as weight - 1
-    sandwich_norms: bool = False  # Gemma: a norm after attention and after the MLP too
-    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
-    query_pre_attn_scalar: float | None = None  # attention scale ** -2 (Gemma); else head_dim
-    attn_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
-    final_softcap: float | None = None  # the same on the logits
-    activation: str = "silu"  # or "gelu_tanh"
-    rotary_dim: int | None = None  # rotated width of a head; None: all of it
-    # Rope of the sliding layers when it differs (Gemma 3's local base).
-    local_rope_theta: float | None = None
-    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
-    num_experts: int = 0  # mixture of experts: 0 for a dense model
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
-    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP
+
+    def __post_init__(self) -> None:
+        if any(s.mlp == MOE for s in self.layers) and self.experts is None:
+            raise ValueError("a mixture-of-experts layer needs the model's experts")
+        if any(s.local_rope for s in self.layers) and self.local_rope_theta is None:
+            raise ValueError("a layer with the local rope needs local_rope_theta")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @property
     def max_model_len(self) -> int:
@@ -82,34 +117,27 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of ``layer``, None for full attention."""
-        if self.layer_types is None or self.layer_types[layer] == SLIDING:
-            return self.sliding_window
-        return None
+        return (self.attn_scale_dim or self.head_dim) ** -0.5
 
     @property
     def kv_window(self) -> int | None:
         """The window within which every layer reads, None when any layer reads the
         whole sequence: KV blocks before it are no layer's any more (what the
         scheduler frees while a sequence runs)."""
-        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        windows = {spec.window for spec in self.layers}
         return None if None in windows else max(windows)  # type: ignore[type-var]
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """``config.json``, read by its architecture's parser (:mod:`.architectures`)."""
         from .architectures import parse_architecture
 
         return parse_architecture(raw)
 
 
 def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """The fields every architecture reads the same way."""
+    """The fields every architecture reads the same way, and ``num_layers`` for its
+    parser (the config counts its layers' specs)."""
     hidden = get_int(raw, "hidden_size")
     heads = get_int(raw, "num_attention_heads")
     kv_heads = get_int(raw, "num_key_value_heads", default=heads)

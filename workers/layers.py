@@ -18,7 +18,7 @@ from torch import nn
 
 from ..kernels.cpu.linear import linear
 from ..kernels.cpu.linear import pack as pack_weight
-from .config import ModelConfig
+from .config import LayerSpec, ModelConfig
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -49,11 +49,12 @@ class TPLayout:
     """Which heads / MLP columns / expert columns this rank owns."""
 
     def __init__(self, config: ModelConfig, tp_rank: int, tp_size: int):
+        expert_intermediate = config.experts.intermediate_size if config.experts else 0
         for what, n in (
             ("num_attention_heads", config.num_heads),
             ("num_key_value_heads", config.num_kv_heads),
             ("intermediate_size", config.intermediate_size),
-            ("moe_intermediate_size", config.moe_intermediate_size),
+            ("moe_intermediate_size", expert_intermediate),
         ):
             if n % tp_size:
                 raise ValueError(f"tp_size {tp_size} does not divide {what} {n}")
@@ -63,7 +64,7 @@ class TPLayout:
         self.num_heads = config.num_heads // tp_size
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.intermediate = config.intermediate_size // tp_size
-        self.expert_intermediate = config.moe_intermediate_size // tp_size
+        self.expert_intermediate = expert_intermediate // tp_size
         self.head_dim = config.head_dim
 
     def rows(self, per_rank: int) -> tuple[int, int]:
@@ -71,7 +72,7 @@ class TPLayout:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TPLayout, ops: Any,
+    def __init__(self, config: ModelConfig, spec: LayerSpec, tp: TPLayout, ops: Any,
                  all_reduce: AllReduce, **kw):  # fmt: skip
         super().__init__()
         self.tp, self.ops, self.all_reduce = tp, ops, all_reduce
@@ -79,19 +80,18 @@ class Attention(nn.Module):
         self.q_size = tp.num_heads * hd
         self.kv_size = tp.num_kv_heads * hd
         self.scale = config.attn_scale
-        self.window = config.layer_window(layer)
-        self.soft_cap = config.attn_softcap
+        self.window = spec.window
+        self.soft_cap = spec.soft_cap
         self.rope_dim = config.rope_dim
         self.eps = config.rms_norm_eps
-        # Sliding layers rotate with their own table when the config gives them one.
-        self.local_rope = self.window is not None and config.local_rope_theta is not None
+        self.local_rope = spec.local_rope  # rotates with the model's second table
         # q, k and v stacked so one matmul produces all three.
         self.qkv_weight = weight(self.q_size + 2 * self.kv_size, config.hidden_size, **kw)
-        self.qkv_bias = weight(self.q_size + 2 * self.kv_size, **kw) if config.qkv_bias else None
+        self.qkv_bias = weight(self.q_size + 2 * self.kv_size, **kw) if spec.qkv_bias else None
         self.o_weight = weight(config.hidden_size, self.q_size, **kw)
-        self.o_bias = weight(config.hidden_size, **kw) if config.o_bias else None
-        self.q_norm = weight(hd, **kw) if config.qk_norm else None
-        self.k_norm = weight(hd, **kw) if config.qk_norm else None
+        self.o_bias = weight(config.hidden_size, **kw) if spec.o_bias else None
+        self.q_norm = weight(hd, **kw) if spec.qk_norm else None
+        self.k_norm = weight(hd, **kw) if spec.qk_norm else None
         # The same weights laid out for oneDNN, once loaded (Decoder.pack_weights).
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
@@ -172,16 +172,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, ops: Any, all_reduce: AllReduce, **kw):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, tp: TPLayout, ops: Any,
+                 all_reduce: AllReduce, **kw):  # fmt: skip
         super().__init__()
         self.ops, self.all_reduce = ops, all_reduce
-        self.act = activation_op(config)
+        self.act = activation_op(spec.activation)
         inter = tp.intermediate
         # gate rows first, then up rows: the layout silu_mul expects.
         self.gate_up_weight = weight(2 * inter, config.hidden_size, **kw)
-        self.gate_up_bias = weight(2 * inter, **kw) if config.mlp_bias else None
+        self.gate_up_bias = weight(2 * inter, **kw) if spec.mlp_bias else None
         self.down_weight = weight(config.hidden_size, inter, **kw)
-        self.down_bias = weight(config.hidden_size, **kw) if config.mlp_bias else None
+        self.down_bias = weight(config.hidden_size, **kw) if spec.mlp_bias else None
         self.gate_up_packed: torch.Tensor | None = None
         self.down_packed: torch.Tensor | None = None
         self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -204,6 +205,6 @@ class MLP(nn.Module):
         self.down_packed = pack_weight(self.down_weight)
 
 
-def activation_op(config: ModelConfig) -> str:
-    """The kernel op of the MLP's gated activation."""
-    return {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}[config.activation]
+def activation_op(activation: str) -> str:
+    """The kernel op of a gated ``activation`` (:class:`LayerSpec`'s)."""
+    return {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}[activation]

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
+from .config import MOE, ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Each target's product on the rank, and its place in that product's fused output.
@@ -179,7 +179,7 @@ def _check_pair(config: ModelConfig, rank: int, layer: int, target: str, pair: d
     where = f"layer {layer} {target}"
     if layer >= config.num_layers:
         raise AdapterError(f"{where}: the base model has {config.num_layers} layers")
-    if GROUPS[target] in ("gate_up", "down") and config.is_moe_layer(layer):
+    if GROUPS[target] in ("gate_up", "down") and config.layers[layer].mlp == MOE:
         raise AdapterError(f"{where}: the base model's MLP there is a mixture of experts")
     if set(pair) != {"A", "B"}:
         raise AdapterError(f"{where}: lora_{'AB'.replace(''.join(pair), '')} is missing")

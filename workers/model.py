@@ -1,12 +1,13 @@
 """The decoder every supported architecture shares, over a flat token batch.
 
 Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 2/3 and Phi-3 are one
-pre-norm decoder with options read from the config (:class:`ModelConfig`):
-biases, q/k norms, Gemma's extra norms, scaled embeddings and soft-caps,
-sliding-window layers with their own rope base, a partial rotary embedding,
-and a mixture of experts in place of the MLP (:mod:`.moe`). The attention and
-the dense MLP are in :mod:`.layers`; how each checkpoint names its tensors is
-:mod:`.weights`'s business.
+decoder (:class:`Decoder`) built from :class:`ModelConfig`: the model's shape
+and ends (scaled embeddings, tied or soft-capped LM head, a partial rotary
+embedding, a second rope table for local layers), and each layer as its
+:class:`LayerSpec` says (norm placement, q/k norms, biases, window, soft cap,
+a dense MLP or a mixture of experts, :mod:`.moe`). The attention and the dense
+MLP are in :mod:`.layers`; what each architecture reads from its config is
+:mod:`.architectures`' business, how it names its tensors :mod:`.weights`'.
 
 Every step computes one flat batch: the tokens of all scheduled sequences laid
 end to end, ``[num_tokens, ...]``, whatever mix of decodes and prefill pieces
@@ -31,7 +32,7 @@ from ..kernels import build_cos_sin_cache
 from ..kernels.cpu.linear import linear, packs_every_batch
 from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.rope import uses_long_factors
-from .config import ModelConfig
+from .config import MOE, SANDWICH, LayerSpec, ModelConfig
 from .kv_cache import KVCache
 from .layers import (
     MLP,
@@ -86,22 +87,23 @@ def rope_table(config: ModelConfig, max_model_len: int | None = None) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TPLayout, ops: Any,
+    def __init__(self, config: ModelConfig, spec: LayerSpec, tp: TPLayout, ops: Any,
                  all_reduce: AllReduce, **kw):  # fmt: skip
         super().__init__()
         self.ops, self.eps = ops, config.rms_norm_eps
         h = config.hidden_size
         self.input_norm = weight(h, **kw)
         self.post_attn_norm = weight(h, **kw)
-        # Gemma normalises each sublayer's output too, before the residual add; its
-        # MLP then gets a norm of its own (pre_mlp_norm) in place of post_attn_norm's.
-        self.pre_mlp_norm = weight(h, **kw) if config.sandwich_norms else None
-        self.post_mlp_norm = weight(h, **kw) if config.sandwich_norms else None
-        self.attn = Attention(config, layer, tp, ops, all_reduce, **kw)
-        if config.is_moe_layer(layer):
-            self.mlp: nn.Module = SparseMoE(config, tp, ops, all_reduce, **kw)
+        # Sandwich norms normalise each sublayer's output too, before the residual add;
+        # the MLP then gets a norm of its own (pre_mlp_norm) in place of post_attn_norm's.
+        sandwich = spec.norms == SANDWICH
+        self.pre_mlp_norm = weight(h, **kw) if sandwich else None
+        self.post_mlp_norm = weight(h, **kw) if sandwich else None
+        self.attn = Attention(config, spec, tp, ops, all_reduce, **kw)
+        if spec.mlp == MOE:
+            self.mlp: nn.Module = SparseMoE(config, spec, tp, ops, all_reduce, **kw)
         else:
-            self.mlp = MLP(config, tp, ops, all_reduce, **kw)
+            self.mlp = MLP(config, spec, tp, ops, all_reduce, **kw)
 
     def forward(self, hidden, residual, positions, cos_sin, attn, k_cache, v_cache):
         """``(hidden, residual)`` in and out: the norms fuse the residual adds."""
@@ -146,7 +148,7 @@ class Decoder(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.embed = weight(config.vocab_size, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.tp, ops, reduce, **kw) for i in range(config.num_layers)
+            DecoderLayer(config, spec, self.tp, ops, reduce, **kw) for spec in config.layers
         )
         self.norm = weight(config.hidden_size, **kw)
         self.lm_head = (
@@ -162,7 +164,7 @@ class Decoder(nn.Module):
                                         max_model_len=served_context(config, max_model_len),
                                         ).to(device=device)  # fmt: skip
         self.register_buffer("cos_sin_local", local, persistent=False)
-        # Gemma scales embeddings by sqrt(hidden), rounded to the weights' dtype as it does.
+        # Scaled by sqrt(hidden) (Gemma), rounded to the weights' dtype as Gemma does.
         self.embed_scale = None
         if config.scale_embeddings:
             self.embed_scale = torch.tensor(config.hidden_size**0.5).to(device=device, dtype=dtype)

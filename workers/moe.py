@@ -21,18 +21,21 @@ from torch import nn
 from ..kernels.cpu.linear import linear
 from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.experts import route
-from .config import ModelConfig
+from .config import LayerSpec, ModelConfig
 from .layers import AllReduce, TPLayout, weight
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPLayout, ops: Any, all_reduce: AllReduce, **kw):
+    def __init__(self, config: ModelConfig, spec: LayerSpec, tp: TPLayout, ops: Any,
+                 all_reduce: AllReduce, **kw):  # fmt: skip
         super().__init__()
+        experts = config.experts
+        assert experts is not None  # ModelConfig checks a MOE layer has them
         self.ops, self.all_reduce = ops, all_reduce
-        self.top_k = config.num_experts_per_tok
-        self.renormalize = config.norm_topk_prob
-        self.activation = config.activation
-        e, h, inter = config.num_experts, config.hidden_size, tp.expert_intermediate
+        self.top_k = experts.top_k
+        self.renormalize = experts.renormalize
+        self.activation = spec.activation
+        e, h, inter = experts.num_experts, config.hidden_size, tp.expert_intermediate
         self.router = weight(e, h, **kw)
         self.w13 = weight(e, 2 * inter, h, **kw)
         self.w2 = weight(e, h, inter, **kw)

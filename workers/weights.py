@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import CheckpointError
+from .moe import SparseMoE
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -34,12 +35,13 @@ EXPERT_NAMES = {  # architecture -> (block, router, gate, up, down)
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+NORM_OFFSET = {"Gemma2ForCausalLM": 1.0, "Gemma3ForCausalLM": 1.0}  # norms stored as scale - 1
 
 
 class _Loader:
     def __init__(self, model: Decoder, ckpt: Checkpoint):
         self.ckpt, self.tp = ckpt, model.tp
-        self.norm_offset = model.config.norm_offset
+        self.norm_offset = NORM_OFFSET.get(model.config.architecture, 0.0)
 
     def put(self, dst: torch.Tensor, name: str, dim: int | None = None,
             span: tuple[int, int | None] = (0, None), full: tuple[int, ...] | None = None,
@@ -116,7 +118,7 @@ def load_weights(model: Decoder, ckpt: Checkpoint) -> None:
         if a.q_norm is not None:
             load.norm(a.q_norm, p + "self_attn.q_norm.weight")
             load.norm(a.k_norm, p + "self_attn.k_norm.weight")
-        if c.is_moe_layer(i):
+        if isinstance(layer.mlp, SparseMoE):
             _load_experts(load, layer.mlp, p, c.architecture, tp.expert_intermediate)
         else:
             _load_mlp(load, layer.mlp, p, fused, tp.intermediate, c.intermediate_size)

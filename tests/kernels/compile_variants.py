@@ -67,7 +67,7 @@ def exercise() -> None:
     from iterserve.scheduler.sampling import SamplingParams
     from iterserve.scheduler.seq_table import SequenceTable
     from iterserve.workers.batch import Staging, layout_batch, to_device
-    from iterserve.workers.config import FULL, SLIDING, ModelConfig
+    from iterserve.workers.config import ModelConfig
     from iterserve.workers.graphs import DecodeGraphs, EagerReplay
     from iterserve.workers.kv_cache import KVCache
     from iterserve.workers.model import Decoder
@@ -76,19 +76,21 @@ def exercise() -> None:
     ops = get_ops("triton")
     meta = torch.device("meta")
 
-    def model_of(hidden, inter, heads, kv_heads, head_dim, tp=1, **options):
-        return ModelConfig(
-            architecture="LlamaForCausalLM", vocab_size=1024, hidden_size=hidden,
-            intermediate_size=inter, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
-            max_position_embeddings=8192, **{"num_layers": 1, **options},
-        ), tp  # fmt: skip
+    def model_of(hidden, inter, heads, kv_heads, head_dim, tp=1, arch="LlamaForCausalLM",
+                 **keys):  # fmt: skip
+        """A config.json of ``arch`` with these sizes and ``keys``, one layer unless said."""
+        return ModelConfig.from_dict({
+            "architectures": [arch], "vocab_size": 1024, "hidden_size": hidden,
+            "intermediate_size": inter, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 8192, "num_hidden_layers": 1,
+            **keys,
+        }), tp  # fmt: skip
 
-    # A sliding layer and a full one, scores and logits soft-capped, GELU (Gemma 2);
-    # experts in place of the MLP (Mixtral, Qwen3-MoE).
-    gemma = dict(num_layers=2, sliding_window=4096, layer_types=(SLIDING, FULL),
-                 attn_softcap=50.0, final_softcap=30.0, activation="gelu_tanh",
-                 sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=256.0)  # fmt: skip
+    # A sliding layer and a full one, scores and logits soft-capped at Gemma 2's
+    # defaults, GELU, sandwich norms; experts in place of the MLP (Mixtral, Qwen3-MoE).
+    gemma = dict(arch="Gemma2ForCausalLM", num_hidden_layers=2, sliding_window=4096,
+                 tie_word_embeddings=False)  # fmt: skip
     shapes = {
         "llama3-8b": model_of(4096, 14336, 32, 8, 128),
         "llama2-7b": model_of(4096, 11008, 32, 32, 128),
@@ -102,9 +104,9 @@ def exercise() -> None:
             32,
             8,
             128,
-            num_experts=8,
+            arch="MixtralForCausalLM",
+            num_local_experts=8,
             num_experts_per_tok=2,
-            moe_intermediate_size=14336,
         ),  # fmt: skip
         "qwen3-30b-a3b": model_of(
             2048,
@@ -112,13 +114,22 @@ def exercise() -> None:
             32,
             4,
             128,
+            arch="Qwen3MoeForCausalLM",
             num_experts=128,
-            qk_norm=True,
             num_experts_per_tok=8,
             moe_intermediate_size=768,
+            norm_topk_prob=True,
         ),  # fmt: skip
+        # Mixtral's experts are intermediate_size wide.
         "moe-demo": model_of(
-            256, 704, 4, 2, 64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+            256,
+            128,
+            4,
+            2,
+            64,
+            arch="MixtralForCausalLM",
+            num_local_experts=8,
+            num_experts_per_tok=2,
         ),  # fmt: skip
     }
     cases = [

@@ -57,14 +57,15 @@ def test_parses_old_style_rope_fields():
 
 def test_qwen2_biases_and_tied_embeddings(checkpoint_dir):
     ckpt = load_checkpoint(checkpoint_dir("qwen2"))
-    assert ckpt.config.qkv_bias and not ckpt.config.o_bias and ckpt.config.tie_word_embeddings
+    layer = ckpt.config.layers[0]
+    assert layer.qkv_bias and not layer.o_bias and ckpt.config.tie_word_embeddings
     assert "lm_head.weight" not in ckpt
 
 
 def test_mistral_sliding_window_is_honoured_not_a_length_cap(checkpoint_dir):
     config = load_checkpoint(checkpoint_dir("mistral")).config
-    assert config.sliding_window == config.kv_window == 24
-    assert [config.layer_window(i) for i in range(config.num_layers)] == [24, 24]
+    assert [layer.window for layer in config.layers] == [24, 24]
+    assert config.kv_window == 24
     assert config.max_model_len == config.max_position_embeddings
 
 

@@ -1,5 +1,5 @@
-"""Each architecture's config: its keys read with transformers' defaults, and what
-the runtime does not compute refused with the key named."""
+"""Each architecture's config: its keys read with transformers' defaults into the
+layers' specs, and what the runtime does not compute refused with the key named."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from iterserve.workers import CheckpointError, ModelConfig
 from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
-from iterserve.workers.config import FULL, SLIDING
+from iterserve.workers.config import DENSE, FULL, MOE, SANDWICH, LayerSpec
 
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -25,11 +25,23 @@ def test_an_unlisted_architecture_is_refused_with_the_supported_list():
     assert len(SUPPORTED_ARCHITECTURES) == 9
 
 
+def test_every_supported_architecture_reads_a_plain_config_into_layer_specs():
+    for arch in SUPPORTED_ARCHITECTURES:
+        keys = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32}  # fmt: skip
+        c = config(arch, **keys)
+        assert c.num_layers == len(c.layers) == 4 and all(
+            isinstance(s, LayerSpec) for s in c.layers
+        )
+    assert config("LlamaForCausalLM").layers == (LayerSpec(),) * 4  # the plain decoder
+
+
 def test_gemma2_takes_transformers_defaults_for_absent_keys():
     c = config("Gemma2ForCausalLM", head_dim=16)
-    assert (c.attn_softcap, c.final_softcap, c.sliding_window) == (50.0, 30.0, 4096)
-    assert c.layer_types == (SLIDING, FULL, SLIDING, FULL)
-    assert c.tie_word_embeddings and c.norm_offset == 1.0 and c.activation == "gelu_tanh"
+    assert [s.window for s in c.layers] == [4096, None, 4096, None]  # sliding, full, ...
+    assert {s.soft_cap for s in c.layers} == {50.0} and c.final_softcap == 30.0
+    assert all(s.norms == SANDWICH and s.activation == "gelu_tanh" for s in c.layers)
+    assert c.tie_word_embeddings and c.scale_embeddings
     assert c.attn_scale == 256**-0.5  # query_pre_attn_scalar's default
     assert config("Gemma2ForCausalLM", final_logit_softcapping=None).final_softcap is None
 
@@ -37,7 +49,9 @@ def test_gemma2_takes_transformers_defaults_for_absent_keys():
 def test_gemma3_old_spelling_gives_local_layers_their_own_rope():
     c = config("Gemma3ForCausalLM", rope_theta=1e6, rope_local_base_freq=1e4,
                rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=2)  # fmt: skip
-    assert c.layer_types == (SLIDING, FULL, SLIDING, FULL) and c.qk_norm
+    assert [s.window for s in c.layers] == [4096, None, 4096, None]
+    assert [s.local_rope for s in c.layers] == [True, False, True, False]  # sliding ones
+    assert all(s.qk_norm and s.soft_cap is None for s in c.layers)
     assert (c.rope_theta, c.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
     assert (c.local_rope_theta, c.local_rope_scaling) == (1e4, None)
     assert c.kv_window is None  # a global layer reads everything: nothing is handed on
@@ -45,17 +59,18 @@ def test_gemma3_old_spelling_gives_local_layers_their_own_rope():
 
 def test_qwen_windows_start_at_max_window_layers():
     c = config("Qwen3ForCausalLM", use_sliding_window=True, sliding_window=32, max_window_layers=2)
-    assert [c.layer_window(i) for i in range(4)] == [None, None, 32, 32]
-    assert config("Qwen3ForCausalLM", sliding_window=32).layer_window(3) is None  # not used
+    assert [s.window for s in c.layers] == [None, None, 32, 32]
+    assert config("Qwen3ForCausalLM", sliding_window=32).kv_window is None  # not used
 
 
 def test_qwen3_moe_dense_layers_and_routing_flags():
     c = config("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
                moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
-    assert [c.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
-    assert not c.norm_topk_prob  # Qwen3-MoE's default
+    assert [s.mlp for s in c.layers] == [DENSE, MOE, DENSE, DENSE]
+    assert not c.experts.renormalize  # Qwen3-MoE's default
     mixtral = config("MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2)
-    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 128
+    assert mixtral.experts.renormalize and mixtral.experts.intermediate_size == 128
+    assert {s.mlp for s in mixtral.layers} == {MOE}
 
 
 def phi3(**rope_scaling) -> ModelConfig:

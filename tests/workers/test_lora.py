@@ -220,7 +220,7 @@ def test_a_layer_the_model_lacks_is_refused(adapters, config):
     import dataclasses
 
     with pytest.raises(AdapterError, match="layer 1 q_proj: the base model has 1 layers"):
-        read_adapter(adapters["qv8"][0], dataclasses.replace(config, num_layers=1), 64)
+        read_adapter(adapters["qv8"][0], dataclasses.replace(config, layers=config.layers[:1]), 64)
 
 
 def test_dora_and_extra_modules_are_refused(adapters, config, tmp_path):
