@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 
 from .architectures import SUPPORTED_ARCHITECTURES
-from .config import CheckpointError, ModelConfig, token_id_list
+from .architectures.keys import token_id_list
+from .config import CheckpointError, ModelConfig
 from .dtype import choose_dtype
 
 __all__ = [

@@ -6,8 +6,8 @@ and ends (scaled embeddings, tied or soft-capped LM head, a partial rotary
 embedding, a second rope table for local layers), and each layer as its
 :class:`LayerSpec` says (norm placement, q/k norms, biases, window, soft cap,
 a dense MLP or a mixture of experts, :mod:`.moe`). The attention and the dense
-MLP are in :mod:`.layers`; what each architecture reads from its config is
-:mod:`.architectures`' business, how it names its tensors :mod:`.weights`'.
+MLP are in :mod:`.layers`; what each architecture reads from its config and how
+it names its tensors is its family's business (:mod:`.architectures`).
 
 Every step computes one flat batch: the tokens of all scheduled sequences laid
 end to end, ``[num_tokens, ...]``, whatever mix of decodes and prefill pieces

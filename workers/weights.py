@@ -1,20 +1,16 @@
 """Each checkpoint's tensors into the model, this rank's shard of each.
 
-The checkpoints name their tensors as transformers saves them::
-
-    model.embed_tokens / model.norm / lm_head (unless tied)
-    layers.i.input_layernorm, post_attention_layernorm
-             pre_feedforward_layernorm, post_feedforward_layernorm    Gemma
-    layers.i.self_attn.{q,k,v,o}_proj (+ .bias), {q,k}_norm           Qwen3, Gemma 3
-             self_attn.qkv_proj                                       Phi-3, fused
-    layers.i.mlp.{gate,up,down}_proj                                  dense
-             mlp.gate_up_proj                                         Phi-3, fused
-             mlp.gate + mlp.experts.j.{gate,up,down}_proj             Qwen3-MoE
-             block_sparse_moe.gate + .experts.j.{w1,w3,w2}            Mixtral
+The checkpoints name their tensors as transformers saves them; each family
+says which tensor is behind each of the decoder's parameters
+(:class:`.architectures.base.WeightNames`), and this module how each parameter
+is sharded: q/k/v and gate/up stacked by rows from separate tensors or from
+consecutive row ranges of one fused tensor, this rank's heads (columns) of
+each part; o_proj and down_proj by their input columns; every expert like the
+dense MLP; embeddings, norms, routers and the LM head whole.
 
 Every tensor's full shape is checked before its slice is read: a slice of a
-wrongly sized tensor can look right. Gemma stores each norm's scale as
-``weight - 1``; the model keeps the scale itself.
+wrongly sized tensor can look right. A family that stores each norm's scale
+as ``weight - 1`` (Gemma) gives its offset; the model keeps the scale itself.
 """
 
 from __future__ import annotations
@@ -23,25 +19,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .architectures import weight_names
 from .config import CheckpointError
 from .moe import SparseMoE
 
 if TYPE_CHECKING:
+    from .architectures.base import WeightNames
     from .checkpoint import Checkpoint
     from .model import Decoder
 
-FUSED = {"Phi3ForCausalLM"}
-EXPERT_NAMES = {  # architecture -> (block, router, gate, up, down)
-    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
-    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-}
-NORM_OFFSET = {"Gemma2ForCausalLM": 1.0, "Gemma3ForCausalLM": 1.0}  # norms stored as scale - 1
-
 
 class _Loader:
-    def __init__(self, model: Decoder, ckpt: Checkpoint):
+    def __init__(self, model: Decoder, ckpt: Checkpoint, names: WeightNames):
         self.ckpt, self.tp = ckpt, model.tp
-        self.norm_offset = NORM_OFFSET.get(model.config.architecture, 0.0)
+        self.norm_offset = names.norm_offset
 
     def put(self, dst: torch.Tensor, name: str, dim: int | None = None,
             span: tuple[int, int | None] = (0, None), full: tuple[int, ...] | None = None,
@@ -67,84 +58,72 @@ class _Loader:
             with torch.no_grad():
                 dst.add_(self.norm_offset)
 
-    def stacked(self, dst: torch.Tensor, parts: list[tuple[str, int, int]], name: str,
-                fused: bool) -> None:  # fmt: skip
-        """Row segments of ``dst`` (``(suffix, rows per rank, rows in all)`` each, this
-        rank's span of each) from one tensor per segment, or from consecutive row
-        ranges of one fused tensor ``name``."""
+    def stacked(self, dst: torch.Tensor, names: list[str], rows: list[tuple[int, int]]) -> None:
+        """Row segments of ``dst`` (``(rows per rank, rows in all)`` each, this rank's
+        span of each) from one tensor per segment (``names``), or from consecutive
+        row ranges of one fused tensor (one name for them all)."""
+        fused = len(names) == 1
         at, offset = 0, 0
-        total = sum(whole for _, _, whole in parts)
-        for suffix, per_rank, whole in parts:
+        total = sum(whole for _, whole in rows)
+        for i, (per_rank, whole) in enumerate(rows):
             lo, hi = self.tp.rows(per_rank)
             part = dst[at : at + per_rank]
             if fused:
                 full = (total, *dst.shape[1:])
-                self.put(part, f"{name}.{suffix}", 0, (offset + lo, offset + hi), full)
+                self.put(part, names[0], 0, (offset + lo, offset + hi), full)
             else:
-                self.put(part, f"{name}.{suffix}", 0, (lo, hi))
+                self.put(part, names[i], 0, (lo, hi))
             at, offset = at + per_rank, offset + whole
 
 
 def load_weights(model: Decoder, ckpt: Checkpoint) -> None:
-    c, tp = model.config, model.tp
-    hd, load = c.head_dim, _Loader(model, ckpt)
-    fused = c.architecture in FUSED
-    load.put(model.embed, "model.embed_tokens.weight")
-    load.norm(model.norm, "model.norm.weight")
+    c, tp, n = model.config, model.tp, weight_names(model.config)
+    hd, load = c.head_dim, _Loader(model, ckpt, n)
+    load.put(model.embed, f"{n.embed}.weight")
+    load.norm(model.norm, f"{n.final_norm}.weight")
     if not c.tie_word_embeddings:
-        load.put(model.lm_head, "lm_head.weight")
+        load.put(model.lm_head, f"{n.lm_head}.weight")
     q_rows, kv_rows = tp.num_heads * hd, tp.num_kv_heads * hd
+    qkv_rows = [(q_rows, c.num_heads * hd), (kv_rows, c.num_kv_heads * hd),
+                (kv_rows, c.num_kv_heads * hd)]  # fmt: skip
     for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
+        p = n.layer.format(i)
         a = layer.attn
-        load.norm(layer.input_norm, p + "input_layernorm.weight")
-        load.norm(layer.post_attn_norm, p + "post_attention_layernorm.weight")
+        load.norm(layer.input_norm, f"{p}{n.input_norm}.weight")
+        load.norm(layer.post_attn_norm, f"{p}{n.post_attn_norm}.weight")
         if layer.pre_mlp_norm is not None:
-            load.norm(layer.pre_mlp_norm, p + "pre_feedforward_layernorm.weight")
-            load.norm(layer.post_mlp_norm, p + "post_feedforward_layernorm.weight")
+            load.norm(layer.pre_mlp_norm, f"{p}{n.pre_mlp_norm}.weight")
+            load.norm(layer.post_mlp_norm, f"{p}{n.post_mlp_norm}.weight")
         for suffix, stacked in (("weight", a.qkv_weight), ("bias", a.qkv_bias)):
-            if stacked is None:
-                continue
-            segments = [(f"q_proj.{suffix}", q_rows, c.num_heads * hd),
-                        (f"k_proj.{suffix}", kv_rows, c.num_kv_heads * hd),
-                        (f"v_proj.{suffix}", kv_rows, c.num_kv_heads * hd)]  # fmt: skip
-            if fused:  # one qkv_proj tensor: q rows, then k rows, then v rows
-                segments = [(suffix, rows, whole) for _, rows, whole in segments]
-            load.stacked(stacked, segments, p + ("self_attn.qkv_proj" if fused else "self_attn"),
-                         fused)  # fmt: skip
-        load.put(a.o_weight, p + "self_attn.o_proj.weight", 1, tp.rows(q_rows))
+            if stacked is not None:  # q rows, then k rows, then v rows
+                load.stacked(stacked, [f"{p}{t}.{suffix}" for t in n.qkv], qkv_rows)
+        load.put(a.o_weight, f"{p}{n.o}.weight", 1, tp.rows(q_rows))
         if a.o_bias is not None:
-            load.put(a.o_bias, p + "self_attn.o_proj.bias")
+            load.put(a.o_bias, f"{p}{n.o}.bias")
         if a.q_norm is not None:
-            load.norm(a.q_norm, p + "self_attn.q_norm.weight")
-            load.norm(a.k_norm, p + "self_attn.k_norm.weight")
+            load.norm(a.q_norm, f"{p}{n.q_norm}.weight")
+            load.norm(a.k_norm, f"{p}{n.k_norm}.weight")
         if isinstance(layer.mlp, SparseMoE):
-            _load_experts(load, layer.mlp, p, c.architecture, tp.expert_intermediate)
+            _load_experts(load, layer.mlp, p, n, tp.expert_intermediate)
         else:
-            _load_mlp(load, layer.mlp, p, fused, tp.intermediate, c.intermediate_size)
+            _load_mlp(load, layer.mlp, p, n, tp.intermediate, c.intermediate_size)
 
 
-def _load_mlp(load: _Loader, m, p: str, fused: bool, inter: int, whole: int) -> None:
+def _load_mlp(load: _Loader, m, p: str, n: WeightNames, inter: int, whole: int) -> None:
     for suffix, stacked in (("weight", m.gate_up_weight), ("bias", m.gate_up_bias)):
-        if stacked is None:
-            continue
-        if fused:  # one gate_up_proj tensor: gate rows, then up rows
-            segments = [(suffix, inter, whole), (suffix, inter, whole)]
-            load.stacked(stacked, segments, p + "mlp.gate_up_proj", True)
-        else:
-            segments = [(f"gate_proj.{suffix}", inter, whole), (f"up_proj.{suffix}", inter, whole)]
-            load.stacked(stacked, segments, p + "mlp", False)
-    load.put(m.down_weight, p + "mlp.down_proj.weight", 1, load.tp.rows(inter))
+        if stacked is not None:  # gate rows, then up rows
+            load.stacked(stacked, [f"{p}{t}.{suffix}" for t in n.gate_up], [(inter, whole)] * 2)
+    load.put(m.down_weight, f"{p}{n.down}.weight", 1, load.tp.rows(inter))
     if m.down_bias is not None:
-        load.put(m.down_bias, p + "mlp.down_proj.bias")
+        load.put(m.down_bias, f"{p}{n.down}.bias")
 
 
-def _load_experts(load: _Loader, moe, p: str, architecture: str, inter: int) -> None:
-    block, router, gate, up, down = EXPERT_NAMES[architecture]
-    load.put(moe.router, f"{p}{block}.{router}.weight")
+def _load_experts(load: _Loader, moe: SparseMoE, p: str, n: WeightNames, inter: int) -> None:
+    gate, up, down = n.expert_gate_up_down
+    load.put(moe.router, f"{p}{n.router}.weight")
     rows = load.tp.rows(inter)
     for e in range(moe.w13.shape[0]):
-        x = f"{p}{block}.experts.{e}."
+        x = p + n.expert.format(e)
         load.put(moe.w13[e, :inter], f"{x}{gate}.weight", 0, rows)
         load.put(moe.w13[e, inter:], f"{x}{up}.weight", 0, rows)
         load.put(moe.w2[e], f"{x}{down}.weight", 1, rows)

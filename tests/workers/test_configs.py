@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from iterserve.workers import CheckpointError, ModelConfig
-from iterserve.workers.architectures import SUPPORTED_ARCHITECTURES
-from iterserve.workers.config import DENSE, FULL, MOE, SANDWICH, LayerSpec
+from iterserve.workers.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, weight_names
+from iterserve.workers.architectures.keys import FULL
+from iterserve.workers.config import DENSE, MOE, SANDWICH, LayerSpec
 
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -25,14 +26,15 @@ def test_an_unlisted_architecture_is_refused_with_the_supported_list():
     assert len(SUPPORTED_ARCHITECTURES) == 9
 
 
-def test_every_supported_architecture_reads_a_plain_config_into_layer_specs():
-    for arch in SUPPORTED_ARCHITECTURES:
+def test_every_registered_architecture_reads_a_plain_config_into_layer_specs():
+    for arch in ARCHITECTURES:
         keys = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32}  # fmt: skip
         c = config(arch, **keys)
         assert c.num_layers == len(c.layers) == 4 and all(
             isinstance(s, LayerSpec) for s in c.layers
         )
+        assert weight_names(c) is ARCHITECTURES[arch].weights
     assert config("LlamaForCausalLM").layers == (LayerSpec(),) * 4  # the plain decoder
 
 
@@ -41,7 +43,7 @@ def test_gemma2_takes_transformers_defaults_for_absent_keys():
     assert [s.window for s in c.layers] == [4096, None, 4096, None]  # sliding, full, ...
     assert {s.soft_cap for s in c.layers} == {50.0} and c.final_softcap == 30.0
     assert all(s.norms == SANDWICH and s.activation == "gelu_tanh" for s in c.layers)
-    assert c.tie_word_embeddings and c.scale_embeddings
+    assert c.tie_word_embeddings and c.scale_embeddings and weight_names(c).norm_offset == 1.0
     assert c.attn_scale == 256**-0.5  # query_pre_attn_scalar's default
     assert config("Gemma2ForCausalLM", final_logit_softcapping=None).final_softcap is None
 
