@@ -3,7 +3,7 @@ it (its ``architectures[0]``): what each reads from the config and refuses (a
 parser over :mod:`.keys`' readers), the per-layer spec it gives the shared
 decoder (:class:`..config.LayerSpec`), and how its checkpoints name their
 tensors (:class:`.base.WeightNames`); :data:`ARCHITECTURES` maps the names to
-them.
+them. The Llama family has its own module.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import DENSE, MOE, SANDWICH, CheckpointError, LayerSpec, ModelConfig
+from . import llama
 from .base import Architecture, WeightNames
 from .keys import (
     FULL,
@@ -34,24 +35,6 @@ from .keys import (
 )
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "parse_config", "weight_names"]
-
-
-def _layer(raw: Raw) -> LayerSpec:
-    return LayerSpec(activation=activation(raw), **attention_bias(raw),
-                     mlp_bias=bool(raw.get("mlp_bias", False)))  # fmt: skip
-
-
-def parse_llama(raw: Raw, f: Fields) -> Fields:
-    return {"layers": (_layer(raw),) * f["num_layers"], **rope(raw)}
-
-
-def parse_mistral(raw: Raw, f: Fields) -> Fields:
-    layer = replace(_layer(raw), window=window(raw))  # every layer slides
-    return {"layers": (layer,) * f["num_layers"], **rope(raw)}
-
-
-LLAMA = Architecture(parse_llama)
-MISTRAL = Architecture(parse_mistral)
 
 
 def _windows(raw: Raw, f: Fields, layer: LayerSpec) -> tuple[LayerSpec, ...]:
@@ -197,8 +180,8 @@ PHI3 = Architecture(
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": LLAMA,
-    "MistralForCausalLM": MISTRAL,
+    "LlamaForCausalLM": llama.LLAMA,
+    "MistralForCausalLM": llama.MISTRAL,
     "Qwen2ForCausalLM": QWEN2,
     "Qwen3ForCausalLM": QWEN3,
     "Qwen3MoeForCausalLM": QWEN3_MOE,
