@@ -3,16 +3,15 @@ it (its ``architectures[0]``): what each reads from the config and refuses (a
 parser over :mod:`.keys`' readers), the per-layer spec it gives the shared
 decoder (:class:`..config.LayerSpec`), and how its checkpoints name their
 tensors (:class:`.base.WeightNames`); :data:`ARCHITECTURES` maps the names to
-them. The Llama family has its own module.
+them. The Llama and Qwen families have their own modules.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from ..config import DENSE, MOE, SANDWICH, CheckpointError, LayerSpec, ModelConfig
-from . import llama
+from ..config import MOE, SANDWICH, CheckpointError, LayerSpec, ModelConfig
+from . import llama, qwen
 from .base import Architecture, WeightNames
 from .keys import (
     FULL,
@@ -35,50 +34,6 @@ from .keys import (
 )
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "parse_config", "weight_names"]
-
-
-def _windows(raw: Raw, f: Fields, layer: LayerSpec) -> tuple[LayerSpec, ...]:
-    if not raw.get("use_sliding_window", False):
-        return (layer,) * f["num_layers"]
-    size = window(raw)
-    first = raw.get("max_window_layers", 28)
-    types = layer_types(raw, f["num_layers"], lambda i: SLIDING if i >= first else FULL)
-    return slide(layer, types, size)
-
-
-def parse_qwen2(raw: Raw, f: Fields) -> Fields:
-    layer = LayerSpec(activation=activation(raw), qkv_bias=True)
-    return {**rope(raw), "layers": _windows(raw, f, layer)}
-
-
-def parse_qwen3(raw: Raw, f: Fields) -> Fields:
-    layer = LayerSpec(activation=activation(raw), **attention_bias(raw), qk_norm=True)
-    return {**rope(raw), "layers": _windows(raw, f, layer)}
-
-
-def parse_qwen3_moe(raw: Raw, f: Fields) -> Fields:
-    layer = LayerSpec(activation=activation(raw), **attention_bias(raw), qk_norm=True)
-    fields = rope(raw)
-    if raw.get("use_sliding_window", False):
-        layer = replace(layer, window=window(raw))  # transformers slides every layer then
-    fields["experts"] = experts(raw, "num_experts" if "num_experts" in raw else "num_local_experts",
-                                "moe_intermediate_size",
-                                renormalize=bool(raw.get("norm_topk_prob", False)))  # fmt: skip
-    if raw.get("shared_expert_intermediate_size"):
-        raise refuse("shared_expert_intermediate_size", raw["shared_expert_intermediate_size"],
-                     "shared experts are not supported")  # fmt: skip
-    step = get_int(raw, "decoder_sparse_step", default=1)
-    only = raw.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
-        raise refuse("mlp_only_layers", only, "it must be a list of layer indices")
-    dense = [i in only or (i + 1) % step != 0 for i in range(f["num_layers"])]
-    fields["layers"] = tuple(replace(layer, mlp=DENSE if d else MOE) for d in dense)
-    return fields
-
-
-QWEN2 = Architecture(parse_qwen2)
-QWEN3 = Architecture(parse_qwen3)
-QWEN3_MOE = Architecture(parse_qwen3_moe)
 
 
 def parse_mixtral(raw: Raw, f: Fields) -> Fields:
@@ -182,9 +137,9 @@ PHI3 = Architecture(
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": llama.LLAMA,
     "MistralForCausalLM": llama.MISTRAL,
-    "Qwen2ForCausalLM": QWEN2,
-    "Qwen3ForCausalLM": QWEN3,
-    "Qwen3MoeForCausalLM": QWEN3_MOE,
+    "Qwen2ForCausalLM": qwen.QWEN2,
+    "Qwen3ForCausalLM": qwen.QWEN3,
+    "Qwen3MoeForCausalLM": qwen.QWEN3_MOE,
     "MixtralForCausalLM": MIXTRAL,
     "Gemma2ForCausalLM": GEMMA2,
     "Gemma3ForCausalLM": GEMMA3,
