@@ -3,15 +3,15 @@ it (its ``architectures[0]``): what each reads from the config and refuses (a
 parser over :mod:`.keys`' readers), the per-layer spec it gives the shared
 decoder (:class:`..config.LayerSpec`), and how its checkpoints name their
 tensors (:class:`.base.WeightNames`); :data:`ARCHITECTURES` maps the names to
-them. The Llama and Qwen families have their own modules.
+them. The Llama, Qwen and Mixtral families have their own modules.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import MOE, SANDWICH, CheckpointError, LayerSpec, ModelConfig
-from . import llama, qwen
+from ..config import SANDWICH, CheckpointError, LayerSpec, ModelConfig
+from . import llama, mixtral, qwen
 from .base import Architecture, WeightNames
 from .keys import (
     FULL,
@@ -22,7 +22,6 @@ from .keys import (
     attention_bias,
     check_longrope,
     common_fields,
-    experts,
     get_float,
     get_int,
     layer_types,
@@ -34,24 +33,6 @@ from .keys import (
 )
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "parse_config", "weight_names"]
-
-
-def parse_mixtral(raw: Raw, f: Fields) -> Fields:
-    act = activation(raw)
-    fields = rope(raw, default_theta=1000000.0)
-    layer = LayerSpec(activation=act, window=window(raw), mlp=MOE)
-    fields["experts"] = experts(raw, "num_local_experts", "intermediate_size", renormalize=True)
-    return {**fields, "layers": (layer,) * f["num_layers"]}
-
-
-MIXTRAL = Architecture(
-    parse_mixtral,
-    WeightNames(
-        router="block_sparse_moe.gate",
-        expert="block_sparse_moe.experts.{}.",
-        expert_gate_up_down=("w1", "w3", "w2"),
-    ),
-)
 
 
 def _gemma(raw: Raw, f: Fields, *, attn_softcap: float | None, final_softcap: float | None,
@@ -140,7 +121,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": qwen.QWEN2,
     "Qwen3ForCausalLM": qwen.QWEN3,
     "Qwen3MoeForCausalLM": qwen.QWEN3_MOE,
-    "MixtralForCausalLM": MIXTRAL,
+    "MixtralForCausalLM": mixtral.MIXTRAL,
     "Gemma2ForCausalLM": GEMMA2,
     "Gemma3ForCausalLM": GEMMA3,
     "Phi3ForCausalLM": PHI3,
