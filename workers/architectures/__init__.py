@@ -1,56 +1,26 @@
-"""Every supported architecture, by the name a checkpoint's ``config.json`` gives
-it (its ``architectures[0]``): what each reads from the config and refuses (a
-parser over :mod:`.keys`' readers), the per-layer spec it gives the shared
-decoder (:class:`..config.LayerSpec`), and how its checkpoints name their
-tensors (:class:`.base.WeightNames`); :data:`ARCHITECTURES` maps the names to
-them. The Llama, Qwen, Mixtral and Gemma families have their own modules.
+"""Every supported architecture: one module per model family, one registry.
+
+A family module says what is particular to its architectures: what each reads
+from ``config.json`` and refuses (a parser over :mod:`.keys`' readers), the
+per-layer spec it gives the shared decoder (:class:`..config.LayerSpec`: norm
+placement, q/k norms, biases, windows, rope table, soft caps, MLP kind and
+activation), and how its checkpoints name their tensors
+(:class:`.base.WeightNames`). :data:`ARCHITECTURES` maps the name a checkpoint's
+``config.json`` gives (its ``architectures[0]``) to the family's declaration.
+Adding an architecture whose features the decoder has is one module (or one
+more declaration in its family's) and one line here (docs/model-runtime.md).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import CheckpointError, LayerSpec, ModelConfig
-from . import gemma, llama, mixtral, qwen
+from ..config import CheckpointError, ModelConfig
+from . import gemma, llama, mixtral, phi3, qwen
 from .base import Architecture, WeightNames
-from .keys import (
-    Fields,
-    Raw,
-    activation,
-    check_longrope,
-    common_fields,
-    refuse,
-    rope,
-    window,
-)
+from .keys import check_longrope, common_fields
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "parse_config", "weight_names"]
-
-
-def parse_phi3(raw: Raw, f: Fields) -> Fields:
-    act = activation(raw)
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    if params.get("rope_type", params.get("type")) in ("su", "yarn"):
-        params["rope_type"] = "longrope"  # transformers' Phi-3 reads both as longrope
-        params.pop("type", None)
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
-        raise refuse("partial_rotary_factor", partial, "it must be in (0, 1]")
-    rotary = int(f["head_dim"] * partial)
-    if rotary % 2:
-        raise refuse("partial_rotary_factor", partial, f"it rotates {rotary} (odd) dimensions")
-    theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
-    return {
-        "rotary_dim": rotary if rotary != f["head_dim"] else None,
-        **rope(raw, params={"rope_theta": theta, **params}),
-        "layers": (LayerSpec(activation=act, window=window(raw)),) * f["num_layers"],  # all slide
-    }
-
-
-PHI3 = Architecture(
-    parse_phi3, WeightNames(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",))
-)
-
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": llama.LLAMA,
@@ -61,7 +31,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": mixtral.MIXTRAL,
     "Gemma2ForCausalLM": gemma.GEMMA2,
     "Gemma3ForCausalLM": gemma.GEMMA3,
-    "Phi3ForCausalLM": PHI3,
+    "Phi3ForCausalLM": phi3.PHI3,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
