@@ -8,7 +8,9 @@ and ``silu_mul``. :func:`get_ops` picks the backend: Triton on CUDA, torch
 elsewhere. Importing this package does not import triton.
 """
 
+from .cpu import isa as _isa  # noqa: F401  (caps oneDNN first, where ITERSERVE_CPU_ISA says so)
+from .metadata import AttentionMetadata
 from .registry import KernelOps, get_ops
 from .rope import build_cos_sin_cache, compute_inv_freq
 
-__all__ = ["KernelOps", "build_cos_sin_cache", "compute_inv_freq", "get_ops"]
+__all__ = ["AttentionMetadata", "KernelOps", "build_cos_sin_cache", "compute_inv_freq", "get_ops"]

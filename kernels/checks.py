@@ -113,6 +113,41 @@ def check_paged_attention(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
     window=None, soft_cap=None,
 ) -> None:  # fmt: skip
+    """:func:`check_attention_call`, then the batch's metadata (:func:`check_batch`)."""
+    check_attention_call(query, k_cache, v_cache, scale, window, soft_cap)
+    check_batch(block_tables, seq_lens, query_start_loc, query.device)
+
+
+def check_batch(block_tables, seq_lens, query_start_loc, device) -> None:
+    """A step's metadata: each sequence's block table, length and first query row."""
+    block_tables = check_tensor(
+        "block_tables",
+        block_tables,
+        ndim=2,
+        dtypes=INDEX_DTYPES,
+        device=device,
+        last_dim_contiguous=True,
+    )
+    seq_lens = check_tensor(
+        "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device, contiguous=True
+    )
+    query_start_loc = check_tensor(
+        "query_start_loc",
+        query_start_loc,
+        ndim=1,
+        dtypes=INDEX_DTYPES,
+        device=device,
+        contiguous=True,
+    )
+    num_seqs = seq_lens.shape[0]
+    check_dim("query_start_loc", query_start_loc, 0, num_seqs + 1, "num_seqs + 1, from seq_lens")
+    check_dim("block_tables", block_tables, 0, num_seqs, "num_seqs, from seq_lens")
+
+
+def check_attention_call(query, k_cache, v_cache, scale, window=None, soft_cap=None) -> None:
+    """What one layer's attention call brings: the query, its caches and its
+    scale, window and cap (a step's metadata are checked once, when the step's
+    plan is built)."""
     query = check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     dev = query.device
     k_cache = check_tensor(
@@ -120,25 +155,6 @@ def check_paged_attention(
     )
     v_cache = check_tensor(
         "v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=dev, contiguous=True
-    )
-    block_tables = check_tensor(
-        "block_tables",
-        block_tables,
-        ndim=2,
-        dtypes=INDEX_DTYPES,
-        device=dev,
-        last_dim_contiguous=True,
-    )
-    seq_lens = check_tensor(
-        "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=dev, contiguous=True
-    )
-    query_start_loc = check_tensor(
-        "query_start_loc",
-        query_start_loc,
-        ndim=1,
-        dtypes=INDEX_DTYPES,
-        device=dev,
-        contiguous=True,
     )
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -151,9 +167,10 @@ def check_paged_attention(
         )
     check_same_dtype("k_cache", k_cache, "query", query)
     check_same_dtype("v_cache", v_cache, "query", query)
-    num_seqs = seq_lens.shape[0]
-    check_dim("query_start_loc", query_start_loc, 0, num_seqs + 1, "num_seqs + 1, from seq_lens")
-    check_dim("block_tables", block_tables, 0, num_seqs, "num_seqs, from seq_lens")
+    check_attention_options(scale, window, soft_cap)
+
+
+def check_attention_options(scale, window=None, soft_cap=None) -> None:
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive number, got {scale!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)

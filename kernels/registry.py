@@ -1,7 +1,8 @@
-"""Backend selection: Triton kernels on CUDA; on CPU the torch references with
-attention, norms, rotary and the KV store compiled by numba (``cpu``), or the
-references alone (``torch``). Experts run on the rows routed to each
-(:mod:`.experts`) on CPU, in one grouped Triton kernel per projection on CUDA.
+"""Backend selection: Triton kernels on CUDA; on CPU the compiled CPU kernels
+(``cpu``, :mod:`.cpu`, which pick among themselves through one dispatch table by
+the instruction set, :mod:`.cpu.dispatch`), or the torch references alone
+(``torch``). Experts run on the rows routed to each (:mod:`.experts`) on CPU, in
+one grouped Triton kernel per projection on CUDA.
 
 The Triton modules are imported only when the triton backend is requested, so
 importing this package or using the torch or cpu backend never imports triton.
@@ -15,10 +16,17 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .attention_layer import AttentionLayer
+
 BACKENDS = ("auto", "triton", "cpu", "torch")
+
+
+def _nothing_to_prepare(meta, **_: Any) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,16 @@ class KernelOps:
     silu_mul: Callable[..., torch.Tensor]
     gelu_tanh_mul: Callable[..., torch.Tensor]
     fused_experts: Callable[..., torch.Tensor]
+    # an attention layer bound to its caches and tables at load (AttentionLayer's arguments)
+    attention_layer: Callable[..., AttentionLayer] = AttentionLayer
+    # what the kernels read of a step's AttentionMetadata, derived once a step (into .host):
+    # prepare(meta, num_heads=, block_size=, windows=)
+    prepare: Callable[..., Any] = _nothing_to_prepare
 
     def with_attention(self, paged_attention: Callable[..., torch.Tensor]) -> KernelOps:
         """These ops with another ``paged_attention``; ``rotary_store_attend``, which
-        attends too, becomes this backend's ``rotary_store_kv``, then it."""
+        attends too, becomes this backend's ``rotary_store_kv``, then it, and layers
+        compose the ops (no backend's bound layer, whose kernels attend their own way)."""
         reference = importlib.import_module(f"{__package__}.reference")
         return dataclasses.replace(
             self,
@@ -48,6 +62,7 @@ class KernelOps:
             rotary_store_attend=reference.rotary_store_then_attend(
                 self.rotary_store_kv, paged_attention
             ),
+            attention_layer=AttentionLayer,
         )
 
 
@@ -61,23 +76,45 @@ def numba_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{name}")
+
+
 @functools.cache
 def _load(name: str) -> KernelOps:
-    reference = importlib.import_module(f"{__package__}.reference")
-    if name in ("torch", "cpu"):
-        ops, attn, cache = reference, reference, reference
-        if name == "cpu":
-            attn = importlib.import_module(f"{__package__}.cpu.attention")
-            ops = cache = importlib.import_module(f"{__package__}.cpu.ops")
-        experts = importlib.import_module(f"{__package__}.experts")
-    else:
-        experts = importlib.import_module(f"{__package__}.triton_experts")
-        ops = importlib.import_module(f"{__package__}.triton_ops")
-        attn = importlib.import_module(f"{__package__}.triton_attention")
-        cache = importlib.import_module(f"{__package__}.triton_cache")
-    rotary_store_kv = getattr(
-        ops, "rotary_store_kv", reference.rotary_then_store(ops.rotary_embedding, cache.store_kv)
-    )
+    reference = _module("reference")
+    if name == "torch":
+        return KernelOps(
+            name="torch",
+            store_kv=reference.store_kv,
+            paged_attention=reference.paged_attention,
+            rms_norm=reference.rms_norm,
+            rotary_embedding=reference.rotary_embedding,
+            rotary_store_kv=reference.rotary_store_kv,
+            rotary_store_attend=reference.rotary_store_attend,
+            silu_mul=reference.silu_mul,
+            gelu_tanh_mul=reference.gelu_tanh_mul,
+            fused_experts=_module("experts").fused_experts,
+        )
+    if name == "cpu":
+        rotary, attention = _module("cpu.rotary"), _module("cpu.attention")
+        activation, layer = _module("cpu.activation"), _module("cpu.layer")
+        return KernelOps(
+            name="cpu",
+            store_kv=rotary.store_kv,
+            paged_attention=attention.paged_attention,
+            rms_norm=_module("cpu.norm").rms_norm,
+            rotary_embedding=rotary.rotary_embedding,
+            rotary_store_kv=rotary.rotary_store_kv,
+            rotary_store_attend=layer.rotary_store_attend,
+            silu_mul=activation.silu_mul,
+            gelu_tanh_mul=activation.gelu_tanh_mul,
+            fused_experts=_module("experts").fused_experts,
+            attention_layer=layer.CpuAttentionLayer,
+            prepare=_module("cpu.plan").prepare,
+        )
+    ops, attn, cache = _module("triton_ops"), _module("triton_attention"), _module("triton_cache")
+    rotary_store_kv = reference.rotary_then_store(ops.rotary_embedding, cache.store_kv)
     return KernelOps(
         name=name,
         store_kv=cache.store_kv,
@@ -85,15 +122,12 @@ def _load(name: str) -> KernelOps:
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
         rotary_store_kv=rotary_store_kv,
-        rotary_store_attend=getattr(
-            ops,
-            "rotary_store_attend",
-            reference.rotary_store_then_attend(rotary_store_kv, attn.paged_attention),
+        rotary_store_attend=reference.rotary_store_then_attend(
+            rotary_store_kv, attn.paged_attention
         ),
         silu_mul=ops.silu_mul,
-        # torch's GELU is vectorized already: the cpu backend keeps the reference's.
-        gelu_tanh_mul=getattr(ops, "gelu_tanh_mul", reference.gelu_tanh_mul),
-        fused_experts=experts.fused_experts,
+        gelu_tanh_mul=ops.gelu_tanh_mul,
+        fused_experts=_module("triton_experts").fused_experts,
     )
 
 

@@ -146,10 +146,10 @@ def config_for(hidden: int, layers: int, vocab: int):
 def run_path(model, ops, kv, steps):
     """Each step's logits and per-layer streams, recorded through ``ops``."""
     out = []
-    for ids, positions, attn, rows in steps:
+    for ids, attn, rows in steps:
         rec = StreamRecorder(ops)
-        model.set_ops(rec.ops)
-        logits = model(ids, positions, attn, kv, rows).float()
+        model.set_ops(rec.ops, kv)
+        logits = model(ids, attn, rows).float()
         out.append((logits, rec.layers()))
     return out
 
@@ -160,10 +160,10 @@ def study(
 
     import torch
 
-    from iterserve.kernels import build_cos_sin_cache, get_ops
+    from iterserve.kernels import AttentionMetadata, build_cos_sin_cache, get_ops
     from iterserve.scheduler.blocks import blocks_for
     from iterserve.workers.kv_cache import KVCache
-    from iterserve.workers.model import AttentionInputs, Decoder
+    from iterserve.workers.model import Decoder
 
     torch.manual_seed(seed)
     c = config_for(hidden, layers, vocab)
@@ -193,16 +193,16 @@ def study(
     pos = torch.cat([torch.arange(n) for n in lens]).to(torch.int32)
     slot = torch.cat([slots(s, range(n)) for s, n in enumerate(lens)])
     qsl = torch.tensor([0, *itertools_accumulate(lens)], dtype=torch.int32)
-    prefill = (ids, pos, AttentionInputs(slot, bt, torch.tensor(lens, dtype=torch.int32), qsl,
-                                         max(lens), max(lens)),
+    prefill = (ids, AttentionMetadata(pos, slot, bt, torch.tensor(lens, dtype=torch.int32),
+                                           qsl, max(lens), max(lens)),
                (qsl[1:] - 1).long())  # fmt: skip
 
     def decode_step(tokens):
         d_pos = torch.tensor(lens, dtype=torch.int32)
         d_slot = torch.cat([slots(s, [n]) for s, n in enumerate(lens)])
-        attn = AttentionInputs(d_slot, bt, d_pos + 1, torch.arange(len(lens) + 1, dtype=torch.int32),
-                               1, max(lens) + 1)  # fmt: skip
-        return (tokens.to(torch.int32), d_pos, attn, torch.arange(len(lens)))
+        attn = AttentionMetadata(d_pos, d_slot, bt, d_pos + 1,
+                                 torch.arange(len(lens) + 1, dtype=torch.int32), 1, max(lens) + 1)  # fmt: skip
+        return (tokens.to(torch.int32), attn, torch.arange(len(lens)))
 
     def cache(dtype):
         return KVCache.allocate(c.num_layers, nb, bs, c.num_kv_heads, c.head_dim, dtype, "cpu")

@@ -209,6 +209,7 @@ def check_logits(r: Report, bench: ModelBench) -> None:
     model.load_state_dict(runner.model.state_dict())
     kv = KVCache.allocate(config.num_layers, nb, BLOCK_SIZE, config.num_kv_heads,
                           config.head_dim, torch.float32, dev)  # fmt: skip
+    model.bind_kv_cache(kv)
     truth = {"model": model, "kv": kv}  # ~32 GB at 8B: dropped once the decode step has run
     del model, kv
 
@@ -220,18 +221,18 @@ def check_logits(r: Report, bench: ModelBench) -> None:
         model, kv = truth["model"], truth["kv"]
         b = to_device(layout(plan, kv.scratch_block), dev)
         rec = StreamRecorder(torch_ops)
-        model.set_ops(rec.ops)
+        model.set_ops(rec.ops, kv)
         with fp32_products():
-            logits = model(b.input_ids, b.positions, b.attn, kv, b.logits_indices)
+            logits = model(b.input_ids, b.attn, b.logits_indices)
         return logits.float(), rec.layers()
 
     def run(host, ops):
         rec = StreamRecorder(ops)
-        runner.model.set_ops(rec.ops)
+        runner.model.set_ops(rec.ops, runner.kv_cache)
         try:
             return runner.forward(host, replay=False).float(), rec.layers()
         finally:
-            runner.model.set_ops(triton_ops)
+            runner.model.set_ops(triton_ops, runner.kv_cache)
 
     def check(key, got, want, true):
         res = against_truth(got, want, true)

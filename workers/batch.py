@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import AttentionMetadata
 from ..scheduler.blocks import blocks_for
 from ..scheduler.messages import ScheduledSeq, StepPlan
 from ..scheduler.seq_table import PlanMismatchError, SequenceTable
-from .model import AttentionInputs
 
 # Token ids, positions, slots and block ids all fit int32 (the cache checks its
 # slot count), which every kernel and torch index op accepts.
@@ -81,11 +81,14 @@ class HostBatch:
 @dataclass
 class FlatBatch:
     input_ids: torch.Tensor  # [num_rows]
-    positions: torch.Tensor  # [num_rows]
-    attn: AttentionInputs
+    attn: AttentionMetadata  # positions, slots, tables, lengths: handed to every layer
     logits_indices: torch.Tensor  # [num_logits]
     sample_entries: list[ScheduledSeq]  # own the first len(sample_entries) logits rows
     num_rows: int
+
+    @property
+    def positions(self) -> torch.Tensor:  # [num_rows]
+        return self.attn.positions
 
 
 def layout_batch(
@@ -262,8 +265,8 @@ def flat_batch(host: HostBatch, tensors: Sequence[torch.Tensor]) -> FlatBatch:
     input_ids, positions, slots, logits_indices, seq_lens, starts, tables = tensors
     return FlatBatch(
         input_ids=input_ids,
-        positions=positions,
-        attn=AttentionInputs(
+        attn=AttentionMetadata(
+            positions=positions,
             slot_mapping=slots,
             block_tables=tables,
             seq_lens=seq_lens,

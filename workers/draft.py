@@ -114,6 +114,7 @@ class DraftModel:
         self.kv_cache = KVCache.allocate(
             c.num_layers, num_kv_blocks, block_size, c.num_kv_heads, c.head_dim, dtype, device
         )
+        self.model.bind_kv_cache(self.kv_cache)
         self.device = device
         self.block_size = block_size
         self.pad_token_id = pad_token_id
@@ -171,7 +172,5 @@ class DraftModel:
             pad_token_id=self.pad_token_id, max_position=self.model.cos_sin.shape[0],
         )  # fmt: skip
         batch = to_device(host, self.device, self.staging)
-        logits = self.model(
-            batch.input_ids, batch.positions, batch.attn, self.kv_cache, batch.logits_indices
-        )
+        logits = self.model(batch.input_ids, batch.attn, batch.logits_indices)
         return _argmax_rows(logits) if logits.shape[0] else []

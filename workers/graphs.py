@@ -32,10 +32,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..kernels import AttentionMetadata
 from ..scheduler.blocks import blocks_for
 from .batch import INDEX_DTYPE, HostBatch, segment_offsets
 from .kv_cache import KVCache
-from .model import AttentionInputs, Decoder
+from .model import Decoder
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -190,7 +191,8 @@ class DecodeGraphs:
 
     def _step_fn(self, bucket: int) -> Callable[[], torch.Tensor]:
         ids, positions, slots, rows, seq_lens, starts, tables = self._views(bucket)
-        attn = AttentionInputs(
+        attn = AttentionMetadata(
+            positions=positions,
             slot_mapping=slots,
             block_tables=tables,
             seq_lens=seq_lens,
@@ -199,7 +201,7 @@ class DecodeGraphs:
             max_seq_len=self.width * self.block_size,
         )
         everything = torch.arange(bucket, device=ids.device)  # logits for every row
-        return lambda: self.model(ids, positions, attn, self.kv_cache, everything)
+        return lambda: self.model(ids, attn, everything)
 
     def _load(self, host: HostBatch, bucket: int) -> list[torch.Tensor]:
         arrays = padded_arrays(host, bucket, self.width, self.kv_cache.scratch_block,

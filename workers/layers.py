@@ -1,22 +1,26 @@
 """The layers the decoder is made of: attention over the paged cache and the
 dense gated MLP, each split across tensor-parallel ranks (see :mod:`.model`),
-and what every layer shares: this rank's slice of the model (:class:`TPLayout`)
-and how the flat batch splits into sequences (:class:`AttentionInputs`).
+and what every layer shares: this rank's slice of the model (:class:`TPLayout`).
+How the flat batch splits into sequences is the step's
+:class:`~iterserve.kernels.AttentionMetadata`, handed to every layer.
 
 Every matrix product goes through :func:`iterserve.kernels.cpu.linear.linear`
-with the weight's packed copy when there is one (``Decoder.pack_weights``).
+with the weight's packed copy when there is one (``pack_weights``). Each
+attention layer's work between its two products is a kernel bound to the
+layer's KV cache and rotary table when the cache is allocated (:meth:`Attention.bind`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..kernels.cpu.linear import linear
+from ..kernels import AttentionMetadata
+from ..kernels.attention_layer import AttentionLayer
+from ..kernels.cpu.linear import PackedWeight, linear
 from ..kernels.cpu.linear import pack as pack_weight
 from .config import LayerSpec, ModelConfig
 
@@ -25,20 +29,6 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 def identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
-
-
-@dataclass
-class AttentionInputs:
-    """How the flat batch splits into sequences, for ``store_kv``/``paged_attention``."""
-
-    slot_mapping: torch.Tensor  # [num_tokens], block_id * block_size + offset
-    block_tables: torch.Tensor  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor  # [num_seqs], KV length after this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1]
-    # Host-side bounds the attention kernels choose their launches by (no sync):
-    # the longest query piece and the longest sequence; None = infer from shapes.
-    max_query_len: int | None = None
-    max_seq_len: int | None = None
 
 
 def weight(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
@@ -92,33 +82,31 @@ class Attention(nn.Module):
         self.o_bias = weight(config.hidden_size, **kw) if spec.o_bias else None
         self.q_norm = weight(hd, **kw) if spec.qk_norm else None
         self.k_norm = weight(hd, **kw) if spec.qk_norm else None
-        # The same weights laid out for oneDNN, once loaded (Decoder.pack_weights).
-        self.qkv_packed: torch.Tensor | None = None
-        self.o_packed: torch.Tensor | None = None
+        # The same weights laid out for the CPU kernels, once loaded (pack_weights).
+        self.qkv_packed: PackedWeight | None = None
+        self.o_packed: PackedWeight | None = None
+        # The work between the two products, bound to the layer's cache (bind).
+        self.kernel: AttentionLayer | None = None
         # Adds the step's LoRA deltas to a product (Decoder.enable_lora); None: none.
         self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens]
-        cos_sin: torch.Tensor,  # [max_pos, rope_dim]
-        attn: AttentionInputs,
-        k_cache: torch.Tensor,  # [num_blocks + 1, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def bind(self, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Binds the layer to its rotary table (``[positions, rope_dim]``, fp32) and KV
+        cache (``[num_blocks + 1, block_size, num_kv_heads, head_dim]`` each): the
+        backend's kernel for the work between the two products."""
+        self.kernel = self.ops.attention_layer(
+            self.ops, num_heads=self.tp.num_heads, num_kv_heads=self.tp.num_kv_heads,
+            scale=self.scale, cos_sin=cos_sin, k_cache=k_cache, v_cache=v_cache,
+            window=self.window, soft_cap=self.soft_cap, q_norm=self.q_norm, k_norm=self.k_norm,
+            eps=self.eps,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """``x``: ``[num_tokens, hidden]``; returns ``[num_tokens, hidden]``."""
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)  # [num_tokens, q + 2 kv]
         if self.lora is not None:
             self.lora("qkv", x, qkv)
-        if self.q_norm is None and self.rope_dim == self.tp.head_dim:  # the common case, in one op
-            out = self.ops.rotary_store_attend(
-                positions, qkv, self.tp.num_heads, self.tp.num_kv_heads, cos_sin, k_cache, v_cache,
-                attn.slot_mapping, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                self.scale, max_query_len=attn.max_query_len, max_seq_len=attn.max_seq_len,
-                window=self.window, soft_cap=self.soft_cap,
-            )  # fmt: skip
-        else:
-            out = self._attend_heads(qkv, positions, cos_sin, attn, k_cache, v_cache)
+        out = self.kernel(qkv, attn)  # [num_tokens, q_size]
         o = linear(
             out, self.o_weight, None, self.o_packed
         )  # [num_tokens, hidden], this rank's part
@@ -129,46 +117,6 @@ class Attention(nn.Module):
             # Added once, after the reduction, not once per rank.
             out = out + self.o_bias
         return out  # [num_tokens, hidden]
-
-    def _attend_heads(self, qkv, positions, cos_sin, attn, k_cache, v_cache) -> torch.Tensor:
-        """:meth:`forward`'s attention for heads normalised before rotary, or
-        rotated on part of their values: ``[num_tokens, q_size]``."""
-        n, hd = qkv.shape[0], self.tp.head_dim
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(n, self.tp.num_heads, hd)  # [num_tokens, num_heads, head_dim]
-        k = k.reshape(n, self.tp.num_kv_heads, hd)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.reshape(n, self.tp.num_kv_heads, hd)
-        if self.q_norm is not None:  # each head normalised on its own, before rotary
-            q = self.ops.rms_norm(q.reshape(-1, hd), self.q_norm, self.eps).view(q.shape)
-            k = self.ops.rms_norm(k.reshape(-1, hd), self.k_norm, self.eps).view(k.shape)
-        if self.rope_dim == hd:
-            q = self.ops.rotary_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache,
-                                         attn.slot_mapping)  # fmt: skip
-        else:
-            q, k = self._rotate(positions, q, k, cos_sin)
-            self.ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = self.ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            attn.block_tables,
-            attn.seq_lens,
-            attn.query_start_loc,
-            self.scale,
-            max_query_len=attn.max_query_len,
-            max_seq_len=attn.max_seq_len,
-            window=self.window,
-            soft_cap=self.soft_cap,
-        )  # [num_tokens, num_heads, head_dim]
-        return out.reshape(n, self.q_size)
-
-    def _rotate(self, positions, q, k, cos_sin):
-        """Rotary on the first ``rope_dim`` of each head; the rest passes through."""
-        r = self.rope_dim
-        if r == q.shape[-1]:
-            return self.ops.rotary_embedding(positions, q, k, cos_sin)
-        q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :r], k[..., :r], cos_sin)
-        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
 class MLP(nn.Module):
@@ -183,8 +131,8 @@ class MLP(nn.Module):
         self.gate_up_bias = weight(2 * inter, **kw) if spec.mlp_bias else None
         self.down_weight = weight(config.hidden_size, inter, **kw)
         self.down_bias = weight(config.hidden_size, **kw) if spec.mlp_bias else None
-        self.gate_up_packed: torch.Tensor | None = None
-        self.down_packed: torch.Tensor | None = None
+        self.gate_up_packed: PackedWeight | None = None
+        self.down_packed: PackedWeight | None = None
         self.lora: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,9 +148,11 @@ class MLP(nn.Module):
             out = out + self.down_bias
         return out
 
-    def pack(self) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight)
-        self.down_packed = pack_weight(self.down_weight)
+    def pack(self, pads_cliff: Callable[[torch.Size], bool]) -> None:
+        self.gate_up_packed = pack_weight(
+            self.gate_up_weight, pads_cliff(self.gate_up_weight.shape)
+        )
+        self.down_packed = pack_weight(self.down_weight, pads_cliff(self.down_weight.shape))
 
 
 def activation_op(activation: str) -> str:

@@ -11,7 +11,8 @@ it names its tensors is its family's business (:mod:`.architectures`).
 
 Every step computes one flat batch: the tokens of all scheduled sequences laid
 end to end, ``[num_tokens, ...]``, whatever mix of decodes and prefill pieces
-it holds; per-sequence structure lives only in :class:`AttentionInputs`.
+it holds; per-sequence structure lives only in the step's
+:class:`~iterserve.kernels.AttentionMetadata`.
 
 Tensor parallelism (Megatron layout): q/k/v and gate/up are split by output
 (column-parallel, whole heads per rank; every expert likewise), o_proj and
@@ -28,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import build_cos_sin_cache
-from ..kernels.cpu.linear import linear, packs_every_batch
+from ..kernels import AttentionMetadata, build_cos_sin_cache
+from ..kernels.cpu.linear import PackedWeight, linear, packs_every_batch
 from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.rope import uses_long_factors
 from .config import MOE, SANDWICH, LayerSpec, ModelConfig
@@ -38,7 +39,6 @@ from .layers import (
     MLP,
     AllReduce,
     Attention,
-    AttentionInputs,
     TPLayout,
     identity,
     weight,
@@ -51,7 +51,6 @@ if TYPE_CHECKING:  # reading checkpoints needs safetensors; building a model doe
 
 __all__ = [
     "AllReduce",
-    "AttentionInputs",
     "Decoder",
     "DecoderLayer",
     "rope_table",
@@ -105,14 +104,14 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config, spec, tp, ops, all_reduce, **kw)
 
-    def forward(self, hidden, residual, positions, cos_sin, attn, k_cache, v_cache):
+    def forward(self, hidden, residual, attn: AttentionMetadata):
         """``(hidden, residual)`` in and out: the norms fuse the residual adds."""
         norm, eps = self.ops.rms_norm, self.eps
         if residual is None:
             residual, hidden = hidden, norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = norm(hidden, self.input_norm, eps, residual)
-        hidden = self.attn(hidden, positions, cos_sin, attn, k_cache, v_cache)
+        hidden = self.attn(hidden, attn)
         if self.pre_mlp_norm is None:
             hidden, residual = norm(hidden, self.post_attn_norm, eps, residual)
             return self.mlp(hidden), residual
@@ -168,27 +167,31 @@ class Decoder(nn.Module):
         self.embed_scale = None
         if config.scale_embeddings:
             self.embed_scale = torch.tensor(config.hidden_size**0.5).to(device=device, dtype=dtype)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: PackedWeight | None = None
+        # the sliding windows the layers attend within: a step's plan makes each
+        # row's start under each once
+        self.windows = {layer.attn.window for layer in self.layers} - {None}
+        self.block_size = 0  # the KV cache's, once bound (bind_kv_cache)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        attn: AttentionInputs,
-        kv: KVCache,
+        attn: AttentionMetadata,
         logits_indices: torch.Tensor,  # [num_logits], rows of the flat batch
     ) -> torch.Tensor:
+        """Logits of the ``logits_indices`` rows; the layers are bound to a KV cache
+        (:meth:`bind_kv_cache`)."""
         c = self.config
+        if attn.host is None:  # what the kernels read of the step, made once for every layer
+            attn.host = self.ops.prepare(attn, num_heads=self.tp.num_heads,
+                                         block_size=self.block_size, windows=self.windows)  # fmt: skip
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
         residual = None
-        for i, layer in enumerate(self.layers):
-            cos_sin = self.cos_sin_local if layer.attn.local_rope else self.cos_sin
-            hidden, residual = layer(
-                hidden, residual, positions, cos_sin, attn, kv.keys[i], kv.values[i]
-            )
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, attn)
         # Only rows whose logits are wanted need the final norm and the (large)
         # vocabulary projection; both are row-wise, so gathering first is exact.
         hidden = hidden[logits_indices]  # [num_logits, hidden]
@@ -202,18 +205,31 @@ class Decoder(nn.Module):
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return logits
 
-    def pack_weights(self) -> bool:
+    def bind_kv_cache(self, kv: KVCache) -> None:
+        """Binds every attention layer to its cache in ``kv`` and its rotary table
+        (the local one on sliding layers that have their own): the kernels' view of
+        both is made now, not in a step."""
+        for i, layer in enumerate(self.layers):
+            cos_sin = self.cos_sin_local if layer.attn.local_rope else self.cos_sin
+            layer.attn.bind(cos_sin, kv.keys[i], kv.values[i])
+        self.block_size = kv.block_size
+
+    def pack_weights(self, pads_cliff=None) -> bool:
         """Keeps every matrix product's weight in oneDNN's layout
         (:mod:`iterserve.kernels.cpu.linear`); call after the weights are loaded.
+        ``pads_cliff(shape)``: the engine's choice of the weights whose 17–32-row bf16
+        batches run as 33 rows (None: none).
         fp32 keeps the plain weight too, for batches under 16 rows; bf16 products
         all take the packed one, so its plain weights are let go (but the embedding,
         which the first layer reads by row, and the experts'). False (nothing packed)
         where it does not apply: not fp32 or bf16 on the CPU, or no oneDNN here."""
+        pads = pads_cliff or (lambda shape: False)
         for layer in self.layers:
             a = layer.attn
-            a.qkv_packed, a.o_packed = pack_weight(a.qkv_weight), pack_weight(a.o_weight)
-            layer.mlp.pack()
-        self.lm_head_packed = pack_weight(self.lm_head)
+            a.qkv_packed = pack_weight(a.qkv_weight, pads(a.qkv_weight.shape))
+            a.o_packed = pack_weight(a.o_weight, pads(a.o_weight.shape))
+            layer.mlp.pack(pads)
+        self.lm_head_packed = pack_weight(self.lm_head, pads(self.lm_head.shape))
         if self.lm_head_packed is None:
             return False
         if packs_every_batch(self.embed.dtype):
@@ -240,11 +256,13 @@ class Decoder(nn.Module):
                 layer.mlp.lora = LoraSite(context, i)
         return context
 
-    def set_ops(self, ops: Any) -> None:
-        """Runs the same weights on another kernel backend (for comparisons)."""
+    def set_ops(self, ops: Any, kv: KVCache) -> None:
+        """Runs the same weights on another kernel backend (for comparisons), its
+        layers bound to ``kv``."""
         self.ops = ops
         for layer in self.layers:
             layer.ops = layer.attn.ops = layer.mlp.ops = ops
+        self.bind_kv_cache(kv)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0, std: float = 0.02) -> None:

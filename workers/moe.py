@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.cpu.linear import linear
+from ..kernels.cpu.linear import PackedWeight, linear
 from ..kernels.cpu.linear import pack as pack_weight
 from ..kernels.experts import route
 from .config import LayerSpec, ModelConfig
@@ -39,8 +39,8 @@ class SparseMoE(nn.Module):
         self.router = weight(e, h, **kw)
         self.w13 = weight(e, 2 * inter, h, **kw)
         self.w2 = weight(e, h, inter, **kw)
-        self.router_packed: torch.Tensor | None = None
-        self.packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        self.router_packed: PackedWeight | None = None
+        self.packed: list[tuple[PackedWeight | None, PackedWeight | None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = linear(x, self.router, None, self.router_packed)  # [num_tokens, num_experts]
@@ -49,7 +49,10 @@ class SparseMoE(nn.Module):
                                      self.packed)  # fmt: skip
         return self.all_reduce(out)  # [num_tokens, hidden]
 
-    def pack(self) -> None:
-        self.router_packed = pack_weight(self.router)
-        packed = [(pack_weight(self.w13[e]), pack_weight(self.w2[e])) for e in range(len(self.w2))]
+    def pack(self, pads_cliff) -> None:
+        self.router_packed = pack_weight(self.router, pads_cliff(self.router.shape))
+        packed = [
+            (pack_weight(w13, pads_cliff(w13.shape)), pack_weight(w2, pads_cliff(w2.shape)))
+            for w13, w2 in zip(self.w13, self.w2)
+        ]
         self.packed = packed if packed and packed[0][0] is not None else None

@@ -183,6 +183,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.model.bind_kv_cache(self.kv_cache)
         self.eos_token_ids = eos_token_ids
         pad = c.pad_token_id
         self.pad_token_id = pad if pad is not None and pad < c.vocab_size else 0
@@ -451,9 +452,7 @@ class ModelRunner:
         if replay and graphs is not None and graphs.replayable(host):
             return graphs.run(host)
         batch = to_device(host, self.device, self.staging)
-        return self.model(
-            batch.input_ids, batch.positions, batch.attn, self.kv_cache, batch.logits_indices
-        )
+        return self.model(batch.input_ids, batch.attn, batch.logits_indices)
 
 
 class ForwardTimer:

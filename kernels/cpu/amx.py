@@ -31,20 +31,18 @@ hands a process AMX's register state only once it asks (``arch_prctl``,
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import numpy as np
 
+from . import isa
+from .jit import jit, numba
 from .tiles import divide_rows_tile, softmax_tile
 
-try:
-    import numba
+if numba is not None:
     from llvmlite import binding, ir
     from numba.core import types
     from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - numba is a dependency
-    numba = None
 
 # A tile's rows, and the bytes of each (16 fp32, or 16 pairs of bf16).
 ROWS = 16
@@ -52,27 +50,11 @@ ROW_BYTES = 64
 # The output's tiles a pass of the weights-times-V product keeps (tmm4..tmm7).
 OUT_TILES = 4
 
-# Linux's request for a extended state component (arch/x86/include/uapi/asm/prctl.h)
-# and AMX's tile data component.
-_ARCH_PRCTL = 158
-_ARCH_REQ_XCOMP_PERM = 0x1023
-_XFEATURE_XTILEDATA = 18
 
-
-@functools.cache
 def available() -> bool:
-    """Whether AMX-BF16 tiles run here: the CPU has them and Linux grants this
-    process their state (asked once)."""
-    if numba is None:
-        return False
-    features = binding.get_host_cpu_features().flatten().split(",")
-    if "+amx-bf16" not in features or "+amx-tile" not in features:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):  # not Linux, or no syscall()
-        return False
+    """Whether the kernels may use AMX-BF16 tiles: :func:`.isa.level` is ``amx``
+    (the CPU has them and Linux granted this process their state)."""
+    return numba is not None and isa.level() == "amx"
 
 
 def tile_config() -> np.ndarray:
@@ -194,13 +176,8 @@ if numba is not None:
     _pv0, _pv1, _pv2, _pv3 = _product(4, 0, 1), _product(5, 0, 1), _product(6, 0, 1), _product(7, 0, 1)  # fmt: skip
     _store_o0, _store_o1, _store_o2, _store_o3 = _store(4), _store(5), _store(6), _store(7)
 
-    def _jit(fn):
-        return numba.njit(fastmath=True, nogil=True, cache=True, boundscheck=False,
-                          error_model="numpy")(fn)  # fmt: skip
-else:  # pragma: no cover
 
-    def _jit(fn):
-        return fn
+_jit = jit()
 
 
 @_jit

@@ -13,7 +13,7 @@ for each pair of inputs, the 32 outputs' two values side by side (128 bytes).
 Sixteen such rows at a 128-byte stride are one right-hand tile (16 pairs of
 inputs by 16 outputs); the panel's other 16 outputs are the tile 64 bytes on.
 Whether a packed weight is laid out so is checked when it is packed
-(:func:`weight_array`: a product of random rows against oneDNN's own), so a
+(:func:`read_weight`: a product of random rows against oneDNN's own), so a
 oneDNN that packs otherwise keeps its own products.
 
 The tiles: four fp32 sums (32 rows by 32 outputs: tmm0..tmm3), two tiles of the
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import amx as cpu_amx
-from .fastmath import long_lived, prefetch_l2
+from .fastmath import prefetch_l2
 
 # The most rows a product takes here; oneDNN's products are faster beyond.
 MAX_ROWS = 64
@@ -60,8 +60,7 @@ if cpu_amx.numba is not None:
     from .tiles import round_rows_tile
 
 
-def _jit(fn):
-    return cpu_amx._jit(fn)
+_jit = cpu_amx._jit
 
 
 @_jit
@@ -139,7 +138,7 @@ def _product(x, weight, out):
 
 def product(x: torch.Tensor, weight: np.ndarray, outputs: int) -> torch.Tensor:
     """``x @ W.T`` for contiguous bf16 ``x`` of 1..:data:`MAX_ROWS` rows and
-    ``weight`` from :func:`weight_array` (``W`` of ``outputs`` rows), as bf16."""
+    ``weight`` from :func:`read_weight` (``W`` of ``outputs`` rows), as bf16."""
     out = torch.empty((x.shape[0], outputs), dtype=torch.bfloat16)
     _product(x.view(torch.uint16).numpy(), weight, out.view(torch.uint16).numpy())
     return out
@@ -150,16 +149,12 @@ def available() -> bool:
     return cpu_amx.available()
 
 
-def weight_array(packed: torch.Tensor) -> np.ndarray | None:
-    """``packed`` (``cpu_linear.pack`` of a bf16 weight) as the flat bits
+def read_weight(packed: torch.Tensor) -> np.ndarray | None:
+    """``packed`` (``linear.pack``'s oneDNN layout of a bf16 weight) as the flat bits
     :func:`product` reads, or None where the kernel does not take it: no AMX,
     outputs or inputs not a multiple of 32, or a layout not the one this kernel
-    reads (a product of random rows differs from oneDNN's). Found once a weight
-    and kept while it lives; :func:`.cpu_linear.pack` asks, so that no step does."""
-    return long_lived(packed, _read_weight)
-
-
-def _read_weight(packed: torch.Tensor) -> np.ndarray | None:
+    reads (a product of random rows differs from oneDNN's). Asked once a weight,
+    when it is packed, so that no step does."""
     outputs, inputs = packed.shape
     if (
         not available()

@@ -29,13 +29,6 @@
 A host-side helper hands tensors to the kernels: :func:`as_array` (a bf16
 tensor as its bits).
 
-On CPUs with AVX-512 the kernels are compiled for 512-bit vectors
-(:func:`use_wide_vectors`). LLVM's tuning for those CPUs prefers 256-bit ones
-(their wide units once lowered the clock); for these loops, which widen bf16 to
-fp32 and multiply-add a head's 64 values, the 512-bit code is the faster:
-the decode attention of 32 rows over 160 positions 1.23 against 1.55 ms a
-layer, 0.56 against 0.86 over 70 positions, measured alternately on a Xeon.
-
 Without numba they are plain Python (``math.exp`` and a no-op), which nothing
 calls: the kernels that use them run only where numba imports.
 """
@@ -43,18 +36,16 @@ calls: the kernels that use them run only where numba imports.
 from __future__ import annotations
 
 import math
-import weakref
 
+import numpy as np
 import torch
 
-try:
-    import numba
-    import numpy as np
+from .jit import numba
+
+if numba is not None:
     from llvmlite import ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic, overload
-except ImportError:  # pragma: no cover - numba is a dependency
-    numba = None
 
 
 # Cephes' ``expf`` (:func:`exp_f32`): the inputs it takes; ln 2 as ``a - b``, ``a``
@@ -67,24 +58,7 @@ EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
             1.6666665459e-1, 5.0000001201e-1)  # fmt: skip
 
 
-def use_wide_vectors() -> bool:
-    """Compile the kernels for 512-bit vectors where the CPU has AVX-512 (see the
-    module docstring): the host's features less LLVM's ``prefer-256-bit`` tuning.
-    Left alone when numba's CPU features are set already (``NUMBA_CPU_FEATURES``)
-    or the CPU lacks AVX-512. Whether it applies."""
-    if numba is None or numba.config.CPU_FEATURES is not None:
-        return False
-    from llvmlite import binding
-
-    features = binding.get_host_cpu_features().flatten()
-    if "+avx512f" not in features.split(","):
-        return False
-    numba.config.CPU_FEATURES = features + ",-prefer-256-bit"
-    return True
-
-
 if numba is not None:
-    use_wide_vectors()
     _I8_PTR = ir.IntType(8).as_pointer()
     _I32 = ir.IntType(32)
 
@@ -171,35 +145,6 @@ else:  # pragma: no cover
 
     exp_f32 = math.exp
     tanh_f32 = math.tanh
-
-
-# What :func:`long_lived` made, by (tensor identity, maker) while the tensor lives:
-# (weak reference, data address, what was made).
-_LONG_LIVED: dict[tuple, tuple] = {}
-
-
-def long_lived(tensor: torch.Tensor, make):
-    """``make(tensor)``, made once for ``tensor`` while it lives at the same
-    address (a layer's caches, a rotary table, a packed weight): the ops between
-    a step's products run on the same ones every step, and the arrays and
-    checks they need cost more than the kernels' dispatch."""
-    if not isinstance(tensor, torch.Tensor):
-        return make(tensor)
-    key = (id(tensor), make)
-    address = _address(tensor)
-    entry = _LONG_LIVED.get(key)
-    if entry is not None and entry[0]() is tensor and entry[1] == address:
-        return entry[2]
-    made = make(tensor)
-    forget = weakref.ref(tensor, lambda _, key=key: _LONG_LIVED.pop(key, None))
-    _LONG_LIVED[key] = (forget, address, made)
-    return made
-
-
-def _address(tensor: torch.Tensor) -> int:
-    """Where ``tensor``'s data starts; 0 for oneDNN's opaque tensors, which keep
-    their memory while they live (no ``set_``, no resize)."""
-    return 0 if tensor.is_mkldnn else tensor.data_ptr()
 
 
 def as_array(tensor: torch.Tensor):

@@ -24,17 +24,19 @@ the padding's copy), 1024 → 1536 0.55 against 0.43, 2816 → 1024 1.35 against
 step of 32 rows 59 against 39 ms, and the step 1.19× faster. Two kinds of weight
 go the other way: those that fit in a core's cache (under :data:`CLIFF_MIN_BYTES`)
 and long rows (8192 → 2048: 7.9 against 10.3 ms). So on CPUs with AMX,
-:func:`linear` runs a cliff batch on a weight between those bounds as 33 rows,
-the extra rows zeros and their outputs dropped.
+a cliff batch on a weight between those bounds may run as 33 rows, the extra
+rows zeros and their outputs dropped.
 
 Not every CPU with AMX has the cliff: on another Xeon (2 vCPUs, the same
 figures' method) 32 rows took 2.27–2.33 ms a layer of the 144M model's
 products against 2.25–2.40 at 33, and padding only cost the copy (a 32-row
 decode step 1.3–3 ms slower with it). So whether this CPU has it is measured
-once per process, on the first weight that qualifies (:func:`_cliff_here`:
-32-row products alternating with the same rows padded to 33, copy included,
-on copies of it too large for the caches, ~0.1 s), and batches are padded
-only where the padded product comes out clearly faster.
+(:func:`measure_cliff`: 32-row products alternating with the same rows padded to
+33, copy included, on copies of the weight too large for the caches, ~0.1 s a
+shape), and batches are padded only where the padded product comes out clearly
+faster. Padding changes a product's low bits, so that is a choice of the engine,
+measured once by its first rank and handed to every rank
+(``PackedWeight.pad_cliff``), never a rank's own timing.
 
 oneDNN creates and compiles a kernel for each row count it is asked for, and
 keeps the last 1024 (its primitive cache): a product at a row count not seen
@@ -49,11 +51,12 @@ measured with a fixed row count) ~295. So a product of more than
 percent of a product that size), which leaves 14 row counts per weight above 64.
 
 On CPUs with AMX, a bf16 product of at most 64 rows (a decode step's) on one
-thread runs on :mod:`.cpu_amx_linear`'s kernel instead, which reads the same
+thread runs on :mod:`.amx_linear`'s kernel instead, which reads the same
 packed weight in place: 0.81–0.95x oneDNN's time at 1–64 rows on the 144M
 model's weights read from memory, and a call costs a numba dispatch rather than
 oneDNN's ~15 µs. A product with a bias, or a weight whose layout that kernel
-does not read (checked when it is packed), stays oneDNN's.
+does not read (checked when it is packed), stays oneDNN's. Which of these runs is
+the dispatch table's (:mod:`.dispatch`, op ``linear``).
 
 fp32 and bf16 CPU weights, and only where the build has oneDNN; anywhere else
 :func:`pack` returns ``None`` and :func:`linear` is ``F.linear``.
@@ -65,9 +68,13 @@ import functools
 import logging
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import dispatch, isa
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,7 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ROWS_HINT = 128
 # bf16 batches of more than CLIFF_ROWS[0] and at most CLIFF_ROWS[1] rows run as
 # CLIFF_ROWS[1] + 1 rows on weights of at least CLIFF_MIN_BYTES whose rows are at
-# most CLIFF_MAX_IN long, on CPUs with AMX (see the module docstring).
+# most CLIFF_MAX_IN long, on CPUs with AMX, where measured to pay (the module docstring).
 CLIFF_ROWS = (16, 32)
 # Products of more than BUCKETS_FROM rows run at the next multiple of ROW_BUCKET
 # (see the module docstring: oneDNN builds a kernel per row count).
@@ -86,19 +93,38 @@ BUCKETS_FROM = 64
 ROW_BUCKET = 32
 CLIFF_MIN_BYTES = 2 << 20
 CLIFF_MAX_IN = 4096
+# The padded product must take at most this share of the plain one's time: the
+# cliff measured 0.68 (1.7 against 2.5 ms); without one the two are within ~10%,
+# so the verdict does not hinge on the noise of a busy machine.
+CLIFF_GAIN = 0.8
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` (``[out, in]``) in oneDNN's layout, or ``None`` where that does
-    not apply (not fp32 or bf16 on the CPU, or no oneDNN in this build)."""
+@dataclass(frozen=True)
+class PackedWeight:
+    """A product's weight as the CPU kernels read it, made once at load (:func:`pack`)."""
+
+    onednn: torch.Tensor  # oneDNN's blocked layout of [out, in]
+    amx: Any  # the AMX kernel's view of it (flat bf16 bits), or None where it does not read it
+    pad_cliff: bool = False  # bf16 batches of 17-32 rows run as 33 (the engine's choice)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.onednn.shape
+
+
+def pack(weight: torch.Tensor, pad_cliff: bool = False) -> PackedWeight | None:
+    """``weight`` (``[out, in]``) laid out for this CPU's kernels, or ``None`` where
+    that does not apply (not fp32 or bf16 on the CPU, or no oneDNN in this build).
+    ``pad_cliff``: the engine's choice for this weight (:func:`measure_cliff`)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
         return None
     packed = _reorder(weight)
-    if packed is not None:
-        pads_cliff_batches(weight.shape, weight.dtype)  # measured now, not in a step
-        if weight.dtype == torch.bfloat16:
-            _amx_products().weight_array(packed)  # its layout checked now, not in a step
-    return packed
+    if packed is None:
+        return None
+    amx = None
+    if weight.dtype == torch.bfloat16 and isa.level() == "amx":
+        amx = _amx_products().read_weight(packed)  # its layout checked now, not in a step
+    return PackedWeight(packed, amx, pad_cliff and may_pad_cliff(weight.shape, weight.dtype))
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -113,51 +139,38 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
 
 @functools.cache
 def _amx_products():
-    """:mod:`.cpu_amx_linear`, imported once a bf16 product asks for it: it needs
-    numpy and numba, which a GPU image may lack, and GPU weights are never packed."""
-    from . import amx_linear as cpu_amx_linear
+    """:mod:`.amx_linear`, imported once a bf16 product asks for it: it needs numba,
+    which a GPU image may lack, and GPU weights are never packed."""
+    from . import amx_linear
 
-    return cpu_amx_linear
-
-
-@functools.cache
-def _has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
+    return amx_linear
 
 
-def pads_cliff_batches(weight_shape: tuple[int, int] | torch.Size, dtype: torch.dtype) -> bool:
-    """Whether :func:`linear` runs this weight's batches of 17–32 rows as 33 rows."""
+def may_pad_cliff(weight_shape: tuple[int, int] | torch.Size, dtype: torch.dtype) -> bool:
+    """Whether a weight of this shape and dtype is one whose 17–32-row batches the
+    cliff could slow: bf16, 2 MiB or more, rows of at most 4096, on AMX."""
     out_features, in_features = weight_shape
     return (
         dtype == torch.bfloat16
         and in_features <= CLIFF_MAX_IN
         and out_features * in_features * dtype.itemsize >= CLIFF_MIN_BYTES
-        and _has_amx()
-        and _cliff_here(out_features, in_features)
+        and isa.level() == "amx"
     )
 
 
-# The padded product must take at most this share of the plain one's time: the
-# cliff measured 0.68 (1.7 against 2.5 ms); without one the two are within ~10%,
-# so the verdict does not hinge on the noise of a busy machine.
-CLIFF_GAIN = 0.8
-
-
-@functools.cache
-def _cliff_here(out_features: int, in_features: int) -> bool:
-    """Whether this CPU's oneDNN reads a bf16 weight of this shape so much more
-    slowly at 32 rows than at 33 that padding pays: 32-row products alternate
-    with padded ones on copies of such a weight (at least 24 MiB of them, so
-    that each is read from memory as in a step), timed by this thread's CPU
-    time; the medians decide (:data:`CLIFF_GAIN`). Asked once per shape, when
-    :func:`pack` first packs a weight of it, so that no step waits for it."""
+def measure_cliff(out_features: int, in_features: int) -> float:
+    """How long this CPU's oneDNN takes for a bf16 weight of this shape at 33 rows
+    (padded, copy included) against 32: 32-row products alternate with padded ones
+    on copies of such a weight (at least 24 MiB of them, so that each is read from
+    memory as in a step), timed by this thread's CPU time; the ratio of the
+    medians. Under :data:`CLIFF_GAIN`, padding pays. The engine's first rank asks,
+    once a shape, at load."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     copies = max(2, -(-(24 << 20) // (weight.numel() * weight.element_size())))
     packed = [_reorder(weight.clone()) for _ in range(copies)]
     if packed[0] is None:
-        return False
+        return 1.0
     x = torch.randn(CLIFF_ROWS[1], in_features, generator=gen).to(torch.bfloat16)
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(5):
@@ -170,7 +183,7 @@ def _cliff_here(out_features: int, in_features: int) -> bool:
     logger.info("bf16 %dx%d products padded to 33 rows take %.2fx the time of 32 rows: %s",
                 out_features, in_features, ratio,
                 "batches of 17-32 rows run as 33" if ratio < CLIFF_GAIN else "no padding")  # fmt: skip
-    return ratio < CLIFF_GAIN
+    return ratio
 
 
 def packs_every_batch(dtype: torch.dtype) -> bool:
@@ -183,24 +196,39 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on ``packed`` (``pack(weight)``) when there
-    is one and ``x`` is 2-D with at least :data:`MIN_ROWS` rows, any number in bf16
-    (up to 64 of them without a bias on one thread by :mod:`.cpu_amx_linear`
-    where it reads the packed weight)."""
-    if packed is None or x.dim() != 2 or (x.shape[0] < MIN_ROWS and x.dtype == torch.float32):
+    """``F.linear(x, weight, bias)``, on ``packed`` (:func:`pack` of ``weight``) by
+    the kernel the dispatch table picks for the call: ``plain`` (``F.linear``),
+    ``amx_rows`` (:mod:`.amx_linear`) or ``onednn``."""
+    if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
-    if x.dtype == torch.bfloat16 and bias is None and torch.get_num_threads() == 1:
-        amx = _amx_products()
-        if 0 < rows <= amx.MAX_ROWS and x.shape[1] == packed.shape[1] and x.is_cpu:
-            array = amx.weight_array(packed)
-            if array is not None:
-                return amx.product(x.contiguous(), array, packed.shape[0])
-    if CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1] and pads_cliff_batches(packed.shape, x.dtype):
-        return _product(x, packed, bias, CLIFF_ROWS[1] + 1)
-    return _product(x, packed, bias, bucket_rows(rows))
+    name = dispatch.BF16 if x.dtype == torch.bfloat16 else dispatch.FP32
+    kernel = dispatch.current().kernel("linear", name, _traits(x, bias, packed))
+    if kernel == "plain":
+        return F.linear(x, weight, bias)
+    if kernel == "amx_rows":
+        return _amx_products().product(x.contiguous(), packed.amx, packed.shape[0])
+    if packed.pad_cliff and CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1]:
+        return _product(x, packed.onednn, bias, CLIFF_ROWS[1] + 1)
+    return _product(x, packed.onednn, bias, bucket_rows(rows))
+
+
+_FEW, _SMALL, _NONE = frozenset({"few"}), frozenset({"small"}), frozenset()
+
+
+def _traits(x: torch.Tensor, bias, packed: PackedWeight) -> frozenset:
+    """The call's shape class: ``few`` rows (under :data:`MIN_ROWS`), or ``small``
+    (1–64 rows, no bias, one thread, a weight the AMX kernel reads)."""
+    rows = x.shape[0]
+    few = rows < MIN_ROWS
+    if (
+        packed.amx is not None and bias is None and 0 < rows <= _amx_products().MAX_ROWS
+        and torch.get_num_threads() == 1 and x.shape[1] == packed.shape[1] and x.is_cpu
+    ):  # fmt: skip
+        return _SMALL | _FEW if few else _SMALL
+    return _FEW if few else _NONE
 
 
 def bucket_rows(rows: int) -> int:

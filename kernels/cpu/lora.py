@@ -43,8 +43,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import _jit, numba, prange
 from .fastmath import as_array, load_f32, store_f32
+from .jit import jit, numba, prange
 
 if numba is not None:
     from .tiles import ROWS, VALUES, pv_tile, rows16_tile
@@ -76,7 +76,7 @@ def tiles(segments: list[tuple[int, int, int]]) -> np.ndarray:
     return np.array(out, dtype=np.int64).reshape(-1, 3)
 
 
-@_jit()
+@jit()
 def _shrink_expand(x, out, a, b, ranks, tile, cols):
     """One tile: ``out[rows, c] += sum_q (x[rows] . a[slot, t, :, q]) b[slot, q, c]``
     for the target ``t`` owning column ``c`` (each column is one target's: its
@@ -117,13 +117,13 @@ def _shrink_expand(x, out, a, b, ranks, tile, cols):
                 store_f32(row, cc, load_f32(row, cc) + total)
 
 
-@_jit()
+@jit()
 def _add_serial(x, out, a, b, ranks, tiles, cols):
     for i in range(tiles.shape[0]):
         _shrink_expand(x, out, a, b, ranks, tiles[i], cols)
 
 
-@_jit(parallel=True)
+@jit(parallel=True)
 def _add_parallel(x, out, a, b, ranks, tiles, cols):
     for i in prange(tiles.shape[0]):
         _shrink_expand(x, out, a, b, ranks, tiles[i], cols)

@@ -53,15 +53,14 @@ compiles them into the kernels that call them.
 
 from __future__ import annotations
 
+from . import isa
 from .fastmath import EXP_LN2, EXP_POLY, EXP_RANGE, LOG2_E
+from .jit import numba
 
-try:
-    import numba
+if numba is not None:
     from llvmlite import binding, ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
-except ImportError:  # pragma: no cover - numba is a dependency
-    numba = None
 
 # A score tile's positions; a PV tile's head values (two vectors of 16 lanes).
 POSITIONS = 16
@@ -73,10 +72,9 @@ ROWS = HEADS
 
 
 def available() -> bool:
-    """Whether the CPU has the AVX-512 BF16 dot product these tiles are made of."""
-    if numba is None:
-        return False
-    return "+avx512bf16" in binding.get_host_cpu_features().flatten().split(",")
+    """Whether the kernels may use the AVX-512 BF16 instructions :func:`qk_tile` is
+    made of (and the other tiles round with): :func:`.isa.level` has them."""
+    return numba is not None and isa.at_least(isa.level(), "avx512_bf16")
 
 
 if numba is not None:

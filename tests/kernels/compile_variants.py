@@ -156,6 +156,7 @@ def exercise() -> None:
         num_blocks = 64 * (8192 // block_size) + 16
         kv = KVCache.allocate(config.num_layers, num_blocks, block_size, model.tp.num_kv_heads,
                               config.head_dim, dtype, meta)  # fmt: skip
+        model.bind_kv_cache(kv)
 
         def step(pieces, kv=kv, block_size=block_size):
             """A plan of (cached, new) pieces over fresh sequences; its host batch."""
@@ -184,7 +185,7 @@ def exercise() -> None:
             [(0, 2048)],  # one prefill piece alone
         ):
             b = to_device(step(pieces), meta, staging)
-            model(b.input_ids, b.positions, b.attn, kv, b.logits_indices)
+            model(b.input_ids, b.attn, b.logits_indices)
         graphs = DecodeGraphs(model, kv, batch_sizes=(1, 64), max_seq_len=8192,
                               pad_token_id=0, capture=EagerReplay)  # fmt: skip
         graphs.capture()

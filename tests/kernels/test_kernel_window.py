@@ -98,22 +98,22 @@ assert DEVICE in ("cpu", "cuda")
 
 
 def test_cpu_backend_attends_windowed_decodes_on_its_kernels(monkeypatch):
-    """A window longer than every sequence masks nothing: the plain compiled kernel
-    serves it (the runner's max_seq_len says so); once a sequence passes it, the
-    kernel's window variant. Neither calls the reference."""
-    from iterserve.kernels.cpu import attention as cpu_attention
+    """A window longer than every sequence masks nothing: the kernels compiled
+    without a window serve it (no row's start is passed); once a sequence passes
+    it, those compiled with one. Neither calls the reference."""
+    from iterserve.kernels.cpu import attention_rows
 
     b = make_batch(DECODE, 8, 2, 32, 16, torch.float32, seed=26)
     longest = max(b.seq_lens.tolist())
     calls, real = [], ref.paged_attention
-    monkeypatch.setattr(cpu_attention.reference, "paged_attention",
+    monkeypatch.setattr(ref, "paged_attention",
                         lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))  # fmt: skip
-    variant, real_variant = [], cpu_attention._attend_all_window_cap
-    monkeypatch.setattr(cpu_attention, "_attend_all_window_cap",
-                        lambda *a: variant.append(1) or real_variant(*a))  # fmt: skip
+    starts, real_rows = [], attention_rows.attend_rows_loops
+    monkeypatch.setattr(attention_rows, "attend_rows_loops",
+                        lambda *a: starts.append(a[5] is not None) or real_rows(*a))  # fmt: skip
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the serial loop
     ops = get_ops("cpu")
     for window in (longest, longest - 1, 5):
         got = ops.paged_attention(*b.args(), max_seq_len=longest, window=window)
         torch.testing.assert_close(got.double(), dense_attention(b, window), atol=1e-5, rtol=1e-5)
-    assert calls == [] and len(variant) == 2
+    assert calls == [] and starts == [False, True, True]

@@ -87,11 +87,11 @@ def our_layers(runner: ModelRunner, prompts: list[list[int]]):
             sums.append(out[1])
         return out
 
-    runner.model.set_ops(dataclasses.replace(ops, rms_norm=rms_norm))
+    runner.model.set_ops(dataclasses.replace(ops, rms_norm=rms_norm), runner.kv_cache)
     try:
         logits = forward_all_rows(runner, [[(0, len(p))] for p in prompts], prompts)
     finally:
-        runner.model.set_ops(ops)
+        runner.model.set_ops(ops, runner.kv_cache)
     layers = sums[1::2]  # after attention 0, after layer 0, after attention 1, ...
     rows = [len(p) for p in prompts]
     per_prompt = [list(parts) for parts in zip(*(t.split(rows) for t in layers), strict=True)]

@@ -45,7 +45,7 @@ def forward_all_rows(runner: ModelRunner, pieces: list[list[tuple[int, int]]], p
         )
         everything = torch.arange(batch.num_rows)
         logits = runner.model(
-            batch.input_ids, batch.positions, batch.attn, runner.kv_cache, everything
+            batch.input_ids, batch.attn, everything
         )
         offset = 0
         for entry in plan.scheduled:

@@ -64,18 +64,15 @@ def test_a_warmed_up_runner_compiles_first_and_generates_the_same(
 ):
     """warm_up runs the compiled kernels (both attention cases among them) before any
     request, leaves no sequence behind, and what it wrote does not reach a request."""
-    from iterserve.kernels.cpu import attention as cpu_attention
-    from iterserve.kernels.cpu import ops as cpu_ops
+    from iterserve.kernels.cpu import attention_rows, layer
 
     calls = []  # the rows each attention call took: on its own, or after the rotary
-    kernel, one_call = cpu_attention._attend_all, cpu_ops._rotate_store_attend_rows_loops
+    kernel, one_call = attention_rows.attend_rows_loops, layer._one_call_loops
     monkeypatch.setattr(
-        cpu_attention, "_attend_all", lambda *a: calls.append(a[6].size) or kernel(*a)
+        attention_rows, "attend_rows_loops", lambda *a: calls.append(a[6].size) or kernel(*a)
     )
     monkeypatch.setattr(
-        cpu_ops,
-        "_rotate_store_attend_rows_loops",
-        lambda *a: calls.append(a[14].size) or one_call(*a),
+        layer, "_one_call_loops", lambda *a: calls.append(a[14].size) or one_call(*a)
     )
     runner = make_runner(checkpoint_dir("llama"), kernel_backend="cpu", block_size=block_size)
     runner.warm_up()

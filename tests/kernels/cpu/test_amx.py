@@ -8,11 +8,14 @@ import torch
 from iterserve.kernels import reference as ref
 from iterserve.kernels.cpu import amx as cpu_amx
 from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import dispatch, isa
+from iterserve.kernels.cpu import plan as cpu_plan
 from iterserve.kernels.cpu import tiles as cpu_tiles
 from tests.kernels.attention_cases import dense_attention, make_batch, poison_past_ends
+from tests.kernels.cpu.levels import at_level
 from tests.kernels.cpu.test_attention import FLASH_BF16, PIECES, on_cpu
 
-pytestmark = pytest.mark.skipif(not cpu_attention.AMX, reason="the CPU lacks AMX-BF16")
+pytestmark = pytest.mark.skipif(isa.level() != "amx", reason="the CPU lacks AMX-BF16")
 
 # Pieces that start their sequence and that follow cached context, of whole
 # 16-row blocks and not, shorter than a 32-position V tile and several of them.
@@ -34,7 +37,7 @@ def test_amx_pieces_attend_as_the_dense_attention(monkeypatch, block_size, num_h
                                                   num_kv_heads, head_dim):  # fmt: skip
     """Every group size, heads of one to eight 32-value chunks (256: the output
     in two passes of four tiles), blocks smaller and larger than a score tile."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)  # every piece is long
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)  # every piece is long
     no_flash(monkeypatch)
     b = on_cpu(make_batch(AMX_PIECES, num_heads, num_kv_heads, head_dim, block_size,
                           torch.bfloat16, seed=21))  # fmt: skip
@@ -46,10 +49,10 @@ def test_amx_pieces_attend_as_the_dense_attention(monkeypatch, block_size, num_h
 def test_amx_agrees_with_torch_flash_attention(monkeypatch):
     """Both round the softmax weights to bf16 before they multiply V and sum in
     fp32: they differ by rounding only, not by a bf16 step of the weights."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
     b = on_cpu(make_batch(AMX_PIECES, 8, 2, 64, 16, torch.bfloat16, seed=22))
     amx = cpu_attention.paged_attention(*b.args())
-    monkeypatch.setattr(cpu_attention, "AMX", False)
+    at_level(monkeypatch, "avx512_bf16")
     flash = cpu_attention.paged_attention(*b.args())
     torch.testing.assert_close(amx.double(), flash.double(), atol=2**-8, rtol=2**-8)
     # mostly to the bit
@@ -60,7 +63,7 @@ def test_amx_ignores_what_slots_past_a_sequence_hold(monkeypatch):
     """The packed K and V hold zeros past a sequence's end, whatever the cache's
     last block holds there (NaN and infinities here), and those scores are
     never in a row's softmax."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
     no_flash(monkeypatch)
     b = on_cpu(make_batch(AMX_PIECES, 8, 2, 64, 16, torch.bfloat16, seed=23))
     want = cpu_attention.paged_attention(*b.args())
@@ -71,7 +74,7 @@ def test_amx_ignores_what_slots_past_a_sequence_hold(monkeypatch):
 def test_amx_takes_large_scores(monkeypatch):
     """Scores in the hundreds: each row's softmax subtracts its largest, so none
     overflows, and rows dominated by one position give that position's V."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
     no_flash(monkeypatch)
     b = on_cpu(make_batch(AMX_PIECES, 8, 2, 64, 16, torch.bfloat16, seed=24))
     b.query = b.query * 40
@@ -83,7 +86,7 @@ def test_amx_takes_large_scores(monkeypatch):
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 48)])
 def test_amx_leaves_fp32_and_odd_heads_to_flash_attention(monkeypatch, dtype, head_dim):
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
     monkeypatch.setattr(cpu_amx, "attend_pieces", None)
     b = on_cpu(make_batch(PIECES, 4, 2, head_dim, 16, dtype, seed=25))
     got = cpu_attention.paged_attention(*b.args())
@@ -119,7 +122,7 @@ if cpu_tiles.numba is not None:
 def test_amx_reads_a_strided_query_in_place(monkeypatch):
     """The query is a slice of the qkv projection's output: its tiles are loaded
     a token's stride apart, not from a contiguous copy."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
     no_flash(monkeypatch)
     b = on_cpu(make_batch(AMX_PIECES, 4, 2, 64, 16, torch.bfloat16, seed=26))
     wide = torch.randn(b.query.shape[0], 8, 64).to(torch.bfloat16)
@@ -145,12 +148,13 @@ def test_group_scores_in_amx_equal_the_score_tiles(monkeypatch, num_heads, num_k
     without a window and a soft cap: the same scores as the vector tiles'
     (both exact bf16 products summed in fp32), so the same outputs but for the
     sums' order, and dense attention's to a bf16 step."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 1 << 16)
     b = on_cpu(make_batch(ROWS, num_heads, num_kv_heads, 64, block_size, torch.bfloat16, seed=27))
     kw = dict(window=window, soft_cap=soft_cap, max_seq_len=int(b.seq_lens.max()))
-    assert cpu_attention._amx_groups_apply(b.query, b.k_cache)
+    traits = cpu_attention.row_traits(num_heads, num_kv_heads, 64, 16)
+    assert dispatch.current().kernel("attention.rows", dispatch.BF16, traits) == "amx_tiles"
     amx = cpu_attention.paged_attention(*b.args(), **kw)
-    monkeypatch.setattr(cpu_attention, "AMX", False)
+    at_level(monkeypatch, "avx512_bf16")
     tiles = cpu_attention.paged_attention(*b.args(), **kw)
     torch.testing.assert_close(amx, tiles, atol=1e-6, rtol=2**-7)
     want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()

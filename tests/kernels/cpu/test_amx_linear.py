@@ -3,13 +3,10 @@ oneDNN's product of them (to the bit up to 32 rows; past 32 oneDNN sums some
 values in another order: one bf16 step at most); ``cpu_linear.linear`` takes it
 for the batches it serves and leaves the rest to oneDNN."""
 
-import gc
-
 import pytest
 import torch
 
 from iterserve.kernels.cpu import amx_linear as cpu_amx_linear
-from iterserve.kernels.cpu import fastmath as cpu_math
 from iterserve.kernels.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(
@@ -33,10 +30,9 @@ def _onednn(x, packed):
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 40, 48, 63, 64])
 def test_the_product_equals_onednns(shape, rows):
     packed = cpu_linear.pack(_weight(*shape, seed=rows))
-    array = cpu_amx_linear.weight_array(packed)
-    assert array is not None
+    assert packed.amx is not None
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
-    got, want = cpu_amx_linear.product(x, array, shape[0]), _onednn(x, packed)
+    got, want = cpu_amx_linear.product(x, packed.amx, shape[0]), _onednn(x, packed.onednn)
     assert got.shape == (rows, shape[0]) and got.dtype == torch.bfloat16
     if rows <= 32:
         assert torch.equal(got, want)
@@ -52,7 +48,7 @@ def test_large_values_and_a_strided_batch():
     packed = cpu_linear.pack(w)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(2)).bfloat16()[:, ::2]
     got = cpu_linear.linear(x, w, None, packed)
-    assert torch.equal(got, _onednn(x.contiguous(), packed))
+    assert torch.equal(got, _onednn(x.contiguous(), packed.onednn))
 
 
 @pytest.mark.parametrize(
@@ -64,9 +60,9 @@ def test_weights_the_kernel_does_not_read_stay_onednns(shape, dtype):
     multiplies as before."""
     w = _weight(*shape).to(dtype)
     packed = cpu_linear.pack(w)
-    assert cpu_amx_linear.weight_array(packed) is None
+    assert packed.amx is None
     x = torch.randn(16, shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
-    torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), _onednn(x, packed))
+    torch.testing.assert_close(cpu_linear.linear(x, w, None, packed), _onednn(x, packed.onednn))
 
 
 @pytest.fixture
@@ -90,6 +86,7 @@ def test_linear_takes_the_kernel_for_up_to_64_rows_without_a_bias(amx_rows):
     w = _weight(128, 64)
     packed = cpu_linear.pack(w)
     amx_rows.clear()  # the check of its layout when packed
+    assert packed.amx is not None
     g = torch.Generator().manual_seed(4)
     for rows in (1, 33, 64, 65, 96):
         cpu_linear.linear(torch.randn(rows, 64, generator=g).bfloat16(), w, None, packed)
@@ -106,16 +103,6 @@ def test_linear_on_more_threads_stays_onednns(amx_rows):
     torch.set_num_threads(2)
     cpu_linear.linear(torch.ones(8, 64).bfloat16(), w, None, packed)
     assert amx_rows == []
-
-
-def test_a_packed_weight_freed_is_forgotten():
-    packed = cpu_linear.pack(_weight(64, 64))
-    assert cpu_amx_linear.weight_array(packed) is not None
-    key = (id(packed), cpu_amx_linear._read_weight)
-    assert key in cpu_math._LONG_LIVED
-    del packed
-    gc.collect()
-    assert key not in cpu_math._LONG_LIVED
 
 
 def test_a_batch_of_the_wrong_width_is_refused_as_onednn_refuses_it(amx_rows):

@@ -6,8 +6,9 @@ import torch
 
 from iterserve.kernels import get_ops
 from iterserve.kernels import reference as ref
+from iterserve.kernels.cpu import activation, attention_rows, isa, jit, norm, rotary
 from iterserve.kernels.cpu import attention as cpu_attention
-from iterserve.kernels.cpu import ops as cpu_ops
+from iterserve.kernels.cpu import plan as cpu_plan
 from tests.kernels.attention_cases import (
     DECODE,
     MIXED,
@@ -15,8 +16,9 @@ from tests.kernels.attention_cases import (
     make_batch,
     poison_past_ends,
 )
+from tests.kernels.cpu.levels import at_level, fail_on
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
 # Decode rows with contexts inside one block, across many, at a block's edge.
 LONG_DECODES = [(0, 1), (15, 1), (16, 1), (300, 1), (47, 1), (129, 1)]
@@ -111,7 +113,7 @@ def test_cpu_backend_compiles_every_op():
     cpu = get_ops("cpu")
     assert cpu.name == "cpu" and cpu.paged_attention is cpu_attention.paged_attention
     assert (cpu.store_kv, cpu.rms_norm, cpu.rotary_embedding, cpu.silu_mul) == (
-        cpu_ops.store_kv, cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_mul,
+        rotary.store_kv, norm.rms_norm, rotary.rotary_embedding, activation.silu_mul,
     )  # fmt: skip
     assert get_ops("auto", device="cpu").name == "cpu"
 
@@ -125,7 +127,7 @@ def test_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
     """Pieces at most SHORT_PIECE_WORK rows x positions x heads run on the kernel, longer
     ones on torch's flash attention, with or without cached context: both are
     exact causal attention."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", short_work)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", short_work)
     b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.float32, seed=6))
     got = cpu_attention.paged_attention(*b.args())
     torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
@@ -136,8 +138,8 @@ def test_long_pieces_on_consecutive_blocks_read_the_cache_in_place(monkeypatch, 
     """A long piece whose blocks are one run reads them as a view of the cache rather
     than a gathered copy: the same values as from shuffled blocks. (Torch's flash
     attention's path; the AMX kernel reads through the table, test_cpu_amx.py.)"""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 0)
-    monkeypatch.setattr(cpu_attention, "AMX", False)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 0)
+    at_level(monkeypatch, "avx512_bf16")  # torch's flash attention, not AMX
     gathers = []
     real = ref._gather_blocks
     monkeypatch.setattr(ref, "_gather_blocks", lambda *a: gathers.append(1) or real(*a))
@@ -158,7 +160,7 @@ FLASH_BF16 = dict(atol=2**-7, rtol=2**-7)
 
 @pytest.mark.parametrize("short_work", [0, 1 << 16], ids=["flash", "kernel"])
 def test_bf16_prefill_pieces_match_dense_on_either_path(monkeypatch, short_work):
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", short_work)
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", short_work)
     b = on_cpu(make_batch(PIECES, 8, 2, 64, 16, torch.bfloat16, seed=11))
     got = cpu_attention.paged_attention(*b.args())
     assert got.dtype == torch.bfloat16
@@ -172,15 +174,16 @@ def test_prefill_pieces_split_across_threads_alike():
     torch.testing.assert_close(parallel, serial, atol=1e-6, rtol=1e-6)
 
 
-def test_the_layers_of_one_batch_share_its_plan_until_its_metadata_changes(monkeypatch):
-    """The lengths are read once per batch, not once per layer; a table written in
-    place (as a replayed graph's static inputs are) is read again."""
+def test_a_steps_plan_is_built_once_and_read_by_every_layer(monkeypatch):
+    """The lengths are read once a step (KernelOps.prepare), not once a layer; a call
+    without a plan reads its metadata itself, so a length written since is seen."""
     splits = []
     split = ref.split_pieces
     monkeypatch.setattr(ref, "split_pieces", lambda *a, **k: splits.append(1) or split(*a, **k))
     b = on_cpu(make_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=8))
-    first = cpu_attention.paged_attention(*b.args())
-    assert torch.equal(cpu_attention.paged_attention(*b.args()), first)
+    step = cpu_plan.build(b.query.shape[0], 4, 16, *b.args()[3:6])
+    first = cpu_attention.paged_attention(*b.args(), plan=step)
+    assert torch.equal(cpu_attention.paged_attention(*b.args(), plan=step), first)
     assert len(splits) == 1
     b.seq_lens[0] -= 1  # one position fewer for the first decode row
     changed = cpu_attention.paged_attention(*b.args())
@@ -189,11 +192,17 @@ def test_the_layers_of_one_batch_share_its_plan_until_its_metadata_changes(monke
     assert not torch.allclose(changed, first, atol=1e-3)
 
 
-# Windows and soft caps: the compiled variant for them (the plain kernel above is
-# left as it is). Windows of one position, shorter than some rows' context and
-# longer than others', and longer than every sequence (run on the variant when the
-# longest sequence is not given); soft caps that bite (scores here reach ~±4 after
-# scaling) and one that barely does.
+def test_a_plan_for_another_batch_shape_is_not_taken():
+    b = on_cpu(make_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=8))
+    other = cpu_plan.build(b.query.shape[0], 8, 16, *b.args()[3:6])  # 8 heads, not 4
+    got = cpu_attention.paged_attention(*b.args(), plan=other)
+    torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
+
+
+# Windows and soft caps: compile-time specialisations of the same row kernels.
+# Windows of one position, shorter than some rows' context and longer than
+# others', and longer than every sequence; soft caps that bite (scores here reach
+# ~±4 after scaling) and one that barely does.
 @pytest.mark.parametrize("window", [None, 1, 7, 20, 1000])
 @pytest.mark.parametrize("soft_cap", [None, 1.5, 30.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -202,17 +211,15 @@ def test_windows_and_soft_caps_run_on_the_kernel_as_the_reference_computes_them(
     monkeypatch, window, soft_cap, dtype, shape
 ):
     """Decode rows and short prefill pieces under a sliding window and a soft cap
-    take the compiled variant (neither the reference nor the plain kernel is
-    called) and agree with dense attention and the reference."""
+    run on the row kernels (never the reference) and agree with dense attention
+    and the reference."""
     if window is None and soft_cap is None:
         pytest.skip("the plain kernel's case (tested above)")
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
     b = on_cpu(make_batch(shape, 8, 2, 64, 8, dtype, seed=12))
     b.query = b.query * 4  # scores large enough for a cap to bite
     want = ref.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
-    for name in ("_attend_all", "_attend_all_parallel"):
-        monkeypatch.setattr(cpu_attention, name, None)  # any call to the plain kernel fails
-    monkeypatch.setattr(ref, "paged_attention", None)  # and any to the reference
+    fail_on(monkeypatch, ref, "paged_attention", "attend_long_pieces")
     got = cpu_attention.paged_attention(*b.args(), window=window, soft_cap=soft_cap)
     assert got.dtype == dtype
     if dtype == torch.float32:
@@ -260,7 +267,7 @@ def test_long_pieces_under_a_window_or_cap_are_attended_as_the_reference_does(
 ):
     """Torch's flash attention has no soft cap: long pieces take the reference's
     products, piece by piece, and the batch's short rows stay on the kernel."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 8 * 40)  # pieces of > 40 positions: long
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 8 * 40)  # pieces of > 40 positions: long
     b = on_cpu(make_batch(PIECES + LONG_DECODES, 8, 2, 64, 16, torch.float32, seed=14))
     long = []
     real = ref.attend_long_pieces
@@ -272,18 +279,21 @@ def test_long_pieces_under_a_window_or_cap_are_attended_as_the_reference_does(
     torch.testing.assert_close(got.double(), dense, atol=1e-5, rtol=1e-5)
 
 
-def test_plain_attention_never_takes_the_window_and_cap_variant(monkeypatch):
-    """No cap and no window that cuts: the plain kernel, as before the variant."""
-    for name in ("_attend_all_window_cap", "_attend_all_parallel_window_cap"):
-        monkeypatch.setattr(cpu_attention, name, None)
+def test_a_window_that_cuts_no_row_runs_the_plain_specialisation():
+    """No cap and no window that cuts: the rows' starts are None, so the kernels
+    compiled without a window run."""
     b = on_cpu(make_batch(MIXED, 8, 2, 64, 16, torch.float32, seed=16))
     longest = int(b.seq_lens.max())
+    step = cpu_plan.build(b.query.shape[0], 8, 16, *b.args()[3:6])
+    assert step.row_starts(longest) is None and step.row_starts(longest - 1) is not None
     for window in (None, longest):
         got = cpu_attention.paged_attention(*b.args(), max_seq_len=longest, window=window)
         torch.testing.assert_close(got.double(), dense_attention(b), atol=1e-5, rtol=1e-5)
 
 
-tiles = pytest.mark.skipif(not cpu_attention.TILES, reason="the CPU lacks AVX-512 BF16")
+tiles = pytest.mark.skipif(
+    not isa.at_least(isa.level(), "avx512_bf16"), reason="the CPU lacks AVX-512 BF16"
+)
 
 
 @tiles
@@ -298,9 +308,8 @@ def test_bf16_tiles_attend_as_the_dense_attention(monkeypatch, block_size, num_h
     """The register-tile kernel (on CPUs with AVX-512 BF16) for every group size a
     PV tile splits (up to 8 heads a tile, 12 as 8 + 4), heads of one to four
     32-value chunks, blocks of one and two score tiles, sequences ending inside
-    a tile; the plain kernel may not run."""
-    for name in ("_attend_all", "_attend_all_parallel"):
-        monkeypatch.setattr(cpu_attention, name, None)
+    a tile; the loops may not run."""
+    fail_on(monkeypatch, attention_rows, "attend_rows_loops", "attend_rows_loops_parallel")
     b = on_cpu(make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
                           seed=11))  # fmt: skip
     serial, parallel = serial_and_parallel(b)
@@ -320,10 +329,10 @@ def test_bf16_tiles_ignore_what_slots_past_a_sequence_hold():
 
 
 @tiles
-def test_bf16_tiles_agree_with_the_plain_kernel(monkeypatch):
+def test_bf16_tiles_agree_with_the_loops(monkeypatch):
     b = on_cpu(make_batch(MIXED + LONG_DECODES, 8, 2, 64, 16, torch.bfloat16, seed=13))
     tiled = cpu_attention.paged_attention(*b.args())
-    monkeypatch.setattr(cpu_attention, "TILES", False)
+    at_level(monkeypatch, "avx512")  # no AVX-512 BF16: the loops
     torch.testing.assert_close(tiled, cpu_attention.paged_attention(*b.args()), **BF16_STEP)
 
 
@@ -334,14 +343,13 @@ def test_bf16_tiles_agree_with_the_plain_kernel(monkeypatch):
 @pytest.mark.parametrize("shape", [MIXED, LONG_DECODES, PIECES], ids=["mixed", "long", "pieces"])
 def test_bf16_tiles_take_windows_and_soft_caps(monkeypatch, block_size, window, soft_cap, shape):
     """Windows starting inside a score tile, inside a later one and at a block's
-    start, and soft caps, on the tiles kernel (neither the plain variant nor the
-    reference is called)."""
-    monkeypatch.setattr(cpu_attention, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
+    start, and soft caps, on the tiles kernel (neither the loops nor the reference
+    is called)."""
+    monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
     b = on_cpu(make_batch(shape, 8, 2, 64, block_size, torch.bfloat16, seed=17))
     b.query = b.query * 4  # scores large enough for a cap to bite
-    for name in ("_attend_all_window_cap", "_attend_all_parallel_window_cap"):
-        monkeypatch.setattr(cpu_attention, name, None)
-    monkeypatch.setattr(ref, "paged_attention", None)
+    fail_on(monkeypatch, attention_rows, "attend_rows_loops", "attend_rows_loops_parallel")
+    fail_on(monkeypatch, ref, "paged_attention", "attend_long_pieces")
     serial, parallel = serial_and_parallel(b, window=window, soft_cap=soft_cap)
     want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
     for got in (serial, parallel):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from iterserve.kernels.cpu import attention as cpu_attention
+from iterserve.kernels.cpu import jit
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
-if cpu_attention.available():
+if jit.available():
     import numba
 
     from iterserve.kernels.cpu.fastmath import (
@@ -164,10 +164,7 @@ def test_fp32_arrays_are_read_and_written_as_they_are():
 def test_kernels_compile_for_512_bit_vectors_where_the_cpu_has_them():
     from llvmlite import binding
 
-    from iterserve.kernels.cpu import fastmath as cpu_math
-
     host = binding.get_host_cpu_features().flatten().split(",")
     features = (numba.config.CPU_FEATURES or "").split(",")
-    if "+avx512f" in host:
+    if "+avx512f" in host and "ITERSERVE_CPU_ISA" not in __import__("os").environ:
         assert "-prefer-256-bit" in features
-    assert cpu_math.use_wide_vectors() is False  # set once; a second call changes nothing

@@ -87,49 +87,45 @@ def rows_reaching_onednn(monkeypatch) -> list[int]:
 @packs
 @pytest.mark.parametrize("rows", [17, 24, 32])
 def test_a_cliff_batch_runs_padded_and_keeps_its_values(rows, monkeypatch):
-    """Batches of 17–32 rows on a weight past the cliff's bounds reach oneDNN as
-    33 rows; the caller gets its own rows back, as the unpadded product has them."""
-    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
-    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: True)
+    """Where the engine chose padding for a weight, its batches of 17–32 rows reach
+    oneDNN as 33 rows; the caller gets its own rows back, as the unpadded product
+    has them."""
+    monkeypatch.setattr(cpu_linear.isa, "level", lambda: "amx")
     g = torch.Generator().manual_seed(rows)
     out_features = cpu_linear.CLIFF_MIN_BYTES // (2 * 256)
     x = torch.randn(rows, 256, generator=g).bfloat16()
     w = torch.randn(out_features, 256, generator=g).bfloat16()
     bias = torch.randn(out_features, generator=g).bfloat16()
-    assert cpu_linear.pads_cliff_batches(w.shape, torch.bfloat16)
-    packed = cpu_linear.pack(w)  # (which checks the AMX kernel's reading of it by a product)
+    assert cpu_linear.may_pad_cliff(w.shape, torch.bfloat16)
+    packed = cpu_linear.pack(w, pad_cliff=True)  # (checks the AMX kernel's reading of it)
+    assert packed.pad_cliff
     product, seen = torch.ops.mkldnn._linear_pointwise, rows_reaching_onednn(monkeypatch)
     got = cpu_linear.linear(x, w.new_empty(0), bias, packed)  # a bias: oneDNN's product
     assert seen == [cpu_linear.CLIFF_ROWS[1] + 1]
     assert got.shape == (rows, out_features)
-    direct = product(x, packed, bias, "none", [], "")
+    direct = product(x, packed.onednn, bias, "none", [], "")
     torch.testing.assert_close(got, direct, atol=0, rtol=0)
+    unpadded = cpu_linear.pack(w)  # the engine's choice: no padding
+    seen.clear()
+    cpu_linear.linear(x, w.new_empty(0), bias, unpadded)
+    assert seen == [rows]
 
 
 def test_the_cliff_applies_only_to_large_bf16_weights_with_short_rows_on_amx(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
-    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: True)
+    monkeypatch.setattr(cpu_linear.isa, "level", lambda: "amx")
     big = (5632, 1024)
-    assert cpu_linear.pads_cliff_batches(big, torch.bfloat16)
-    assert not cpu_linear.pads_cliff_batches(big, torch.float32)
-    assert not cpu_linear.pads_cliff_batches((256, 128), torch.bfloat16)  # stays in cache
-    assert not cpu_linear.pads_cliff_batches((2048, 8192), torch.bfloat16)  # long rows
-    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: False)
-    assert not cpu_linear.pads_cliff_batches(big, torch.bfloat16)
+    assert cpu_linear.may_pad_cliff(big, torch.bfloat16)
+    assert not cpu_linear.may_pad_cliff(big, torch.float32)
+    assert not cpu_linear.may_pad_cliff((256, 128), torch.bfloat16)  # stays in cache
+    assert not cpu_linear.may_pad_cliff((2048, 8192), torch.bfloat16)  # long rows
+    monkeypatch.setattr(cpu_linear.isa, "level", lambda: "avx512_bf16")
+    assert not cpu_linear.may_pad_cliff(big, torch.bfloat16)
 
 
-def test_padding_is_chosen_only_where_this_cpu_has_the_cliff(monkeypatch):
-    """Where the padded product is not clearly the faster one here (this
-    machine's own measurement says so), cliff batches run as they are."""
-    monkeypatch.setattr(cpu_linear, "_has_amx", lambda: True)
-    monkeypatch.setattr(cpu_linear, "_cliff_here", lambda *shape: False)
-    assert not cpu_linear.pads_cliff_batches((5632, 1024), torch.bfloat16)
-
-
-@pytest.mark.parametrize("padded_cost, pads", [(1.0, False), (0.9, False), (0.6, True)])
-def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkeypatch):
+@pytest.mark.parametrize("padded_cost", [1.0, 0.9, 0.6])
+def test_the_cliff_is_measured_by_timing_both_products(padded_cost, monkeypatch):
     """The measurement times plain and padded products of the shape asked about,
-    alternately, and pads where the padded ones take under CLIFF_GAIN of the time."""
+    alternately, and gives the ratio of their medians."""
     clock = [0.0]
     calls = []
 
@@ -141,12 +137,8 @@ def test_the_cliff_is_measured_by_timing_both_products(padded_cost, pads, monkey
     monkeypatch.setattr(cpu_linear, "_reorder", lambda weight: weight)
     monkeypatch.setattr(cpu_linear, "_product", fake_product)
     monkeypatch.setattr(cpu_linear.time, "thread_time", lambda: clock[0])
-    cpu_linear._cliff_here.cache_clear()
-    try:
-        assert cpu_linear._cliff_here(64, 32) is pads
-        assert calls.count(True) == calls.count(False) > 0
-    finally:
-        cpu_linear._cliff_here.cache_clear()
+    assert cpu_linear.measure_cliff(64, 32) == pytest.approx(padded_cost)
+    assert calls.count(True) == calls.count(False) > 0
 
 
 @packs
@@ -161,5 +153,5 @@ def test_products_past_64_rows_run_at_a_multiple_of_32_and_keep_their_values(row
     product, seen = torch.ops.mkldnn._linear_pointwise, rows_reaching_onednn(monkeypatch)
     got = cpu_linear.linear(x, w.new_empty(0), None, packed)
     assert seen == [-(-rows // 32) * 32] and got.shape == (rows, 48)
-    torch.testing.assert_close(got, product(x, packed, None, "none", [], ""), atol=0, rtol=0)
+    torch.testing.assert_close(got, product(x, packed.onednn, None, "none", [], ""), atol=0, rtol=0)
     assert cpu_linear.bucket_rows(64) == 64 and cpu_linear.bucket_rows(7) == 7

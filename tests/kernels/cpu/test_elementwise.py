@@ -7,10 +7,9 @@ import torch
 
 from iterserve.kernels import build_cos_sin_cache
 from iterserve.kernels import reference as ref
-from iterserve.kernels.cpu import attention as cpu_attention
-from iterserve.kernels.cpu import ops as cpu_ops
+from iterserve.kernels.cpu import activation, jit, norm, rotary
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
 CLOSE = dict(atol=1e-6, rtol=1e-5)
 # bf16: both round the same fp32 value once, but the fp32 values may differ in their
@@ -33,7 +32,7 @@ def test_rms_norm_matches_reference(rows, strided):
     g = torch.Generator().manual_seed(1)
     x = _strided(rows, 96) if strided else torch.randn(rows, 96, generator=g)
     weight = torch.rand(96, generator=g) + 0.5
-    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5),
+    torch.testing.assert_close(norm.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5),
                                **CLOSE)  # fmt: skip
 
 
@@ -42,7 +41,7 @@ def test_rms_norm_with_residual_returns_the_sum_too():
     x, residual = _strided(9, 64, seed=3), torch.randn(9, 64, generator=g)
     weight = torch.rand(64, generator=g)
     x_before, residual_before = x.clone(), residual.clone()
-    out, summed = cpu_ops.rms_norm(x, weight, 1e-6, residual)
+    out, summed = norm.rms_norm(x, weight, 1e-6, residual)
     want_out, want_sum = ref.rms_norm(x, weight, 1e-6, residual)
     torch.testing.assert_close(out, want_out, **CLOSE)
     assert torch.equal(summed, want_sum)  # one addition each: exact
@@ -59,7 +58,7 @@ def test_rotary_matches_reference_on_projection_views(num_heads, num_kv_heads, h
     q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q, k = q.reshape(tokens, num_heads, head_dim), k.reshape(tokens, num_kv_heads, head_dim)
     positions = torch.tensor([0, 1, 2, 63, 5, 5, 17, 30, 31, 32, 8])
-    got_q, got_k = cpu_ops.rotary_embedding(positions, q, k, cos_sin)
+    got_q, got_k = rotary.rotary_embedding(positions, q, k, cos_sin)
     want_q, want_k = ref.rotary_embedding(positions, q, k, cos_sin)
     torch.testing.assert_close(got_q, want_q, **CLOSE)
     torch.testing.assert_close(got_k, want_k, **CLOSE)
@@ -70,7 +69,7 @@ def test_rotary_refuses_a_position_outside_the_cache(bad):
     cos_sin = build_cos_sin_cache(32, 64, 10000.0, None)
     q, k = torch.randn(3, 2, 32), torch.randn(3, 1, 32)
     with pytest.raises(IndexError, match=r"positions\[1\]"):
-        cpu_ops.rotary_embedding(torch.tensor([0, bad, 2]), q, k, cos_sin)
+        rotary.rotary_embedding(torch.tensor([0, bad, 2]), q, k, cos_sin)
 
 
 def _caches(num_blocks=4, block_size=4, heads=2, head_dim=8):
@@ -85,7 +84,7 @@ def test_store_kv_matches_reference_and_skips_negative_slots(index_dtype):
     key, value = kv[:, 0], kv[:, 1]
     slots = torch.tensor([3, -1, 0, 15, 9], dtype=index_dtype)
     got, want = _caches(), _caches()
-    cpu_ops.store_kv(key, value, *got, slots)
+    rotary.store_kv(key, value, *got, slots)
     ref.store_kv(key, value, *want, slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -94,7 +93,7 @@ def test_store_kv_refuses_a_slot_past_the_cache_before_writing():
     k_cache, v_cache = _caches()
     key = torch.ones(2, 2, 8)
     with pytest.raises(ValueError, match="slot 16"):
-        cpu_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 16]))
+        rotary.store_kv(key, key, k_cache, v_cache, torch.tensor([0, 16]))
     assert not k_cache.any() and not v_cache.any()
 
 
@@ -110,7 +109,7 @@ def test_bf16_rms_norm_rounds_where_the_reference_rounds(rows, with_residual, co
         x = torch.cat([x, x[:, :16]], dim=1)[:, :96]
     residual = torch.randn(rows, 96, generator=g).bfloat16() if with_residual else None
     weight = (torch.rand(96, generator=g) + 0.5).bfloat16()
-    got, want = cpu_ops.rms_norm(x, weight, 1e-6, residual), ref.rms_norm(x, weight, 1e-6, residual)
+    got, want = norm.rms_norm(x, weight, 1e-6, residual), ref.rms_norm(x, weight, 1e-6, residual)
     if with_residual:
         assert torch.equal(got[1], want[1])  # one addition, rounded once: exact
         got, want = got[0], want[0]
@@ -125,7 +124,7 @@ def test_bf16_rotary_matches_reference():
     q, k, _ = qkv.split([256, 128, 128], dim=-1)
     q, k = q.reshape(9, 4, 64), k.reshape(9, 2, 64)
     positions = torch.tensor([0, 1, 127, 64, 5, 5, 17, 90, 33])
-    for got, want in zip(cpu_ops.rotary_embedding(positions, q, k, cos_sin),
+    for got, want in zip(rotary.rotary_embedding(positions, q, k, cos_sin),
                          ref.rotary_embedding(positions, q, k, cos_sin)):  # fmt: skip
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got, want, **BF16_STEP)
@@ -137,7 +136,7 @@ def test_bf16_store_kv_copies_the_bits():
     slots = torch.tensor([3, -1, 0, 15, 9])
     got = [c.bfloat16() for c in _caches()]
     want = [c.bfloat16() for c in _caches()]
-    cpu_ops.store_kv(key, value, *got, slots)
+    rotary.store_kv(key, value, *got, slots)
     ref.store_kv(key, value, *want, slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -150,7 +149,7 @@ def test_gated_activation_matches_reference_and_transformers_in_dtype(op, act, d
 
     g = torch.Generator().manual_seed(15)
     x = (torch.randn(rows, 2 * 88, generator=g) * 4).to(dtype)
-    got = getattr(cpu_ops, op)(x)
+    got = getattr(activation, op)(x)
     assert got.dtype == dtype and got.shape == (rows, 88)
     torch.testing.assert_close(got, getattr(ref, op)(x), **TOLERANCE[dtype])
     # The MLP in the checkpoint's dtype: the activation rounded, then the product.
@@ -164,13 +163,13 @@ def test_bf16_silu_mul_equals_transformers_bit_for_bit_over_many_values():
 
     g = torch.Generator().manual_seed(16)
     x = (torch.randn(96, 2 * 1032, generator=g) * 12).bfloat16()
-    got = cpu_ops.silu_mul(x)
+    got = activation.silu_mul(x)
     assert torch.equal(got, ACT2FN["silu"](x[:, :1032]) * x[:, 1032:])
     # a strided view takes torch's ops, with the same values
     wide = torch.zeros(96, 2 * 1032 + 8, dtype=torch.bfloat16)
     wide[:, : 2 * 1032] = x
-    assert torch.equal(cpu_ops.silu_mul(wide[:, : 2 * 1032]), got)
-    assert cpu_ops.silu_mul(x[:0]).shape == (0, 1032)
+    assert torch.equal(activation.silu_mul(wide[:, : 2 * 1032]), got)
+    assert activation.silu_mul(x[:0]).shape == (0, 1032)
 
 
 @pytest.mark.parametrize("bf16_instruction", [False, True], ids=["integer", "vcvtneps2bf16"])
@@ -188,41 +187,41 @@ def test_tiles_round_to_bf16_alike_with_or_without_the_bf16_instruction(
     if bf16_instruction and not cpu_tiles.available():
         pytest.skip("the CPU has no AVX-512 BF16")
     monkeypatch.setattr(cpu_tiles, "_HAS_BF16", bf16_instruction)
-    for name in ("_rotate_store_rows_bf16", "_silu_mul_rows_bf16"):
-        monkeypatch.setattr(cpu_ops, name, numba.njit(getattr(cpu_ops, name).py_func))
+    for module, name in ((rotary, "rotate_store_tiles"), (activation, "_silu_mul_rows_bf16")):
+        monkeypatch.setattr(module, name, numba.njit(getattr(module, name).py_func))
     g = torch.Generator().manual_seed(17)
     x = (torch.randn(9, 2 * 200, generator=g) * 6).bfloat16()
-    assert torch.equal(cpu_ops.silu_mul(x), ACT2FN["silu"](x[:, :200]) * x[:, 200:])
+    assert torch.equal(activation.silu_mul(x), ACT2FN["silu"](x[:, :200]) * x[:, 200:])
     cos_sin = build_cos_sin_cache(64, 32, 10000.0, None)
     qkv = torch.randn(5, 8 * 64, generator=g).bfloat16()
     q, k, v = (t.reshape(5, -1, 64) for t in qkv.split([256, 128, 128], dim=-1))
     positions, slots = torch.tensor([0, 3, 31, 9, 9]), torch.tensor([1, 0, 4, 15, 2])
     got = [c.bfloat16() for c in _caches(heads=2, head_dim=64)]
     want = [c.bfloat16() for c in _caches(heads=2, head_dim=64)]
-    got_q = cpu_ops.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
+    got_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
     want_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, *want, slots)
     assert torch.equal(got_q, want_q) and torch.equal(got[0], want[0])
 
 
 def test_fp16_takes_the_reference_path():
     x, weight = torch.randn(4, 32, dtype=torch.float16), torch.ones(32, dtype=torch.float16)
-    assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    assert torch.equal(norm.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
     cos_sin = build_cos_sin_cache(32, 16, 10000.0, None)
     q, k = torch.randn(4, 2, 32, dtype=torch.float16), torch.randn(4, 1, 32, dtype=torch.float16)
     positions = torch.arange(4)
-    for got, want in zip(cpu_ops.rotary_embedding(positions, q, k, cos_sin),
+    for got, want in zip(rotary.rotary_embedding(positions, q, k, cos_sin),
                          ref.rotary_embedding(positions, q, k, cos_sin)):  # fmt: skip
         assert torch.equal(got, want)
 
 
 def test_bad_arguments_are_named_as_by_the_reference():
     with pytest.raises(ValueError, match="weight"):
-        cpu_ops.rms_norm(torch.randn(3, 16), torch.ones(8), 1e-5)
+        norm.rms_norm(torch.randn(3, 16), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="eps"):
-        cpu_ops.rms_norm(torch.randn(3, 16), torch.ones(16), -1.0)
+        norm.rms_norm(torch.randn(3, 16), torch.ones(16), -1.0)
     k_cache, v_cache = _caches()
     with pytest.raises(ValueError, match="slot_mapping"):
-        cpu_ops.store_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache,
+        rotary.store_kv(torch.ones(2, 2, 8), torch.ones(2, 2, 8), k_cache, v_cache,
                          torch.tensor([0]))  # fmt: skip
 
 
@@ -251,7 +250,7 @@ def test_rotary_store_kv_equals_rotary_then_store(dtype, head_dim):
     slots = torch.tensor([3, -1, 0, 15, 9, 4])
     got = [c.to(dtype) for c in _caches(heads=kv_heads, head_dim=head_dim)]
     want = [c.to(dtype) for c in _caches(heads=kv_heads, head_dim=head_dim)]
-    got_q = cpu_ops.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
+    got_q = rotary.rotary_store_kv(positions, q, k, v, cos_sin, *got, slots)
     want_q = ref.rotary_store_kv(positions, q, k, v, cos_sin, *want, slots)
     if head_dim % 32 == 0:
         assert torch.equal(got_q, want_q) and torch.equal(got[0], want[0])
@@ -276,6 +275,6 @@ def test_rotary_store_kv_refuses_bad_positions_and_slots_before_writing(
     k_cache, v_cache = _caches()
     q, k = torch.ones(2, 2, 8), torch.ones(2, 2, 8)
     with pytest.raises(error, match=named):
-        cpu_ops.rotary_store_kv(torch.tensor(positions), q, k, k, cos_sin, k_cache, v_cache,
+        rotary.rotary_store_kv(torch.tensor(positions), q, k, k, cos_sin, k_cache, v_cache,
                                 torch.tensor(slots))  # fmt: skip
     assert not k_cache.any() and not v_cache.any()

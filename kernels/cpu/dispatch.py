@@ -1,0 +1,120 @@
+"""Which CPU kernel runs for an op: one table, read at one place per op.
+
+Each row of :data:`TABLE` names an op, a kernel, the dtypes it computes, the least
+instruction-set level it needs (:mod:`.isa`) and the traits a call must have for
+it (a *shape class*: heads of whole 32-value chunks, a batch of at most 64 rows,
+...). The first row that fits a call is the kernel that runs; every op's last
+row fits any call of its dtypes, so a call always finds one. What earns a row
+its place over the rows below it is a figure in docs/kernels.md, named in
+``why``.
+
+:class:`Dispatch` reads the table for one level; tests build one for any level
+(a faked instruction set), and ``/version`` shows what it picked for the model
+(:meth:`Dispatch.describe`). The ops' wrappers compute a call's traits and ask
+:meth:`Dispatch.kernel`; nothing else chooses between kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from . import isa
+
+FP32, BF16 = "float32", "bfloat16"
+BOTH = (FP32, BF16)
+
+
+@dataclass(frozen=True)
+class Rule:
+    op: str
+    kernel: str
+    dtypes: tuple[str, ...]
+    level: str  # the least instruction-set level it needs
+    traits: frozenset[str] = frozenset()  # what a call must have for it
+    why: str = ""
+
+
+def _rule(op: str, kernel: str, dtypes, level: str, traits: str = "", why: str = "") -> Rule:
+    return Rule(op, kernel, tuple(dtypes), level, frozenset(traits.split()), why)
+
+
+# The traits the wrappers compute (a call has the ones that hold for it):
+#   tiled      blocks of a multiple of 16 slots, heads of a multiple of 32 values
+#   group      1, 2, 4, 8 or 16 query heads a KV head
+#   uncut      no soft cap, and no window shorter than the longest sequence
+#   small      at most 64 rows, one thread, no bias, a weight the AMX kernel reads
+#   few        fewer than 16 rows
+#   rows16     contiguous rows of a multiple of 16 values
+# fmt: off
+TABLE: tuple[Rule, ...] = (
+    # decode rows and short prefill pieces (kernels/cpu/attention_rows.py)
+    _rule("attention.rows", "amx_tiles", [BF16], "amx", "tiled group",
+          "AMX decode scores: 32 rows over 160 positions 0.434 -> 0.379 ms a layer"),
+    _rule("attention.rows", "tiles", [BF16], "avx512_bf16", "tiled",
+          "bf16 tiles: 32 rows over ~160 positions 1.13 -> 0.52 ms a layer"),
+    _rule("attention.rows", "loops", BOTH, "generic"),
+    # prefill pieces too long for the row kernels (kernels/cpu/attention.py)
+    _rule("attention.long", "amx", [BF16], "amx", "tiled uncut",
+          "AMX prefill: a 512-token piece 1.35 against flash's 2.77 ms"),
+    _rule("attention.long", "flash", BOTH, "generic", "uncut",
+          "torch's flash attention: a 128-token bf16 piece 1.9 against 12.7 ms on the rows"),
+    _rule("attention.long", "reference", BOTH, "generic"),
+    # matrix products (kernels/cpu/linear.py)
+    _rule("linear", "amx_rows", [BF16], "amx", "small",
+          "a 144M Llama's 32-row decode step 0.86x oneDNN's time, 64 rows 0.92x"),
+    _rule("linear", "plain", [FP32], "generic", "few",
+          "F.linear's dispatch is ~20 us cheaper than oneDNN's below 16 rows"),
+    _rule("linear", "onednn", BOTH, "generic",
+          why="packed weights: 5-20% faster at 128 rows (fp32), 1.5-2x (bf16)"),
+    # the elementwise ops between products (kernels/cpu/norm.py, rotary.py, activation.py)
+    _rule("rms_norm", "tiles", [BF16], "avx512", "rows16",
+          "a 512-token prefill step's RMSNorm 14.3 -> 9.9 ms"),
+    _rule("rms_norm", "loops", BOTH, "generic"),
+    _rule("rotary", "tiles", [BF16], "avx512", "tiled",
+          "a 512-token prefill step's rotary and KV store 13.7 -> 5.4 ms"),
+    _rule("rotary", "loops", BOTH, "generic"),
+    _rule("silu_mul", "tiles", [BF16], "avx512", "rows16",
+          "1.6x torch's two passes at 32 to 512 rows of 2816 values"),
+    _rule("silu_mul", "torch", BOTH, "generic"),
+    _rule("gelu_tanh_mul", "torch", BOTH, "generic"),
+)
+# fmt: on
+
+OPS = tuple(dict.fromkeys(rule.op for rule in TABLE))
+
+
+class Dispatch:
+    """The table read for one instruction-set ``level`` (default: this process's)."""
+
+    def __init__(self, level: str | None = None):
+        self.level = isa.check_level(level, "level") if level is not None else isa.level()
+
+    @functools.cache  # noqa: B019 - a handful of (op, dtype, traits) per process
+    def kernel(self, op: str, dtype: str, traits: frozenset[str] = frozenset()) -> str:
+        """The kernel of ``op`` for a call in ``dtype`` ("float32" or "bfloat16") with
+        ``traits``."""
+        for rule in TABLE:
+            if (
+                rule.op == op
+                and dtype in rule.dtypes
+                and isa.at_least(self.level, rule.level)
+                and rule.traits <= traits
+            ):
+                return rule.kernel
+        raise KeyError(f"no CPU kernel computes {op} in {dtype}")
+
+    def describe(self, dtype: str, traits: dict[str, frozenset[str]]) -> dict[str, str]:
+        """What runs for each op in ``dtype``, given each op's typical call's traits
+        (ops not named: none), as ``/version`` shows it."""
+        return {op: self.kernel(op, dtype, traits.get(op, frozenset())) for op in OPS}
+
+
+def current() -> Dispatch:
+    """The table for this process's level (after any engine cap, :func:`.isa.cap`)."""
+    return _for(isa.level())
+
+
+@functools.cache
+def _for(level: str) -> Dispatch:
+    return Dispatch(level)
