@@ -19,6 +19,7 @@ For a Ray cluster you run yourself, use ``serve run deploy/serve-config.example.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -238,14 +239,25 @@ def _shutdown(stop_ray: bool, drain_timeout_s: float | None = 0.0) -> None:
             return
         if drain_timeout_s is not None:
             _drain_engines(drain_timeout_s)
-        stopper = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
-        stopper.start()
-        stopper.join(SERVE_SHUTDOWN_S)
+        _stop_serve(serve)
         if stop_ray:
             ray.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stop_serve(serve) -> None:
+    """Stops Serve within SERVE_SHUTDOWN_S. Asynchronously, so that what is left of it
+    when time runs out is cancelled: Ray must not be called once it is shut down
+    (its core worker then ends the process with exit code 1)."""
+    import asyncio
+
+    async def bounded() -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(serve.shutdown_async(), SERVE_SHUTDOWN_S)
+
+    asyncio.run(bounded())
 
 
 def _drain_engines(timeout_s: float) -> None:
