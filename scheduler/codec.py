@@ -22,6 +22,7 @@ from .messages import (
     EngineOutputs,
     FinishedSeq,
     NewSequence,
+    PooledOutput,
     PromptLogprobs,
     SampledToken,
     ScheduledSeq,
@@ -38,8 +39,9 @@ from .sampling import (
 # 2: StepPlan.ahead; 3: sequences named by seq_id; 4: the sampling extensions
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
 # StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
-# 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads)
-VERSION = 7
+# 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads); 8: pooling
+# (StepResult.pooled, EngineOutput.pooled), StructuredOutput.start_after
+VERSION = 8
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -153,7 +155,7 @@ _SCHEMAS[SamplingParams] = (
     _optional(_int),
     _optional(_record(StructuredOutput)),
 )
-_SCHEMAS[StructuredOutput] = (_str, _str)
+_SCHEMAS[StructuredOutput] = (_str, _str, _optional(_int))
 _SCHEMAS[NewSequence] = (
     _int,
     _str,
@@ -178,6 +180,7 @@ _SCHEMAS[StepPlan] = (
 _SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
 _SCHEMAS[PromptLogprobs] = (_int, _list(_float), _list(_int), _list(_list(_pair)))
+_SCHEMAS[PooledOutput] = (_int, _list(_float))
 _SCHEMAS[StepResult] = (
     _int,
     _list(_record(SampledToken)),
@@ -186,6 +189,7 @@ _SCHEMAS[StepResult] = (
     _int,
     _int,
     _list(_record(PromptLogprobs)),
+    _list(_record(PooledOutput)),
 )
 _SCHEMAS[EngineOutput] = (
     _str,
@@ -195,6 +199,7 @@ _SCHEMAS[EngineOutput] = (
     _optional(_finish_reason),
     _optional(_str),
     _optional(_int),
+    _optional(_list(_float)),
 )
 _SCHEMAS[EngineOutputs] = (_list(_record(EngineOutput)),)
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _SCHEMAS}
@@ -244,7 +249,11 @@ def _encode_params(p: SamplingParams) -> list:
         p.prompt_logprobs,
         None
         if p.structured_output is None
-        else [p.structured_output.kind, p.structured_output.spec],
+        else [
+            p.structured_output.kind,
+            p.structured_output.spec,
+            p.structured_output.start_after,
+        ],
     ]
 
 
@@ -301,6 +310,7 @@ def _encode_outputs(m: EngineOutputs) -> list:
                 o.finish_reason,
                 o.error,
                 o.num_cached_tokens,
+                o.pooled,
             ]
             for o in m.outputs
         ]
@@ -316,6 +326,7 @@ def _encode_result(m: StepResult) -> list:
         m.num_tokens,
         m.num_padding_tokens,
         [_encode_prompt_logprobs(p) for p in m.prompt_logprobs],
+        [[p.seq_id, p.data] for p in m.pooled],
     ]
 
 
@@ -326,9 +337,9 @@ def _decode_outputs(value: list) -> EngineOutputs:
         raise CodecError("malformed EngineOutputs")
     outputs = []
     for v in value[0]:
-        if type(v) is not list or len(v) != 7:
+        if type(v) is not list or len(v) != 8:
             raise CodecError("malformed EngineOutput")
-        request_id, token_ids, logprobs, prompt, reason, error, cached = v
+        request_id, token_ids, logprobs, prompt, reason, error, cached, pooled = v
         if type(request_id) is not str:
             raise CodecError("EngineOutput.request_id: expected str")
         if type(token_ids) is not list:
@@ -355,7 +366,11 @@ def _decode_outputs(value: list) -> EngineOutputs:
             raise CodecError("EngineOutput.error: expected str")
         if cached is not None and type(cached) is not int:
             raise CodecError("EngineOutput.num_cached_tokens: expected int")
-        outputs.append(EngineOutput(request_id, token_ids, logprobs, prompt, reason, error, cached))
+        if pooled is not None:  # once per pooling request: the schema's checks will do
+            pooled = _SCHEMAS[EngineOutput][-1](pooled)
+        outputs.append(
+            EngineOutput(request_id, token_ids, logprobs, prompt, reason, error, cached, pooled)
+        )
     return EngineOutputs(outputs)
 
 

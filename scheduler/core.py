@@ -298,6 +298,11 @@ class Scheduler:
             if req is not None:
                 out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, request=req))
                 out.prompt_logprobs = prompt
+        for pooled in result.pooled:  # a pooling engine's, with the step that finishes it
+            req = live.get(pooled.seq_id)
+            if req is not None:
+                out = outputs.setdefault(req.request_id, RequestOutput(req.request_id, request=req))
+                out.pooled = pooled.data
         for finished in result.finished:
             req = live.get(finished.seq_id)
             if req is None:

@@ -187,6 +187,16 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class PooledOutput:
+    """A pooling runner's vector for one sequence (its prompt's final hidden states
+    pooled, ``hidden_size`` floats), sent once: with the step that completes its
+    prompt, which also finishes it."""
+
+    seq_id: int
+    data: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     """Worker -> scheduler, once per iteration (rank 0 carries the tokens)."""
 
@@ -197,6 +207,7 @@ class StepResult:
     num_tokens: int = 0
     num_padding_tokens: int = 0
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    pooled: list[PooledOutput] = field(default_factory=list)
 
 
 # One token's logprob and its top alternatives: ``(logprob, [(token_id, logprob), ...])``.
@@ -215,6 +226,7 @@ class EngineOutput:
     ``finish_reason`` (one of ``FINISH_REASONS``) is set on its last output;
     ``error`` says why, when that reason is ``error``. ``num_cached_tokens`` is
     set on its first output with tokens: prompt tokens found in the prefix cache.
+    ``pooled`` is a pooling engine's vector of the prompt, in its last output.
     """
 
     request_id: str
@@ -224,6 +236,7 @@ class EngineOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

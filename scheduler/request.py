@@ -202,6 +202,8 @@ class RequestOutput:
     # The prompt's logprobs, in the output of the step that completed the prompt
     # of a request that asked for them.
     prompt_logprobs: PromptLogprobs | None = None
+    # A pooling engine's vector of the prompt, in the output that finishes it.
+    pooled: list[float] | None = None
     request: Request | None = field(default=None, repr=False, compare=False)
 
     @property

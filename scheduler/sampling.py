@@ -54,10 +54,14 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
 class StructuredOutput:
     """The grammar a sequence's output must follow: ``kind`` (one of
     ``GRAMMAR_KINDS``) says how to read ``spec``. The ingress checks that it
-    compiles; the ranks compile it again and mask every token it forbids."""
+    compiles; the ranks compile it again and mask every token it forbids.
+    ``start_after``: a token id (a reasoning block's end); the grammar applies to
+    the output after its first occurrence, nothing before it is constrained.
+    None: from the first token."""
 
     kind: str
     spec: str
+    start_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -70,6 +74,8 @@ class StructuredOutput:
             raise SamplingParamsError(
                 "structured_output", f"spec is longer than {MAX_GRAMMAR_BYTES} bytes"
             )
+        if self.start_after is not None:
+            _check_int("structured_output", self.start_after, 0, (1 << 31) - 1)
 
 
 _FLOAT_FIELDS = (

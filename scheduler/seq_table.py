@@ -56,6 +56,7 @@ class SeqState:
     counts_row: int = -1
     counted: tuple[int, int] = (0, -1)
     grammar: Any = None  # its grammar's matcher state (structured outputs)
+    pooled: Any = None  # a pooling runner's sum of its prompt's rows so far (MEAN)
     prompt_logprobs: PromptLogprobs | None = None  # entries gathered, until its prompt is in
     # Positions a draft model (speculative decoding) has computed KV for: it
     # catches up from here in the next step.

@@ -178,8 +178,9 @@ class EngineCore:
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
             "endpoint": {**address, "node_id": node_id},
-            # What the ranks compute in and why ("auto" is decided on their device).
-            **{k: info[k] for k in ("dtype", "dtype_reason") if k in info},
+            # What the ranks compute in and why ("auto" is decided on their device), and
+            # the length of a pooling runner's vectors.
+            **{k: info[k] for k in ("dtype", "dtype_reason", "hidden_size") if k in info},
         }
 
     @property
@@ -382,6 +383,7 @@ class EngineCore:
                     out.finish_reason.value if out.finish_reason else None,
                     None,
                     out.num_cached_tokens,
+                    out.pooled,
                 ),
             )
 

@@ -17,6 +17,7 @@ from iterserve.scheduler.messages import (
     EngineOutputs,
     FinishedSeq,
     NewSequence,
+    PooledOutput,
     PromptLogprobs,
     SampledToken,
     ScheduledSeq,
@@ -45,6 +46,7 @@ params = st.builds(
             StructuredOutput,
             kind=st.sampled_from(GRAMMAR_KINDS),
             spec=st.text(min_size=1, max_size=80),
+            start_after=st.one_of(st.none(), ints),
         ),
     ),
 )
@@ -127,6 +129,9 @@ results = st.builds(
         ),
         max_size=3,
     ),
+    pooled=st.lists(
+        st.builds(PooledOutput, seq_id=ints, data=st.lists(floats, max_size=8)), max_size=3
+    ),
 )
 prompt_logprobs = st.builds(
     PromptLogprobs,
@@ -149,6 +154,7 @@ engine_outputs = st.builds(
             finish_reason=st.one_of(st.none(), st.sampled_from(FINISH_REASONS)),
             error=st.one_of(st.none(), st.text(max_size=40)),
             num_cached_tokens=st.one_of(st.none(), ints),
+            pooled=st.one_of(st.none(), st.lists(floats, max_size=8)),
         ),
         max_size=6,
     ),
@@ -185,7 +191,7 @@ def test_engine_outputs_round_trip(outputs):
 
 
 def test_an_engine_output_with_an_unknown_finish_reason_is_refused():
-    data = msgpack.packb([3, VERSION, [["r", [1], [], None, "done", None, None]]])
+    data = msgpack.packb([3, VERSION, [["r", [1], [], None, "done", None, None, None]]])
     with pytest.raises(CodecError, match="finish reason"):
         decode(data, EngineOutputs)
 
