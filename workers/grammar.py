@@ -201,13 +201,16 @@ class GrammarMask:
 
 class SeqGrammar:
     """One sequence's grammar state, kept on its ``SeqState.grammar``: the grammar
-    being compiled, then its matcher."""
+    being compiled, then its matcher. ``waiting``: the token after which the
+    grammar starts (``StructuredOutput.start_after``, a reasoning block's end),
+    until the sequence samples it; None once it applies."""
 
-    def __init__(self, compiled: Future, output_ids: list[int]):
+    def __init__(self, compiled: Future, output_ids: list[int], waiting: int | None = None):
         self.compiled = compiled
         self.replay = output_ids  # tokens to accept once the grammar is compiled
         self.matcher: xgr.GrammarMatcher | None = None
         self.broken = False  # it refused a token, or its grammar failed to compile
+        self.waiting = waiting
 
 
 class GrammarRow(Protocol):
@@ -263,12 +266,15 @@ class Grammars:
         it produced before a preemption or a restart are accepted once it is compiled."""
         spec = seq.params.structured_output
         assert spec is not None
-        try:
-            future = self._compile_async(spec)
+        try:  # one compile per grammar, wherever it starts
+            future = self._compile_async(StructuredOutput(spec.kind, spec.spec))
         except GrammarError as exc:
             future = Future()
             future.set_exception(exc)
-        seq.grammar = SeqGrammar(future, list(seq.output_token_ids))
+        output, waiting = list(seq.output_token_ids), spec.start_after
+        if waiting is not None and waiting in output:  # it started before a preemption
+            output, waiting = output[output.index(waiting) + 1 :], None
+        seq.grammar = SeqGrammar(future, output, waiting)
 
     def _matcher(self, seq: GrammarRow) -> xgr.GrammarMatcher | None:
         state = seq.grammar
@@ -297,7 +303,7 @@ class Grammars:
         sequence without a grammar: all allowed), or None when no row has a grammar."""
         found = []
         for i, seq in enumerate(rows):
-            if seq is not None and seq.grammar is not None:
+            if seq is not None and seq.grammar is not None and seq.grammar.waiting is None:
                 matcher = self._matcher(seq)
                 # A broken one is ended after this sample; an ended one never samples
                 # again (the runner ends its sequence with the grammar).
@@ -333,6 +339,10 @@ class Grammars:
         (or was broken before), and the sequence cannot go on."""
         state = seq.grammar
         if state is None:
+            return True
+        if state.waiting is not None:  # unconstrained until its start token
+            if token_id == state.waiting:
+                state.waiting = None
             return True
         matcher = self._matcher(seq)
         if matcher is None or not matcher.accept_token(token_id):

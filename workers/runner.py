@@ -388,7 +388,7 @@ class ModelRunner:
             result.sampled.append(
                 SampledToken(seq.seq_id, token, out.logprobs[first], out.top_logprobs[first])
             )
-            finished = self._append(seq, token, grammar is not None)
+            finished = self._append(seq, token)
             if finished is not None:
                 result.finished.append(finished)
 
@@ -404,11 +404,12 @@ class ModelRunner:
         if finished is not None:
             result.finished.append(finished)
 
-    def _append(self, seq: SeqState, token: int, constrained: bool) -> FinishedSeq | None:
-        """Records a sampled token; a sequence with a grammar also advances its matcher,
-        and ends when the grammar does (its EOS, even where ``ignore_eos`` or
-        ``min_tokens`` would go on) or cannot go on (it refused the token)."""
-        if not constrained or self.grammars is None or seq.grammar is None:
+    def _append(self, seq: SeqState, token: int) -> FinishedSeq | None:
+        """Records a sampled token; a sequence with a grammar also advances its matcher
+        (or, while its grammar waits for its start, looks for it), and ends when the
+        grammar does (its EOS, even where ``ignore_eos`` or ``min_tokens`` would go
+        on) or cannot go on (it refused the token)."""
+        if self.grammars is None or seq.grammar is None:
             return self.table.append_token(seq.slot_idx, token)
         if not self.grammars.accept(seq, token):
             logger.error("%s: its grammar refused token %d; ending it", seq.label, token)

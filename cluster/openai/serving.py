@@ -8,6 +8,7 @@ scheduler. The engine sees only token ids and a checked ``SamplingParams``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import defaultdict
 from typing import Any
@@ -244,7 +245,7 @@ class OpenAIServing:
         info = await self.engine_info()
         text = render_prompt(self.tokenizer, request)
         prompt = await self.encode(text, "messages", request.add_special_tokens)
-        extensions = await self.extensions(request, info, tools.schema)
+        extensions = await self.extensions(request, info, tools.schema, prompt=text)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         skip = self.skip_special_tokens(request.skip_special_tokens, tools.parser)
         jobs = build_jobs(
@@ -273,14 +274,20 @@ class OpenAIServing:
             tags.update(reasoning.ReasoningText.tags)
         return requested and not tags & self.tokenizer.special_tokens
 
-    async def extensions(self, request, info: dict, tool_schema: dict | None = None) -> dict:
+    async def extensions(
+        self, request, info: dict, tool_schema: dict | None = None, prompt: str | None = None
+    ) -> dict:
         """vLLM's engine-side fields as SamplingParams fields, and the grammar of
-        structured outputs, once it is known to compile."""
+        structured outputs, once it is known to compile. ``prompt``: the text of a
+        prompt whose output a reasoning parser reads; the grammar then constrains
+        the answer only, after the reasoning block."""
         fields = extension_fields(request, self.tokenizer, info["vocab_size"])
         found = structured.requested(request, tool_schema)
         if found is not None:
             param, spec = found
             await self.grammars.check(param, spec, info["vocab_size"])
+            if prompt is not None and self.reasoning is not None:
+                spec = dataclasses.replace(spec, start_after=self.reasoning.grammar_start(prompt))
             fields["structured_output"] = spec
         return fields
 

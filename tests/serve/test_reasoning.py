@@ -119,8 +119,13 @@ class _Vocab:
 
 
 @pytest.fixture(scope="module")
-def http(think_dir):
-    return inproc(think_dir, tool_call_parser="hermes", reasoning_parser="qwen3")[0]
+def app(think_dir):
+    return inproc(think_dir, tool_call_parser="hermes", reasoning_parser="qwen3")
+
+
+@pytest.fixture
+def http(app):
+    return app[0]
 
 
 def ask(http, reply: str, **fields):
@@ -175,3 +180,23 @@ def test_include_reasoning_false_leaves_it_out(http):
     assert message["content"] == "hello world" and "reasoning" not in message
     events = stream(http, "<think>secret</think>hello world", include_reasoning=False)
     assert not any("reasoning" in e["choices"][0]["delta"] for e in events if e["choices"])
+
+
+def test_structured_outputs_start_after_the_reasoning_block(app, tok):
+    form = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    r = ask(app[0], "<think>hmm</think>{}", response_format=form)
+    assert r.status_code == 200, r.text
+    spec = app[1].opened[-1][1]["structured_output"]
+    assert spec["start_after"] == tok.token_to_id("</think>")
+    # A prompt that closed the block (as enable_thinking: false does) leaves the grammar
+    # on from the first token.
+    closed = [
+        {"role": "user", "content": "{}"},
+        {"role": "assistant", "content": "<think>\n\n</think>\n\n"},
+    ]
+    body = {"model": MODEL, "messages": closed, "response_format": form}
+    r = app[0].post(CHAT, json={**body, "continue_final_message": True,
+                                "add_generation_prompt": False})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert tok.decode(app[1].opened[-1][0], skip_special_tokens=False).endswith("</think>\n\n")
+    assert app[1].opened[-1][1]["structured_output"]["start_after"] is None

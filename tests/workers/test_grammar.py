@@ -271,3 +271,37 @@ def test_a_grammar_ends_its_sequence_even_where_ignore_eos_would_go_on(tok):
     for name, out in driver.run().items():
         assert tok.decode(out[:-1]) in ("up", "down") and out[-1] in tok.eos_token_ids
         assert driver.done[name].finish_reason == "eos"
+
+
+def test_a_grammar_that_starts_after_a_token_waits_for_it(tok):
+    """``start_after`` (a reasoning block's end): nothing before the token is masked,
+    the grammar applies from the next one; a sequence re-sent after it replays
+    only the tokens after it."""
+    grammars = Grammars(DEMO_MODEL_PATH, 4096, sorted(tok.eos_token_ids))
+    end = tok.encode(".", add_special_tokens=False)[0]
+    waiting = _seq(1, StructuredOutput("regex", "ab", start_after=end), [])
+    grammars.add(waiting)
+    assert grammars.fill([waiting]) is None  # free while it waits
+    x = tok.encode("x", add_special_tokens=False)[0]
+    assert grammars.accept(waiting, x) and grammars.accept(waiting, end)
+    mask = grammars.fill([waiting])
+    assert mask is not None and mask.rows == [0]
+    a = tok.encode("a", add_special_tokens=False)
+    resent = _seq(2, StructuredOutput("regex", "ab", start_after=end), [x, end, *a])
+    grammars.add(resent)  # the matcher replays "a" only
+    b = tok.encode("b", add_special_tokens=False)[0]
+    assert grammars.accept(resent, b) and grammars.done(resent) is False  # then EOS ends it
+
+
+def test_a_runner_answers_in_the_grammar_after_its_start_token(tok):
+    driver = PlanDriver(runner())
+    end = tok.encode(":", add_special_tokens=False)[0]
+    # The bias makes the start token the model's first; from the next token the grammar
+    # masks it (and every other token it forbids).
+    spec = StructuredOutput(REGEX.kind, REGEX.spec, start_after=end)
+    driver.add(
+        "late", tok.encode("A record of the release"), params(spec, logit_bias=((end, 100.0),))
+    )
+    output = driver.run()["late"]
+    assert output[0] == end
+    assert re.fullmatch(r"(yes|no), because [a-z ]{3,20}\.", tok.decode(output[1:]))

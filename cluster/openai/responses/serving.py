@@ -131,7 +131,7 @@ class ResponsesServing:
         info = await serving.engine_info()
         text = render_prompt(serving.tokenizer, chat)
         prompt = await serving.encode(text, "input", chat.add_special_tokens)
-        extensions = await serving.extensions(chat, info, tools.schema)
+        extensions = await serving.extensions(chat, info, tools.schema, prompt=text)
         skip = serving.skip_special_tokens(chat.skip_special_tokens, tools.parser)
         jobs = build_jobs(
             chat, [prompt], serving.tokenizer, serving.limits(info),
