@@ -121,7 +121,10 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Decoder stack plus LM head; ``forward`` returns logits for selected rows only."""
+    """Decoder stack plus LM head; ``forward`` returns logits for selected rows only
+    (their final hidden states instead with ``returns_hidden``: a pooling runner's)."""
+
+    returns_hidden = False
 
     def __init__(
         self,
@@ -200,6 +203,8 @@ class Decoder(nn.Module):
         else:
             hidden, _ = self.ops.rms_norm(hidden, self.norm, c.rms_norm_eps,
                                           residual[logits_indices])  # fmt: skip
+        if self.returns_hidden:  # after the last norm: transformers' last_hidden_state
+            return hidden
         logits = linear(hidden, self.lm_head, None, self.lm_head_packed)  # [num_logits, vocab]
         if c.final_softcap is not None:
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap

@@ -71,7 +71,9 @@ class Choice:
     """One output sequence: tokens in, text deltas out.
 
     The token that stopped the sequence (EOS, a stop token id) is counted but not
-    written, and a matched stop string is cut, unless ``include_stop_str``.
+    written, and a matched stop string is cut, unless ``include_stop_str``. An
+    embedding's prompt has no ``detokenizer`` (None): no token is sampled, its
+    last output brings the ``pooled`` vector.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class Choice:
         self.stopped_by_string = False
         self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache held
+        self.pooled: list[float] | None = None  # a pooling engine's vector of the prompt
 
     @property
     def finished(self) -> bool:
@@ -122,7 +125,10 @@ class Choice:
                 if self._emit(delta, self.detokenizer.add(token_id)):
                     return delta
             if reason is not None:
-                if not self._emit(delta, self.detokenizer.flush()):
+                if out.pooled is not None:
+                    self.pooled = out.pooled
+                tail = self.detokenizer.flush() if self.detokenizer is not None else ""
+                if not self._emit(delta, tail):
                     text, matched = self.matcher.flush()
                     self._add_text(delta, text)
                     self.stopped_by_string = matched

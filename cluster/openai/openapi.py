@@ -17,6 +17,7 @@ from typing import Any
 
 from ...scheduler.sampling import MAX_SEED, MAX_STOP_TOKEN_IDS
 from .chat import RESERVED_TEMPLATE_VARIABLES
+from .embeddings import EMBEDDING_RULES, EmbeddingRequest, embedding_constraints
 from .openapi_values import (
     UNUSED,
     extension_constraints,
@@ -72,6 +73,7 @@ def field_constraints(
     max_n: int,
     max_logprobs: int,
     tool_call_parser: str | None = None,
+    hidden_size: int | None = None,
 ):
     """The value schema of every field whose range the server checks."""
     token_id = integer(0, vocab_size - 1)
@@ -160,7 +162,7 @@ def field_constraints(
         **{name: UNUSED for name in ("functions", "function_call", "audio", "web_search_options")},
     }
     responses = responses_constraints(chat, max_model_len)
-    return completion, chat, responses
+    return completion, chat, responses, embedding_constraints(completion, hidden_size)
 
 
 def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, dict]:
@@ -168,8 +170,8 @@ def _request_schemas(limits: dict[str, Any], strict_fields: bool) -> dict[str, d
     template = "#/components/schemas/{model}"
     schemas: dict[str, dict] = {}
     overlays = field_constraints(**limits)
-    models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
-              DetokenizeRequest)  # fmt: skip
+    models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
+              TokenizeRequest, DetokenizeRequest)  # fmt: skip
     for model, overlay in zip(models, (*overlays, {}, {})):
         schema = copy.deepcopy(model.model_json_schema(ref_template=template))
         schemas.update(schema.pop("$defs", {}))
@@ -265,20 +267,29 @@ def openapi_schema(
     max_logprobs: int,
     tool_call_parser: str | None = None,
     strict_fields: bool = False,
+    runner: str = "generate",
+    hidden_size: int | None = None,
 ) -> dict:
-    """The whole API as an OpenAPI 3.1 document, for this server's model and limits."""
+    """The whole API as an OpenAPI 3.1 document, for this server's model and limits:
+    the generation routes, or with ``runner: pooling`` the embeddings route."""
     limits = dict(
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         max_n=max_n,
         max_logprobs=max_logprobs,
         tool_call_parser=tool_call_parser,
+        hidden_size=hidden_size,
     )
     schemas = _request_schemas(limits, strict_fields)
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         model = schemas[request]["properties"]["model"]
         schemas[request]["properties"]["model"] = {**model, "enum": [model_name]}
     responses_schemas(schemas, model_name)
+    model = schemas["EmbeddingRequest"]["properties"]["model"]
+    schemas["EmbeddingRequest"]["properties"]["model"] = {
+        **model,
+        **nullable({"enum": [model_name]}),
+    }
     error_fields = ("message", "type", "param", "code", "request_id")
     schemas["Error"] = {
         "type": "object",
@@ -297,13 +308,21 @@ def openapi_schema(
         "required": True,
         "schema": {"type": "string", "enum": [model_name]},
     }
+    if runner == "pooling":
+        embeddings = _generation("Embeddings of the inputs", "EmbeddingRequest")
+        embeddings["post"]["description"] = EMBEDDING_RULES
+        served = {"/v1/embeddings": embeddings}
+    else:
+        served = {
+            "/v1/completions": _generation("Text completion", "CompletionRequest"),
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            **responses_paths(
+                _generation("Create a response (Open Responses)", "ResponsesRequest"),
+                {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})},
+            ),
+        }
     paths = {
-        "/v1/completions": _generation("Text completion", "CompletionRequest"),
-        "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
-        **responses_paths(
-            _generation("Create a response (Open Responses)", "ResponsesRequest"),
-            {"description": "An error.", **_json({"$ref": "#/components/schemas/Error"})},
-        ),
+        **served,
         "/v1/models": _get("The served model", "listModels"),
         "/v1/models/{model_id}": _get("One model", "getModel", parameters=[model_id]),
         "/v1/stats": _get("Engine state summed over replicas", "getStats"),

@@ -32,6 +32,7 @@ from tests.reliability.conftest import idle_replicas
 from tests.serve.conftest import API_KEY, AUTH, assert_engines_sound, deploy, fake_engine, undeploy
 
 APP = "fuzz"
+POOLING_APP = "fuzz-pooling"
 MAX_MODEL_LEN = 128  # short: every generation is at most 127 steps
 EXAMPLES = 200
 SEEN: Counter = Counter()  # (mode, operation, status) -> responses
@@ -49,6 +50,20 @@ def fuzz_url(serve_url, tokenizer_dir, vocab_size):
     app = dict(model=str(tokenizer_dir), config=config, api_key=API_KEY, tool_call_parser="hermes")
     yield deploy(serve_url, APP, **app)
     undeploy(APP)
+
+
+@pytest.fixture(scope="module")
+def pooling_url(serve_url, tokenizer_dir, vocab_size):
+    """The same model served for embeddings (the fake executor's vectors)."""
+    config = fake_engine(
+        vocab_size,
+        runner="pooling",
+        max_num_seqs=32,
+        num_kv_blocks=1024,
+        executor_options={"max_model_len": MAX_MODEL_LEN},
+    )
+    yield deploy(serve_url, POOLING_APP, model=str(tokenizer_dir), config=config, api_key=API_KEY)
+    undeploy(POOLING_APP)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +206,18 @@ def fit_responses_rules(body: dict, tok: Tokenizer) -> bool:
     return True
 
 
+def fit_embedding_rules(body: dict, tok: Tokenizer) -> bool:
+    """An embedding's rules: an input is not empty; False when one alone fills
+    the context (the server must then refuse it)."""
+    as_prompt = {
+        "prompt": body["input"],
+        "add_special_tokens": body.get("add_special_tokens", True),
+    }
+    if as_prompt["add_special_tokens"] is False and 0 in prompt_lens(as_prompt, False, tok):
+        body["add_special_tokens"] = as_prompt["add_special_tokens"] = True
+    return max(prompt_lens(as_prompt, False, tok)) < MAX_MODEL_LEN
+
+
 WITH_INPUT = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
 WITH_INPUT.append(("POST", "/v1/responses"))
 WITH_INPUT.append(("GET", "/v1/models/{model_id}"))
@@ -216,6 +243,8 @@ def check_positive(case, tok: Tokenizer) -> int:
     responses = case.operation.path == "/v1/responses"
     if responses:
         expect_context_refusal = not fit_responses_rules(case.body, tok)
+    elif case.operation.path == "/v1/embeddings":
+        expect_context_refusal = not fit_embedding_rules(case.body, tok)
     elif case.operation.method == "post":
         chat = case.operation.path.endswith("chat/completions")
         expect_context_refusal = not fit_cross_field_rules(case.body, chat, tok)
@@ -248,8 +277,17 @@ def check_negative(case) -> int:
 
 @pytest.mark.parametrize("mode, method, path", CASES, ids=[" ".join(c) for c in CASES])
 def test_schema_cases_are_served_or_refused_by_the_rules(fuzz_url, tok, mode, method, path):
-    schema = schemathesis.openapi.from_url(f"{fuzz_url}/openapi.json", headers=AUTH, timeout=60)
-    schema.config.update(base_url=fuzz_url)
+    fuzz_operation(fuzz_url, tok, mode, method, path)
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_embedding_cases_are_served_or_refused_by_the_rules(pooling_url, tok, mode):
+    fuzz_operation(pooling_url, tok, mode, "POST", "/v1/embeddings")
+
+
+def fuzz_operation(url: str, tok: Tokenizer, mode: str, method: str, path: str) -> None:
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=AUTH, timeout=60)
+    schema.config.update(base_url=url)
     schema.config.max_stream_events = 1 << 20  # read every stream to its end
     # The key is sent by the test; random Authorization headers would only test 401.
     schema.config.generation.update(with_security_parameters=False)
@@ -264,17 +302,20 @@ def test_schema_cases_are_served_or_refused_by_the_rules(fuzz_url, tok, mode, me
     fuzz()
 
 
-async def test_fuzzing_left_the_server_healthy_and_idle(fuzz_url):
+async def test_fuzzing_left_the_servers_healthy_and_idle(fuzz_url, pooling_url):
     print("\nresponses per (mode, operation, status):")
     for key, count in sorted(SEEN.items()):
         print(f"  {key}: {count}")
     assert not any(status >= 500 for _, _, status in SEEN)
     for mode in ("positive", "negative"):
-        for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"):
+        operations = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+                      "POST /v1/embeddings")  # fmt: skip
+        for op in operations:
             runs = sum(n for (m, o, _), n in SEEN.items() if (m, o) == (mode, op))
             assert runs >= EXAMPLES, (mode, op, runs)
-    async with httpx.AsyncClient(base_url=fuzz_url, headers=AUTH, timeout=60) as client:
-        assert (await client.get("/health")).status_code == 200
-        for replica in await idle_replicas(client):
-            assert replica["slots_used"] == 0 and replica["kv_blocks_used"] == 0, replica
-    await assert_engines_sound(APP)
+    for url, app in ((fuzz_url, APP), (pooling_url, POOLING_APP)):
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as client:
+            assert (await client.get("/health")).status_code == 200
+            for replica in await idle_replicas(client):
+                assert replica["slots_used"] == 0 and replica["kv_blocks_used"] == 0, replica
+        await assert_engines_sound(app)

@@ -81,6 +81,44 @@ def fake_engine(vocab_size: int, **overrides) -> dict:
     return config
 
 
+def tiny_model_engine(**overrides) -> dict:
+    """An EngineConfig dict for a tiny real checkpoint on the CPU: fp32 on the torch
+    kernels, a short context, a fraction of a CPU per rank."""
+    config = dict(
+        dtype="float32",
+        kernel_backend="torch",
+        max_model_len=128,
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        num_cpus_per_worker=0.1,
+        torch_threads=1,
+    )
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def http(app):
+    """The TestClient of a module's in-process ``app`` fixture (:func:`inproc`)."""
+    return app[0]
+
+
+@pytest.fixture
+def client(http):
+    """The official ``openai`` client over it."""
+    return openai_client(http)
+
+
+def openai_client(http):
+    """The official ``openai`` client over an in-process app's TestClient."""
+    import openai
+
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
+                         max_retries=0)  # fmt: skip
+
+
 def deploy(serve_url: str, name: str, *, behind_proxy: bool = False, **args) -> str:
     """Runs the app; returns its base URL once the engines answer. As ``iterserve
     serve`` runs it, the ingress answers HTTP itself, on a port of its own;
@@ -219,7 +257,7 @@ def inproc(tokenizer_dir: Path, settings: dict | None = None, **serving_options)
     from tests.serve.echo import EchoEngine
 
     tokenizer = Tokenizer(tokenizer_dir)
-    engine = EchoEngine(tokenizer)
+    engine = EchoEngine(tokenizer, pooling=serving_options.get("runner") == "pooling")
     options = dict(model_name=MODEL, max_n=4, max_logprobs=5, request_timeout_s=30)
     serving = OpenAIServing(engine, tokenizer, **{**options, **serving_options})
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from iterserve.workers.tokenizer import Tokenizer
-from tests.serve.conftest import deploy, sse_events, undeploy
+from tests.serve.conftest import deploy, sse_events, tiny_model_engine, undeploy
 
 APP = "text"
 MODEL = "tiny-llama"
@@ -15,18 +15,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def text_url(serve_url, tiny_model_dir):
-    config = dict(
-        dtype="float32",
-        kernel_backend="torch",
-        max_model_len=128,
-        num_kv_blocks=256,
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        num_cpus_per_worker=0.1,
-        torch_threads=1,
-    )
-    yield deploy(serve_url, APP, model=str(tiny_model_dir), config=config)
+    yield deploy(serve_url, APP, model=str(tiny_model_dir), config=tiny_model_engine())
     undeploy(APP)
 
 

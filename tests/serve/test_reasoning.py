@@ -123,11 +123,6 @@ def app(think_dir):
     return inproc(think_dir, tool_call_parser="hermes", reasoning_parser="qwen3")
 
 
-@pytest.fixture
-def http(app):
-    return app[0]
-
-
 def ask(http, reply: str, **fields):
     body = {"model": MODEL, "messages": [{"role": "user", "content": reply}], **fields}
     return http.post(CHAT, json=body)

@@ -42,17 +42,6 @@ def app(think_dir):
     return inproc(think_dir, tool_call_parser="hermes", reasoning_parser="qwen3")
 
 
-@pytest.fixture
-def http(app):
-    return app[0]
-
-
-@pytest.fixture
-def client(http):
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http,
-                         max_retries=0)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def tok(think_dir):
     return Tokenizer(think_dir)

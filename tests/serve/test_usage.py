@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from iterserve.cluster.openai.generation import Choice
 from iterserve.cluster.openai.bodies import cached_prompt_tokens, usage
+from iterserve.cluster.openai.generation import Choice
 
 
 def choice(index: int, cached: int | None) -> Choice:

@@ -85,6 +85,7 @@ class ResponsesServing:
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def create(self, body: bytes, request_id: str) -> Response:
+        self.serving.require_runner("generate", "/v1/responses")
         data = load_json(body)
         check_item_types(data)
         request, headers = await self.serving.parse_request(ResponsesRequest, data)

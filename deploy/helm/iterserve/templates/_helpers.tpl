@@ -151,6 +151,9 @@ The Serve config (serveConfigV2) as YAML.
   "dtype" $e.dtype
   "seed" (int $e.seed)
   "tensor_parallel_size" (int $e.tensorParallelSize)
+  "runner" $e.runner
+  "pooling_type" $e.poolingType
+  "pooling_normalize" $e.poolingNormalize
   "policy" $e.policy
   "max_num_seqs" (int $e.maxNumSeqs)
   "block_size" (int $e.blockSize)
