@@ -382,6 +382,9 @@ class ModelRunner:
             num_rows = 1 + entry.num_draft_tokens
             if seq.params.max_tokens == 0:
                 result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
+            elif self.pooler is not None:  # its rows are hidden states: nothing to sample
+                logger.error("%s: a pooling runner computes prompts only; ending it", seq.label)
+                result.finished.append(self.table.end(seq.slot_idx, FinishReason.ERROR))
             else:
                 spans.append((entry, seq, len(rows)))
                 drawn.extend(range(logits_row, logits_row + num_rows))

@@ -93,3 +93,15 @@ def test_the_rows_pooled_are_the_last_of_each_completed_prompt_or_all():
     assert Pooler("MEAN").rows(entries).tolist() == list(range(9))
     with pytest.raises(ValueError, match="LAST, MEAN"):
         Pooler("CLS")
+
+
+def test_a_request_for_tokens_ends_in_error_on_a_pooling_runner(checkpoint):
+    _, path = checkpoint
+    runner = ModelRunner(path, dtype="float32", num_kv_blocks=64, block_size=4,
+                         kernel_backend="torch", pooling="LAST")  # fmt: skip
+    driver = PlanDriver(runner)
+    driver.add("tokens", PROMPTS["short"], SamplingParams(max_tokens=4))
+    driver.add("prompt", PROMPTS["mid"], PROMPT_ONLY)
+    driver.run()
+    assert driver.done["tokens"].finish_reason == "error" and driver.done["tokens"].output == []
+    assert driver.done["prompt"].finish_reason == "length"
