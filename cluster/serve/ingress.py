@@ -80,8 +80,6 @@ def openai_serving(engines, config: EngineConfig, args, settings: dict) -> OpenA
         reasoning_parser=config.reasoning_parser,
         runner=config.runner,
         normalize_embeddings=config.pooling_normalize,
-        runner=config.runner,
-        normalize_embeddings=config.pooling_normalize,
         settings=settings,
     )
     serving.model_aliases = tuple(names[1:])
