@@ -65,6 +65,7 @@ class Faulty(FakeModel):
     fault_bad_result_at_step: int | None = None
     fault_once_file: str | None = None
 
-    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any):
-        inner = super().build(config, rank, world_size, device, all_reduce)
+    def build(self, config: Any, rank: int, world_size: int, device: str, all_reduce: Any,
+              runtime: dict | None = None):  # fmt: skip
+        inner = super().build(config, rank, world_size, device, all_reduce, runtime)
         return FaultyExecutor(inner, rank, self)

@@ -17,7 +17,6 @@ from safetensors import safe_open
 from .architectures import SUPPORTED_ARCHITECTURES
 from .architectures.keys import token_id_list
 from .config import CheckpointError, ModelConfig
-from .dtype import choose_dtype
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -25,7 +24,6 @@ __all__ = [
     "CheckpointError",
     "ModelConfig",
     "load_checkpoint",
-    "resolve_dtype",
 ]
 
 
@@ -43,16 +41,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{what}: {path} must hold a JSON object")
     return data
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype,
-    config: ModelConfig,
-    device: str | torch.device,
-    kernel_backend: str = "auto",
-) -> torch.dtype:
-    """The dtype a rank runs ``config`` in (:func:`iterserve.workers.dtype.choose_dtype`)."""
-    return choose_dtype(dtype, config.torch_dtype, device, kernel_backend).dtype
 
 
 class Checkpoint:

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels import get_ops
+from ..kernels.cpu import isa
 from ..kernels.cpu.linear import packs_every_batch
 from ..scheduler.messages import FinishedSeq, SampledToken, ScheduledSeq, StepPlan, StepResult
 from ..scheduler.request import FinishReason
 from ..scheduler.seq_table import PlanMismatchError, SeqState, SequenceTable
 from .batch import INDEX_DTYPE, HostBatch, Staging, layout_batch, to_device
 from .config import ModelConfig
-from .dtype import choose_dtype
+from .dtype import RuntimeChoices, decide
 from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
 from .model import AllReduce, Decoder, rope_table
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from .draft import DraftModel
     from .grammar import Grammars
     from .lora_batch import LoraSlots
-    from .pooling import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class ModelRunner:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         draft_model: str | Path | None = None,
-        pooling: str | None = None,
+        choices: RuntimeChoices | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from .checkpoint import load_checkpoint
@@ -97,16 +97,20 @@ class ModelRunner:
         device = torch.device(device)
         self.tokenizer_path = Path(model_path)  # grammars read the checkpoint's tokenizer
         self.generation_config = ckpt.generation_config
-        choice = choose_dtype(dtype, ckpt.config.torch_dtype, device, kernel_backend)
-        logger.info("rank %d computes in %s (%s)", tp_rank, choice.name, choice.reason)
+        # An engine's ranks are handed their choices (its rank 0 made them); a runner
+        # on its own makes them.
+        if choices is None:
+            choices = decide(ckpt.config, dtype, ckpt.config.torch_dtype, device,
+                             kernel_backend, tp_size=tp_size)  # fmt: skip
+        logger.info("rank %d computes in %s (%s) at %s", tp_rank, choices.dtype,
+                    choices.dtype_reason, choices.isa)  # fmt: skip
         self._build(
-            ckpt.config, choice.dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
+            ckpt.config, choices, device, tp_rank, tp_size, all_reduce, kernel_backend,
             num_kv_blocks, block_size, ckpt.eos_token_ids, max_model_len, weights=ckpt,
         )  # fmt: skip
         ckpt.close()
         self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         self.enable_draft(draft_model, max_model_len)
-        self.enable_pooling(pooling)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -136,23 +140,24 @@ class ModelRunner:
         runner.generation_config = {}
         runner.tokenizer_path = tokenizer_path
         eos = frozenset(config.eos_token_ids)
-        runner._build(config, dtype, torch.device(device), 0, 1, None, kernel_backend,
+        choices = RuntimeChoices(str(dtype).removeprefix("torch."), "configured", isa.level())
+        runner._build(config, choices, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, max_model_len, weights=None,
                       weight_seed=weight_seed)  # fmt: skip
         runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         runner.enable_draft(None)
-        runner.enable_pooling(None)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
-    def _build(self, config, dtype, device, tp_rank, tp_size, all_reduce, kernel_backend,
+    def _build(self, config, choices, device, tp_rank, tp_size, all_reduce, kernel_backend,
                num_kv_blocks, block_size, eos_token_ids, max_model_len, *, weights,
                weight_seed=0) -> None:  # fmt: skip
         if tp_size > 1 and all_reduce is None:
             raise ValueError("tp_size > 1 needs an all_reduce callable")
         self.config = c = config
         self.device = device
-        self.dtype = dtype
+        self.choices = choices
+        self.dtype = choices.torch_dtype
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.ops = get_ops(kernel_backend, self.device)
@@ -177,7 +182,7 @@ class ModelRunner:
         if self.ops.name == "cpu":
             size = sum(p.numel() * p.element_size() for p in self.model.parameters())
             if size <= PACK_WEIGHTS_MAX_BYTES or packs_every_batch(self.dtype):
-                self.model.pack_weights()
+                self.model.pack_weights(choices.pads_cliff)
         self.kv_cache = KVCache.allocate(
             c.num_layers,
             num_kv_blocks,
@@ -226,17 +231,6 @@ class ModelRunner:
             max_model_len=max_model_len or self.config.max_model_len,
         )  # fmt: skip
 
-    def enable_pooling(self, pooling_type: str | None) -> None:
-        """Makes this a pooling runner (``LAST`` or ``MEAN``; None: a generating one):
-        its sequences compute their prompts only, and the step hands back each
-        completed prompt's final hidden states pooled (:mod:`.pooling`), not tokens."""
-        self.pooler: Pooler | None = None
-        if pooling_type is not None:
-            from .pooling import Pooler
-
-            self.pooler = Pooler(pooling_type)
-        self.model.returns_hidden = self.pooler is not None
-
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
         # Each sequence's state on this rank is its SeqState (tokens, blocks, its
@@ -258,9 +252,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(self.device) if on_gpu else None
         self.timer = ForwardTimer(self.device)
-        if cuda_graphs is None:  # graphs replay the base model's decodes only
+        if cuda_graphs is None:  # graphs replay the base model only
             cuda_graphs = (on_gpu and self.ops.name == "triton" and self.tp_size == 1
-                           and self.lora_slots is None and self.pooler is None)  # fmt: skip
+                           and self.lora_slots is None)  # fmt: skip
         self.graphs = None
         if cuda_graphs:
             positions = self.model.cos_sin.shape[0]
@@ -323,8 +317,6 @@ class ModelRunner:
         if prompt_rows is not None:  # their logits follow the sampled and padding rows
             extra = torch.tensor(prompt_rows.rows, dtype=host.logits_indices.dtype)
             host.logits_indices = torch.cat([host.logits_indices, extra])
-        if self.pooler is not None:  # the rows it pools: their hidden states come back
-            host.logits_indices = self.pooler.rows(plan.scheduled).to(host.logits_indices.dtype)
         self.timer.start()
         if segments:
             self.lora_context.batch = self.lora_slots.batch(segments)
@@ -340,8 +332,6 @@ class ModelRunner:
             self.table.advance(entry)
         if prompt_rows is not None:
             self.prompt_logprobs.take(logits[-len(prompt_rows.rows) :], prompt_rows)
-        if self.pooler is not None:  # hidden states, not logits; its prompts end below
-            result.pooled = self.pooler.take(logits, plan.scheduled, self.table)
         self._sample(logits, host.sample_entries, result)
         result.forward_s = self.timer.seconds()
         return result
@@ -382,9 +372,6 @@ class ModelRunner:
             num_rows = 1 + entry.num_draft_tokens
             if seq.params.max_tokens == 0:
                 result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
-            elif self.pooler is not None:  # its rows are hidden states: nothing to sample
-                logger.error("%s: a pooling runner computes prompts only; ending it", seq.label)
-                result.finished.append(self.table.end(seq.slot_idx, FinishReason.ERROR))
             else:
                 spans.append((entry, seq, len(rows)))
                 drawn.extend(range(logits_row, logits_row + num_rows))

@@ -15,6 +15,10 @@
 
 from __future__ import annotations
 
+# What an engine's start-up answer and /version show of how its ranks compute: the
+# dtype and why, the CPU's instruction set, the kernel each op runs.
+RUNTIME_KEYS = ("dtype", "dtype_reason", "isa", "kernels")
+
 _API = {"AsyncEngine", "LLM", "Completion"}
 _ERRORS = {
     "ContextLengthError", "EngineBusyError", "EngineDeadError", "EngineError", "EngineRefusal",

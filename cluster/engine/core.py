@@ -46,6 +46,7 @@ from ..metrics.engine import EngineMetrics
 from ..metrics.recorder import MetricsRecorder
 from ..ranks.executors import ExecutorFactory
 from ..ranks.group import WorkerFailure, WorkerGroup
+from . import RUNTIME_KEYS
 from .channel import DEAD, DRAINING, SERVING, EngineEndpoint
 from .errors import (
     ContextLengthError,
@@ -178,9 +179,10 @@ class EngineCore:
             "vocab_size": self.vocab_size,
             "num_kv_blocks": self.workers.num_kv_blocks,
             "endpoint": {**address, "node_id": node_id},
-            # What the ranks compute in and why ("auto" is decided on their device), and
-            # the length of a pooling runner's vectors.
-            **{k: info[k] for k in ("dtype", "dtype_reason", "hidden_size") if k in info},
+            # What the ranks compute in and why ("auto" is decided on their device), on
+            # which instruction set, with which kernels, and the length of a pooling
+            # runner's vectors.
+            **{k: info[k] for k in RUNTIME_KEYS + ("hidden_size",) if k in info},
         }
 
     @property

@@ -39,6 +39,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree, not i
 
 # OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
 UNSUPPORTED_ENDPOINTS = {
+    "/v1/embeddings": "embeddings",
     "/v1/audio": "audio",
     "/v1/images": "images",
     "/v1/moderations": "moderations",
@@ -143,8 +144,7 @@ def build_api(
 
 
 def add_generation_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
-    """POST /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize and
-    /detokenize."""
+    """POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -155,11 +155,6 @@ def add_generation_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: 
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, max_body_bytes)
         return await until_disconnect(request, serving.chat(body, request_id(request)))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        body = await read_body(request, max_body_bytes)
-        return await until_disconnect(request, serving.embeddings(body, request_id(request)))
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> Response:
@@ -178,7 +173,7 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": VERSION, **serving.settings, **await serving.compute_dtype()}
+        return {"version": VERSION, **serving.settings, **await serving.runtime()}
 
     async def unsupported(request: Request) -> Response:
         path = route_path(request.scope)
@@ -245,8 +240,6 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
                     max_logprobs=serving.max_logprobs,
                     tool_call_parser=serving.tool_call_parser,
                     strict_fields=serving.fields.strict,
-                    runner=serving.runner,
-                    hidden_size=info.get("hidden_size"),
                 )
             )
         return schema_cache[0]

@@ -26,17 +26,22 @@ class Executor(Protocol):
 
 
 class ExecutorFactory(Protocol):
-    def model_info(self, config: EngineConfig, device: str) -> dict:
+    def model_info(self, config: EngineConfig, device: str, level: str | None = None) -> dict:
         """``{"max_model_len", "vocab_size"}`` of what the executors run on ``device``;
         optionally ``kv_window`` (the window every layer reads within; None when a layer
-        reads everything) and ``dtype``, ``dtype_reason`` (what the ranks compute in, why)."""
+        reads everything), ``dtype``, ``dtype_reason`` (what the ranks compute in, why)
+        and ``runtime``: the engine's choices that change numerics, made here once (on
+        the first rank, at the engine's instruction-set ``level``) and handed to every
+        rank's :meth:`kv_capacity` and :meth:`build`."""
 
-    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
+    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str,
+                    runtime: dict | None = None) -> int:  # fmt: skip
         """KV blocks one rank can hold, when the config does not say."""
 
     def build(
-        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
-    ) -> Executor:
+        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any,
+        runtime: dict | None = None,
+    ) -> Executor:  # fmt: skip
         """One rank's executor, with ``config.scheduler.num_kv_blocks`` agreed on."""
 
 
@@ -59,12 +64,32 @@ def _draft_path(config: EngineConfig) -> str | None:
     return spec.get("model") if spec.get("method") == "draft_model" else None
 
 
+def _isa_phrase(device: str) -> str:
+    """The CPU's instruction-set level as the kernels use it (and what capped it)."""
+    from ...kernels.cpu import isa
+
+    return isa.describe() if device.startswith("cpu") else f"{isa.describe()} (host CPU)"
+
+
+def _kernels(config, choices, device: str, kernel_backend: str) -> dict[str, str]:
+    """The CPU kernel each op runs for this model at the engine's level and dtype
+    (``/version`` shows them); nothing on another device or backend."""
+    if not device.startswith("cpu") or kernel_backend not in ("auto", "cpu"):
+        return {}
+    from ...kernels.cpu import dispatch
+
+    return dispatch.Dispatch(choices.isa).describe(
+        choices.dtype, dispatch.model_traits(config.num_heads, config.num_kv_heads,
+                                             config.head_dim, config.hidden_size),
+    )  # fmt: skip
+
+
 class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
-    def model_info(self, config: EngineConfig, device: str) -> dict:
+    def model_info(self, config: EngineConfig, device: str, level: str | None = None) -> dict:
         from ...workers.checkpoint import load_checkpoint
-        from ...workers.dtype import choose_dtype
+        from ...workers.dtype import decide
 
         draft = _draft_path(config)
         if draft is not None:
@@ -72,31 +97,40 @@ class ModelExecutors:
 
             check_draft(draft, config.model_path)  # a ValueError naming the problem
         ckpt = load_checkpoint(config.model_path)
-        choice = choose_dtype(config.dtype, ckpt.config.torch_dtype, device, config.kernel_backend)
+        choices = decide(ckpt.config, config.dtype, ckpt.config.torch_dtype, device,
+                         config.kernel_backend, level=level,
+                         tp_size=config.tensor_parallel_size)  # fmt: skip
         info = {
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
-            "hidden_size": ckpt.config.hidden_size,  # a pooling runner's vectors' length
-            "dtype": choice.name,
-            "dtype_reason": choice.reason,
+            "dtype": choices.dtype,
+            "dtype_reason": choices.dtype_reason,
             "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
+            "runtime": choices.to_dict(),
+            "isa": _isa_phrase(device),
+            "kernels": _kernels(ckpt.config, choices, device, config.kernel_backend),
         }
         ckpt.close()
         return info
 
-    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str) -> int:
+    def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str,
+                    runtime: dict | None = None) -> int:  # fmt: skip
         """KV blocks this rank can hold within ``kv_memory_fraction`` of free memory.
 
         Free memory is read before the weights load, so on a GPU the budget is
         also capped by what the weights and the largest step's activations leave.
         """
-        from ...workers.checkpoint import load_checkpoint, resolve_dtype
+        from ...workers.checkpoint import load_checkpoint
+        from ...workers.dtype import RuntimeChoices, choose_dtype
         from ...workers.kv_cache import blocks_for_budget, kv_budget_bytes, workspace_bytes
         from ...workers.model import weight_bytes
 
         ckpt = load_checkpoint(config.model_path)
         c = ckpt.config
-        dtype = resolve_dtype(config.dtype, c, device, config.kernel_backend)
+        if runtime is not None:
+            dtype = RuntimeChoices.from_dict(runtime).torch_dtype
+        else:  # a rank on its own, as a test builds one
+            dtype = choose_dtype(config.dtype, c.torch_dtype, device, config.kernel_backend).dtype
         ckpt.close()
         free = _available_memory_bytes(device)
         kv_heads = max(1, c.num_kv_heads // world_size)
@@ -134,9 +168,11 @@ class ModelExecutors:
         return blocks
 
     def build(
-        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any
-    ) -> Executor:
+        self, config: EngineConfig, rank: int, world_size: int, device: str, all_reduce: Any,
+        runtime: dict | None = None,
+    ) -> Executor:  # fmt: skip
         from ...workers.checkpoint import load_checkpoint
+        from ...workers.dtype import RuntimeChoices
         from ...workers.graphs import graph_buckets
         from ...workers.runner import ModelRunner
 
@@ -149,6 +185,7 @@ class ModelExecutors:
         runner = ModelRunner(
             config.model_path,
             dtype=config.dtype,
+            choices=None if runtime is None else RuntimeChoices.from_dict(runtime),
             num_kv_blocks=config.scheduler.num_kv_blocks,
             block_size=config.scheduler.block_size,
             device=device,
@@ -164,7 +201,6 @@ class ModelExecutors:
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             draft_model=_draft_path(config),
-            pooling=config.pooling_type if config.runner == "pooling" else None,
             seed=config.seed,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready

@@ -92,10 +92,15 @@ class WorkerGroup:
         ]
         host, port = await self.workers[0].address.remote()
         await asyncio.gather(*(w.init_distributed.remote(host, port) for w in self.workers))
-        self.model_info = await self.workers[0].model_info.remote()
-        capacities = await asyncio.gather(*(w.kv_capacity.remote() for w in self.workers))
+        # Every rank at the lowest instruction set among them, and what changes numerics
+        # (the dtype, ...) decided once, by rank 0, and handed to all: ranks that decided
+        # alone could compute one step differently and sample different tokens.
+        levels = await asyncio.gather(*(w.cpu_isa.remote() for w in self.workers))
+        self.model_info = await self.workers[0].model_info.remote(levels)
+        runtime = self.model_info.get("runtime")
+        capacities = await asyncio.gather(*(w.kv_capacity.remote(runtime) for w in self.workers))
         self.num_kv_blocks = min(capacities)
-        await asyncio.gather(*(w.load.remote(self.num_kv_blocks) for w in self.workers))
+        await asyncio.gather(*(w.load.remote(self.num_kv_blocks, runtime) for w in self.workers))
         await self._open_channel()
         # The first step sets up the connections; keep that out of the step timeout.
         await self.submit(StepPlan(step=PING_STEP))

@@ -102,24 +102,52 @@ class EngineWorker:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def model_info(self) -> dict:
-        """Facts the scheduler needs (context length, vocabulary, the rank's device,
-        the window every layer reads within), and the dtype the rank computes in, with why."""
-        return {**self.executors.model_info(self.config, self.device), "device": self.device}
+    def cpu_isa(self) -> str:
+        """The instruction-set level this rank's CPU kernels could use (its hardware's,
+        at most ``ITERSERVE_CPU_ISA``); the engine runs every rank at the lowest."""
+        from ...kernels.cpu import isa
 
-    def kv_capacity(self) -> int:
+        return isa.level()
+
+    def model_info(self, levels: list[str] | None = None) -> dict:
+        """Facts the scheduler needs (context length, vocabulary, the rank's device,
+        the window every layer reads within), and the engine's choices that change
+        numerics (``runtime``: the dtype, with why, ...), made here, on the first
+        rank, at the lowest of the ranks' instruction-set ``levels``."""
+        level = None
+        if levels:
+            from ...kernels.cpu import isa
+
+            level = isa.lowest(levels)
+        self._cap(level)
+        info = self.executors.model_info(self.config, self.device, level)
+        return {**info, "device": self.device}
+
+    def kv_capacity(self, runtime: dict | None = None) -> int:
         """KV blocks this rank can hold (the configured number, when set)."""
         if self.config.scheduler.num_kv_blocks is not None:
             return self.config.scheduler.num_kv_blocks
-        return self.executors.kv_capacity(self.config, self.rank, self.world_size, self.device)
+        return self.executors.kv_capacity(
+            self.config, self.rank, self.world_size, self.device, runtime
+        )
 
-    def load(self, num_kv_blocks: int) -> None:
-        """Builds the executor with the KV cache size every rank agreed on."""
+    def load(self, num_kv_blocks: int, runtime: dict | None = None) -> None:
+        """Builds the executor with the KV cache size every rank agreed on and the
+        engine's ``runtime`` choices (as rank 0's :meth:`model_info` made them)."""
+        self._cap(runtime and runtime.get("isa"))
         config = self.config.replace(num_kv_blocks=num_kv_blocks)
         self.executor = self.executors.build(
-            config, self.rank, self.world_size, self.device, self.all_reduce
+            config, self.rank, self.world_size, self.device, self.all_reduce, runtime
         )
         freeze_startup_objects()
+
+    @staticmethod
+    def _cap(level: str | None) -> None:
+        """Runs this rank's CPU kernels at the engine's ``level`` (before any compiles)."""
+        if level is not None:
+            from ...kernels.cpu import isa
+
+            isa.cap(level)
 
     def open_step_channel(self, token: bytes, local: bool) -> tuple:
         """Listens for the scheduler's step channel (see :mod:`~iterserve.cluster.ranks.step_channel`); returns

@@ -192,9 +192,13 @@ def _check_model_files(args) -> None:
 
 
 def _dtype_note(infos: list[dict]) -> str:
-    """ ", in bfloat16 (auto: why)" from the engines' start-up answers."""
-    chosen = {(i["dtype"], i["dtype_reason"]) for i in infos if "dtype" in i}
-    return "".join(f", in {dtype} ({reason})" for dtype, reason in sorted(chosen))
+    """ ", in bfloat16 (auto: why) on amx" from the engines' start-up answers: the
+    dtype, why, and the instruction set the CPU kernels use."""
+    chosen = {(i["dtype"], i["dtype_reason"], i.get("isa")) for i in infos if "dtype" in i}
+    return "".join(
+        f", in {dtype} ({reason})" + (f" on {isa}" if isa else "")
+        for dtype, reason, isa in sorted(chosen, key=str)
+    )
 
 
 def _start_ray(quiet: bool = False) -> None:

@@ -372,8 +372,8 @@ def scratch(longest: int, head_dim: int) -> tuple:
 # Decode scores: for one query row and one KV head, the group's query heads against
 # 16 positions of a cache block in one product, K read from the cache in place.
 # Tiles: K (0, 16 positions x 32 values), the group's query (1, 16 pairs of values x
-# the group's heads), the scores (2, 16 positions x the group's heads, fp32).
-GROUPS = (1, 2, 4, 8, 16)
+# the group's heads), the scores (2, 16 positions x the group's heads, fp32). The
+# group sizes it takes are dispatch.GROUPS.
 
 
 @_jit

@@ -32,34 +32,10 @@ from . import amx as cpu_amx
 from . import attention_rows, dispatch, plan
 from .fastmath import as_array
 from .jit import available, use_threads
-from .tiles import POSITIONS, VALUES
 
 # The dtypes the kernels take (a bf16 cache is read as fp32, :mod:`.fastmath`).
 DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: dispatch.FP32, torch.bfloat16: dispatch.BF16}
-
-
-def row_traits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> frozenset:
-    """The row kernels' shape class (:mod:`.dispatch`): ``tiled`` for blocks of
-    whole score tiles and heads of whole 32-value chunks, ``group`` for 1, 2, 4, 8
-    or 16 query heads a KV head."""
-    traits = set()
-    if block_size % POSITIONS == 0 and head_dim % VALUES == 0:
-        traits.add("tiled")
-    if num_heads % num_kv_heads == 0 and num_heads // num_kv_heads in cpu_amx.GROUPS:
-        traits.add("group")
-    return frozenset(traits)
-
-
-def long_traits(head_dim: int, window_cuts: bool, soft_cap) -> frozenset:
-    """The long-piece kernels' shape class: ``tiled`` for heads of whole 32-value
-    chunks, ``uncut`` without a soft cap or a window that cuts."""
-    traits = set()
-    if head_dim % VALUES == 0:
-        traits.add("tiled")
-    if not window_cuts and soft_cap is None:
-        traits.add("uncut")
-    return frozenset(traits)
 
 
 def compiled(query, k_cache, v_cache) -> bool:
@@ -121,12 +97,12 @@ def attend(query, k_cache, v_cache, batch: plan.BatchPlan, scale, window, soft_c
     if batch.pieces.long:
         cuts = window is not None and any(batch.pieces.lens[s] > window for s in batch.pieces.long)
         kernel = dispatch.current().kernel("attention.long", name,
-                                           long_traits(head_dim, cuts, soft_cap))  # fmt: skip
+                                           dispatch.long_traits(head_dim, cuts, soft_cap))  # fmt: skip
         _LONG[kernel](query, k_cache, v_cache, batch, scale, window, soft_cap, out)
     if batch.rows is None:
         return
     kernel = dispatch.current().kernel(
-        "attention.rows", name, row_traits(num_heads, num_kv_heads, head_dim, block_size)
+        "attention.rows", name, dispatch.row_traits(num_heads, num_kv_heads, head_dim, block_size)
     )
     tables, table_of, lengths, rows = batch.rows
     parallel = torch.get_num_threads() > 1 and len(rows) > 1

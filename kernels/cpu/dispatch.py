@@ -82,6 +82,45 @@ TABLE: tuple[Rule, ...] = (
 # fmt: on
 
 OPS = tuple(dict.fromkeys(rule.op for rule in TABLE))
+GROUPS = (1, 2, 4, 8, 16)  # query heads a KV head that AMX scores in one product
+POSITIONS, VALUES = 16, 32  # a score tile's positions; a head's values a tile reads
+
+
+def row_traits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> frozenset:
+    """The row kernels' shape class: ``tiled`` for blocks of whole score tiles and
+    heads of whole 32-value chunks, ``group`` for 1, 2, 4, 8 or 16 query heads a
+    KV head."""
+    traits = set()
+    if block_size % POSITIONS == 0 and head_dim % VALUES == 0:
+        traits.add("tiled")
+    if num_kv_heads and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads in GROUPS:
+        traits.add("group")
+    return frozenset(traits)
+
+
+def long_traits(head_dim: int, window_cuts: bool, soft_cap) -> frozenset:
+    """The long-piece kernels' shape class: ``tiled`` for heads of whole 32-value
+    chunks, ``uncut`` without a soft cap or a window that cuts."""
+    traits = set()
+    if head_dim % VALUES == 0:
+        traits.add("tiled")
+    if not window_cuts and soft_cap is None:
+        traits.add("uncut")
+    return frozenset(traits)
+
+
+def model_traits(num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
+                 block_size: int = 16) -> dict[str, frozenset]:  # fmt: skip
+    """Each op's traits for a model's typical call (a decode step on one thread,
+    a layer without a window or cap), for :meth:`Dispatch.describe`."""
+    return {
+        "attention.rows": row_traits(num_heads, num_kv_heads, head_dim, block_size),
+        "attention.long": long_traits(head_dim, False, None),
+        "linear": frozenset({"small"}),
+        "rms_norm": frozenset({"rows16"} if hidden_size % 16 == 0 else ()),
+        "rotary": frozenset({"tiled"} if head_dim % VALUES == 0 else ()),
+        "silu_mul": frozenset({"rows16"}),
+    }
 
 
 class Dispatch:
@@ -106,7 +145,10 @@ class Dispatch:
 
     def describe(self, dtype: str, traits: dict[str, frozenset[str]]) -> dict[str, str]:
         """What runs for each op in ``dtype``, given each op's typical call's traits
-        (ops not named: none), as ``/version`` shows it."""
+        (:func:`model_traits`; ops not named: none), as ``/version`` shows it. fp16
+        (which the kernels do not compute) shows the references."""
+        if dtype not in BOTH:
+            return {op: "reference" for op in OPS}
         return {op: self.kernel(op, dtype, traits.get(op, frozenset())) for op in OPS}
 
 

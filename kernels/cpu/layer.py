@@ -87,7 +87,7 @@ class CpuAttentionLayer(AttentionLayer):
         self.table = table.numpy()
         self.rows_kernel = dispatch.current().kernel(
             "attention.rows", self.dtype_name,
-            attention.row_traits(self.num_heads, num_kv_heads, head_dim, block_size),
+            dispatch.row_traits(self.num_heads, num_kv_heads, head_dim, block_size),
         )  # fmt: skip
         rotary_tiles = k.dtype == torch.bfloat16 and head_dim % 32 == 0 and (
             dispatch.current().kernel("rotary", self.dtype_name, rotary.TILED) == "tiles"

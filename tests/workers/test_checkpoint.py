@@ -6,13 +6,11 @@ import json
 import shutil
 
 import pytest
-import torch
 from plan_driver import PlanDriver
 from test_runner_greedy import make_runner, prompts
 from tiny_checkpoints import build_hf_model, edit_config, save
 
 from iterserve.workers import CheckpointError, ModelConfig, load_checkpoint
-from iterserve.workers.checkpoint import resolve_dtype
 
 
 @pytest.fixture
@@ -78,21 +76,6 @@ def test_sharded_checkpoint_gives_same_tokens(tmp_path, hf_reference, checkpoint
     driver = PlanDriver(make_runner(path))
     driver.add("r", prompt)
     assert driver.run()["r"] == hf_reference("llama").greedy(prompt)
-
-
-def test_dtype_resolution(checkpoint_dir, monkeypatch):
-    from iterserve.workers import dtype
-
-    config = load_checkpoint(checkpoint_dir("llama")).config
-    half = ModelConfig(**{**config.__dict__, "torch_dtype": "bfloat16"})
-    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: None)
-    assert resolve_dtype("auto", half, "cpu") == torch.float32
-    monkeypatch.setattr(dtype, "cpu_bf16_instructions", lambda: "AMX")
-    assert resolve_dtype("auto", half, "cpu") == torch.bfloat16
-    assert resolve_dtype("auto", half, "cuda") == torch.bfloat16
-    assert resolve_dtype("float16", half, "cpu") == torch.float16
-    with pytest.raises(CheckpointError, match="unsupported dtype 'int8'"):
-        resolve_dtype("int8", half, "cpu")
 
 
 def test_missing_directory(tmp_path):

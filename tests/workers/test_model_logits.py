@@ -44,9 +44,7 @@ def forward_all_rows(runner: ModelRunner, pieces: list[list[tuple[int, int]]], p
             device=runner.device,
         )
         everything = torch.arange(batch.num_rows)
-        logits = runner.model(
-            batch.input_ids, batch.attn, everything
-        )
+        logits = runner.model(batch.input_ids, batch.attn, everything)
         offset = 0
         for entry in plan.scheduled:
             rows[entry.slot_idx].append(logits[offset : offset + entry.num_tokens])

@@ -151,7 +151,7 @@ def test_group_scores_in_amx_equal_the_score_tiles(monkeypatch, num_heads, num_k
     monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 1 << 16)
     b = on_cpu(make_batch(ROWS, num_heads, num_kv_heads, 64, block_size, torch.bfloat16, seed=27))
     kw = dict(window=window, soft_cap=soft_cap, max_seq_len=int(b.seq_lens.max()))
-    traits = cpu_attention.row_traits(num_heads, num_kv_heads, 64, 16)
+    traits = dispatch.row_traits(num_heads, num_kv_heads, 64, 16)
     assert dispatch.current().kernel("attention.rows", dispatch.BF16, traits) == "amx_tiles"
     amx = cpu_attention.paged_attention(*b.args(), **kw)
     at_level(monkeypatch, "avx512_bf16")
