@@ -19,6 +19,8 @@ from ..scheduler.config import SchedulerConfig, check_knobs, knob
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN")  # vLLM's pooler config names
 SCHEDULER_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
 
@@ -64,6 +66,21 @@ class EngineConfig:
         "(docs/serving.md, Reasoning output)",
         choices=("qwen3", "deepseek_r1"),
         helm=False,
+    )
+    runner: str = knob(
+        "generate",
+        "`generate` (completions, chat, responses) or `pooling`: the checkpoint's hidden states "
+        "pooled into embeddings (`/v1/embeddings`; docs/serving.md, Embeddings)",
+        choices=RUNNERS,
+    )
+    pooling_type: str = knob(
+        "LAST",
+        "how a pooling runner pools a prompt's final hidden states: `LAST` (its last token's) "
+        "or `MEAN` (every token's mean; prefix caching is then off)",
+        choices=POOLING_TYPES,
+    )
+    pooling_normalize: bool = knob(
+        True, "a pooling runner's embeddings are L2-normalised (a request's `normalize` wins)"
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_memory_fraction: float = knob(
@@ -149,6 +166,10 @@ class EngineConfig:
         object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
         if self.lora_modules and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)
+        if self.runner == "pooling" and self.pooling_type == "MEAN":
+            # A mean needs every token's hidden state: none may be skipped as cached.
+            scheduler = dataclasses.replace(self.scheduler, enable_prefix_caching=False)
+            object.__setattr__(self, "scheduler", scheduler)
 
     @property
     def rank_max_loras(self) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .blocks import blocks_for
-from .messages import PromptLogprobs, SampledToken, StepPlan, StepResult
+from .messages import PooledOutput, PromptLogprobs, SampledToken, StepPlan, StepResult
 from .request import FinishReason
 from .sampling import SamplingParams
 from .seq_table import SequenceTable, stop_reason
@@ -56,6 +56,8 @@ class FakeExecutor:
         period: int | None = None,
         acceptance: float | None = None,
         seed: int = 0,
+        pooling: str | None = None,
+        hidden_size: int = 8,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -71,6 +73,9 @@ class FakeExecutor:
         # A model of acceptance instead of the tokens' own (the simulator's): each
         # proposal, after the ones accepted before it, is kept with this probability.
         self.acceptance = acceptance
+        # A pooling runner's stand-in (``LAST`` or ``MEAN``): a prompt's vector is its
+        # tokens' (token_vector), pooled as the runner pools hidden states.
+        self.pooling, self.hidden_size = pooling, hidden_size
         self._rng = random.Random(seed)
         self.table = SequenceTable({eos_token_id}, kv_window=kv_window, block_size=block_size or 1)
         self.num_steps = 0
@@ -103,6 +108,17 @@ class FakeExecutor:
         if target is not None and output_pos + 1 >= max(target, params.min_tokens + 1):
             return self.eos_token_id
         return self.token_at(request_id, output_pos)
+
+    def token_vector(self, token_id: int) -> list[float]:
+        """The stand-in "hidden state" of a token: ``hidden_size`` numbers in [-1, 1)."""
+        return [zlib.crc32(f"{token_id}:{i}".encode()) / 2**31 - 1 for i in range(self.hidden_size)]
+
+    def pooled(self, prompt: list[int]) -> list[float]:
+        """What the pooling stand-in answers for ``prompt``."""
+        if self.pooling == "LAST":
+            return self.token_vector(prompt[-1])
+        vectors = [self.token_vector(t) for t in prompt]
+        return [sum(column) / len(prompt) for column in zip(*vectors)]
 
     @staticmethod
     def _prompt_logprobs(seq) -> PromptLogprobs:
@@ -139,6 +155,9 @@ class FakeExecutor:
             if seq.params.prompt_logprobs is not None and not seq.num_output_tokens:
                 result.prompt_logprobs.append(self._prompt_logprobs(seq))
             if seq.params.max_tokens == 0:  # the prompt alone was asked for
+                if self.pooling is not None:
+                    prompt = seq.token_ids[: seq.num_prompt_tokens]
+                    result.pooled.append(PooledOutput(seq.seq_id, self.pooled(prompt)))
                 result.finished.append(self.table.end(entry.slot_idx, FinishReason.LENGTH))
                 continue
             token = self._next_token(seq.label, seq.num_output_tokens, seq.params)
@@ -257,9 +276,14 @@ class FakeModel:
     step_sleep_s: float = 0.0
     check_blocks: bool = True
     period: int | None = None
+    hidden_size: int = 8
 
     def model_info(self, config: Any, device: str, level: str | None = None) -> dict:
-        return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size}
+        return {
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+        }
 
     def kv_capacity(self, config: Any, rank: int, world_size: int, device: str,
                     runtime: dict | None = None) -> int:  # fmt: skip
@@ -279,4 +303,6 @@ class FakeModel:
             check_blocks=self.check_blocks,
             block_size=config.scheduler.block_size,
             period=self.period,
+            pooling=config.pooling_type if config.runner == "pooling" else None,
+            hidden_size=self.hidden_size,
         )

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .draft import DraftModel
     from .grammar import Grammars
     from .lora_batch import LoraSlots
+    from .pooling import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class ModelRunner:
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
         draft_model: str | Path | None = None,
+        pooling: str | None = None,
         choices: RuntimeChoices | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
@@ -111,6 +113,7 @@ class ModelRunner:
         ckpt.close()
         self.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         self.enable_draft(draft_model, max_model_len)
+        self.enable_pooling(pooling)
         self._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
 
     @classmethod
@@ -146,6 +149,7 @@ class ModelRunner:
                       weight_seed=weight_seed)  # fmt: skip
         runner.enable_lora(max_loras, max_lora_rank, max_cpu_loras)
         runner.enable_draft(None)
+        runner.enable_pooling(None)
         runner._start(seed, cuda_graphs, graph_batch_sizes, max_model_len)
         return runner
 
@@ -231,6 +235,17 @@ class ModelRunner:
             max_model_len=max_model_len or self.config.max_model_len,
         )  # fmt: skip
 
+    def enable_pooling(self, pooling_type: str | None) -> None:
+        """Makes this a pooling runner (``LAST`` or ``MEAN``; None: a generating one):
+        its sequences compute their prompts only, and the step hands back each
+        completed prompt's final hidden states pooled (:mod:`.pooling`), not tokens."""
+        self.pooler: Pooler | None = None
+        if pooling_type is not None:
+            from .pooling import Pooler
+
+            self.pooler = Pooler(pooling_type)
+        self.model.returns_hidden = self.pooler is not None
+
     def _start(self, seed, cuda_graphs, graph_batch_sizes, max_model_len) -> None:
         self.sampler = Sampler(self.eos_token_ids, self.device, seed=seed)
         # Each sequence's state on this rank is its SeqState (tokens, blocks, its
@@ -252,9 +267,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         self.staging = Staging(self.device) if on_gpu else None
         self.timer = ForwardTimer(self.device)
-        if cuda_graphs is None:  # graphs replay the base model only
+        if cuda_graphs is None:  # graphs replay the base model's decodes only
             cuda_graphs = (on_gpu and self.ops.name == "triton" and self.tp_size == 1
-                           and self.lora_slots is None)  # fmt: skip
+                           and self.lora_slots is None and self.pooler is None)  # fmt: skip
         self.graphs = None
         if cuda_graphs:
             positions = self.model.cos_sin.shape[0]
@@ -317,6 +332,8 @@ class ModelRunner:
         if prompt_rows is not None:  # their logits follow the sampled and padding rows
             extra = torch.tensor(prompt_rows.rows, dtype=host.logits_indices.dtype)
             host.logits_indices = torch.cat([host.logits_indices, extra])
+        if self.pooler is not None:  # the rows it pools: their hidden states come back
+            host.logits_indices = self.pooler.rows(plan.scheduled).to(host.logits_indices.dtype)
         self.timer.start()
         if segments:
             self.lora_context.batch = self.lora_slots.batch(segments)
@@ -332,6 +349,8 @@ class ModelRunner:
             self.table.advance(entry)
         if prompt_rows is not None:
             self.prompt_logprobs.take(logits[-len(prompt_rows.rows) :], prompt_rows)
+        if self.pooler is not None:  # hidden states, not logits; its prompts end below
+            result.pooled = self.pooler.take(logits, plan.scheduled, self.table)
         self._sample(logits, host.sample_entries, result)
         result.forward_s = self.timer.seconds()
         return result
@@ -372,6 +391,9 @@ class ModelRunner:
             num_rows = 1 + entry.num_draft_tokens
             if seq.params.max_tokens == 0:
                 result.finished.append(self.table.end(seq.slot_idx, FinishReason.LENGTH))
+            elif self.pooler is not None:  # its rows are hidden states: nothing to sample
+                logger.error("%s: a pooling runner computes prompts only; ending it", seq.label)
+                result.finished.append(self.table.end(seq.slot_idx, FinishReason.ERROR))
             else:
                 spans.append((entry, seq, len(rows)))
                 drawn.extend(range(logits_row, logits_row + num_rows))

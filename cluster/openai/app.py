@@ -39,7 +39,6 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree, not i
 
 # OpenAI endpoints clients probe that this server does not serve: a 404 that says so.
 UNSUPPORTED_ENDPOINTS = {
-    "/v1/embeddings": "embeddings",
     "/v1/audio": "audio",
     "/v1/images": "images",
     "/v1/moderations": "moderations",
@@ -144,7 +143,8 @@ def build_api(
 
 
 def add_generation_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: int) -> None:
-    """POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
+    """POST /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize and
+    /detokenize."""
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -155,6 +155,11 @@ def add_generation_routes(app: FastAPI, serving: OpenAIServing, max_body_bytes: 
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request, max_body_bytes)
         return await until_disconnect(request, serving.chat(body, request_id(request)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await read_body(request, max_body_bytes)
+        return await until_disconnect(request, serving.embeddings(body, request_id(request)))
 
     @app.post("/tokenize")
     async def tokenize_text(request: Request) -> Response:
@@ -240,6 +245,8 @@ def add_model_routes(app: FastAPI, serving: OpenAIServing) -> None:
                     max_logprobs=serving.max_logprobs,
                     tool_call_parser=serving.tool_call_parser,
                     strict_fields=serving.fields.strict,
+                    runner=serving.runner,
+                    hidden_size=info.get("hidden_size"),
                 )
             )
         return schema_cache[0]

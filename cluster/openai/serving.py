@@ -75,6 +75,8 @@ class OpenAIServing:
         strict_fields: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        runner: str = "generate",
+        normalize_embeddings: bool = True,
         settings: dict[str, Any] | None = None,
     ):
         self.engine = engine
@@ -88,6 +90,10 @@ class OpenAIServing:
         self.fields = FieldPolicy(strict_fields)
         self.tool_call_parser = tool_call_parser
         self.reasoning = reasoning.reasoning_parser(reasoning_parser, tokenizer)
+        # What the engines run: "generate" (completions, chat, responses) or "pooling"
+        # (embeddings, L2-normalised unless a request says otherwise).
+        self.runner = runner
+        self.normalize_embeddings = normalize_embeddings
         self.grammars = structured.GrammarValidator(getattr(tokenizer, "path", ""))
         self._info: dict | None = None
         # Other names of the base model (--served-model-name's after the first).
@@ -177,29 +183,31 @@ class OpenAIServing:
             return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens)
 
-    async def _completion_prompts(
-        self, prompt: Any, vocab_size: int, add_special_tokens: bool = True
+    async def prompts(
+        self, prompt: Any, vocab_size: int, add_special_tokens: bool = True, field: str = "prompt"
     ) -> list[list[int]]:
+        """Token ids of each prompt of a completions ``prompt`` (or an embeddings
+        ``input``, named by ``field``): a text, texts, token ids, lists of them."""
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
-            raise bad_request("prompt: must not be empty", "prompt")
+            raise bad_request(f"{field}: must not be empty", field)
         if isinstance(prompt[0], int):
             prompt = [prompt]
         if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"prompt: at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+            raise bad_request(f"{field}: at most {MAX_PROMPTS} prompts, got {len(prompt)}", field)
         prompts = []
         for item in prompt:
             if isinstance(item, str):
-                ids = await self.encode(item, "prompt", add_special_tokens)
+                ids = await self.encode(item, field, add_special_tokens)
             else:
                 ids = list(item)
             if not ids:
-                raise bad_request("prompt: must not be empty", "prompt")
+                raise bad_request(f"{field}: must not be empty", field)
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise bad_request(
-                    f"prompt: token ids must be in [0, {vocab_size - 1}], got {bad}", "prompt"
+                    f"{field}: token ids must be in [0, {vocab_size - 1}], got {bad}", field
                 )
             prompts.append(ids)
         return prompts
@@ -211,14 +219,30 @@ class OpenAIServing:
 
     # -- endpoints --------------------------------------------------------------------
 
+    def require_runner(self, runner: str, route: str) -> None:
+        """404 for a route the engines' runner does not serve."""
+        if self.runner != runner:
+            served = "/v1/embeddings" if self.runner == "pooling" else (
+                "/v1/completions, /v1/chat/completions and /v1/responses")  # fmt: skip
+            raise APIError(
+                404,
+                f"{route} needs the {runner} runner; this server runs the {self.runner} runner "
+                f"(runner: {self.runner}) and serves {served}",
+                code="unsupported_endpoint",
+            )
+
+    async def embeddings(self, body: bytes | dict, request_id: str) -> Response:
+        from .embeddings import create_embeddings
+
+        return await create_embeddings(self, body, request_id)
+
     async def completions(self, body: bytes, request_id: str) -> Response:
+        self.require_runner("generate", "/v1/completions")
         request, headers = await self.parse_request(CompletionRequest, body)
         if request.best_of not in (None, request.n):
             raise bad_request("best_of: only null or a value equal to n is supported", "best_of")
         info = await self.engine_info()
-        prompts = await self._completion_prompts(
-            request.prompt, info["vocab_size"], request.add_special_tokens
-        )
+        prompts = await self.prompts(request.prompt, info["vocab_size"], request.add_special_tokens)
         extensions = await self.extensions(request, info)
         echoes = None
         if request.echo:  # the prompt's logprobs come with it when logprobs are asked for
@@ -240,6 +264,7 @@ class OpenAIServing:
         )
 
     async def chat(self, body: bytes, request_id: str) -> Response:
+        self.require_runner("generate", "/v1/chat/completions")
         request, headers = await self.parse_request(ChatCompletionRequest, body)
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")

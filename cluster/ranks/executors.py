@@ -103,6 +103,7 @@ class ModelExecutors:
         info = {
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
+            "hidden_size": ckpt.config.hidden_size,  # a pooling runner's vectors' length
             "dtype": choices.dtype,
             "dtype_reason": choices.dtype_reason,
             "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
@@ -201,6 +202,7 @@ class ModelExecutors:
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
             draft_model=_draft_path(config),
+            pooling=config.pooling_type if config.runner == "pooling" else None,
             seed=config.seed,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready

@@ -143,11 +143,13 @@ def echo_engine(tokenizer_dir: Path, **overrides: Any) -> dict:
 class EchoStream:
     """One request of :class:`EchoEngine`: an output per token, as an engine replica
     sends; the first brings the prompt's logprobs when they are asked for (every
-    prompt token at -0.5, as the fake executor has them)."""
+    prompt token at -0.5, as the fake executor has them). ``pooled``: a pooling
+    engine's vector of the prompt, with its one output."""
 
-    def __init__(self, tokens: list[int], params: dict, prompt: list[int]):
+    def __init__(self, tokens: list[int], params: dict, prompt: list[int], pooled=None):
         self.tokens, self.params = tokens, SamplingParams(**params)
         self.prompt = prompt
+        self.pooled = pooled
         self.cancelled = False
 
     async def __aiter__(self):
@@ -157,7 +159,7 @@ class EchoStream:
             top = [[(t, -0.5)][: self.params.prompt_logprobs] for t in rest]
             prompt = PromptLogprobs(0, [-0.5] * len(rest), [1] * len(rest), top)
         if not self.tokens:  # max_tokens 0: the prompt alone
-            yield [EngineOutput("echo", [], [], prompt, "length", None, 0)]
+            yield [EngineOutput("echo", [], [], prompt, "length", None, 0, self.pooled)]
             return
         for n, token in enumerate(self.tokens, start=1):
             if self.cancelled:
@@ -179,19 +181,29 @@ class EchoStream:
 
 class EchoEngine:
     """An in-process EngineClient: the reply is the last user message, then EOS
-    (past the reply, with ignore_eos, it repeats EOS until max_tokens)."""
+    (past the reply, with ignore_eos, it repeats EOS until max_tokens). With
+    ``pooling`` it stands in for a pooling engine: a prompt's vector is
+    :meth:`pooled` of it."""
 
-    def __init__(self, tokenizer, max_model_len: int = 1024):
+    def __init__(self, tokenizer, max_model_len: int = 1024, pooling: bool = False):
         self.user_id = tokenizer.token_to_id("<|user|>")
         self.end_id = tokenizer.token_to_id("<|end|>")
         self.info_ = {"max_model_len": max_model_len, "vocab_size": tokenizer.vocab_size}
+        self.pooling = pooling
+        if pooling:
+            self.info_["hidden_size"] = 4
         self.opened: list[tuple[list[int], dict]] = []
+
+    @staticmethod
+    def pooled(prompt: list[int]) -> list[float]:
+        return [float(len(prompt)), float(prompt[-1]), -1.0, 0.0]
 
     async def open(self, request_id, prompt_token_ids, params, priority):
         self.opened.append((list(prompt_token_ids), params))
         reply = echo_reply(list(prompt_token_ids), self.user_id, self.end_id) or [5, 6, 7]
         tokens = (reply + [EOS_ID] * params["max_tokens"])[: params["max_tokens"]]
-        return EchoStream(tokens, params, list(prompt_token_ids))
+        pooled = self.pooled(list(prompt_token_ids)) if self.pooling else None
+        return EchoStream(tokens, params, list(prompt_token_ids), pooled)
 
     async def info(self) -> dict:
         return self.info_
