@@ -400,7 +400,8 @@ def _shown(value: Any) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "iterserve serve") -> int:
-    """``iterserve serve``: the exit code (a bad command line: 2, a failed start: 1)."""
+    """``iterserve serve``: the exit code (2: refused before anything started, the
+    command line or what it names; 1: a start that failed)."""
     from . import startup
 
     parser, flags = serve_parser(prog)
@@ -420,6 +421,11 @@ def main(argv: list[str] | None = None, prog: str = "iterserve serve") -> int:
         # The Ray started next gives its processes this environment: the key reaches
         # the ingress without being written into any config.
         os.environ[API_KEY_ENV] = plan.api_key
+    try:  # what can be refused before anything starts (start checks it again, cheaply)
+        _check_before_starting(plan.args)
+        _check_model_files(plan.args)
+    except Exception as exc:  # a checkpoint the loader refuses, a port in use, too few CPUs
+        return startup.refuse(prog, startup.one_line(exc), exc if debug else None)
     try:
         start(plan.args, block=True, quiet=not debug)
     except Exception as exc:

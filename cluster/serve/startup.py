@@ -62,9 +62,11 @@ def _sentence(text: str) -> str:
     return " ".join(text.split())
 
 
-def refuse(command: str, reason: str) -> int:
-    """One line for something refused before anything started (no traceback: the
-    reason is all there is)."""
+def refuse(command: str, reason: str, exc: BaseException | None = None) -> int:
+    """One line for something refused before anything started: the reason is all
+    there is (``exc``: its traceback goes first, as ``--log-level debug`` asks)."""
+    if exc is not None:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     print(f"{command}: {reason}", file=sys.stderr, flush=True)
     return EXIT_REFUSED
 

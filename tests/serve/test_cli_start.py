@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import USER_ENV
 from tests.test_quickstart import BIN, _free_port, _wait_healthy
@@ -38,7 +39,7 @@ def quantized_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "args, reason, code",
     [
-        (["{quantized}"], "config.json: 'quantization_config' is set", 1),
+        (["{quantized}"], "config.json: 'quantization_config' is set", 2),
         (["{tiny}", "--max-num-seqs", "abc"], "--max-num-seqs abc: must be an integer", 2),
         (["{tiny}", "--gpu-memory-utilization", "1.5"],
          "--gpu-memory-utilization 1.5: kv_memory_fraction must be <= 1", 2),
@@ -68,14 +69,27 @@ def test_what_cannot_start_ends_with_one_sentence(
     assert len(lines) == 1 and lines[0].startswith("iterserve serve: "), done.stderr
     assert reason in lines[0], lines[0]
     assert "Traceback" not in done.stdout + done.stderr
-    if code == 1:  # a failed start: the traceback is in the log file the line names
-        log = Path(lines[0].rsplit("(traceback: ", 1)[1].rstrip(")"))
-        assert "Traceback (most recent call last)" in log.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels need no CUDA there")
+def test_a_start_that_fails_on_the_ranks_ends_with_one_sentence_and_its_log(
+    tiny_model_dir, tmp_path
+):
+    """The ranks fail to load (the Triton kernels on a CPU, no interpreter): one line
+    from Ray's nested task errors, exit code 1, the traceback in the log it names."""
+    done = _serve(str(tiny_model_dir), "--kernel-backend", "triton", "--dtype", "float32",
+                  "--port", str(_free_port()), cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("iterserve serve: ") and "needs CUDA tensors" in line, line
+    log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
+    assert "Traceback (most recent call last)" in log.read_text()
+    assert "iterserve: serving" not in done.stdout
 
 
 def test_log_level_debug_prints_the_traceback_too(quantized_checkpoint, tmp_path):
     done = _serve(str(quantized_checkpoint), "--log-level", "debug", cwd=tmp_path)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert "Traceback (most recent call last)" in done.stderr
     assert done.stderr.rstrip().splitlines()[-1].startswith("iterserve serve: config.json")
 
