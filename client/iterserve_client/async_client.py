@@ -107,6 +107,39 @@ class AsyncClient:
         """``GET /v1/stats``: running and waiting requests, slots, KV blocks, policy."""
         return EngineStats.from_dict(json_body(await self._send("GET", "/v1/stats")))
 
+    # -- the operator's routes (vLLM's paths; docs/serving.md, Operator routes) -------
+
+    async def pause(self, mode: str = "abort", timeout: float | None = 600.0) -> dict[str, Any]:
+        """``POST /pause``: every engine replica stops generating. ``mode``: ``abort``
+        ends what runs, ``wait`` lets it finish first (the call returns then), ``keep``
+        keeps it to go on at :meth:`resume`. Requests sent meanwhile wait."""
+        return json_body(await self._send("POST", "/pause", params={"mode": mode}, timeout=timeout))
+
+    async def resume(self) -> dict[str, Any]:
+        """``POST /resume``: generating again (a 409 while asleep: :meth:`wake_up` first)."""
+        return json_body(await self._send("POST", "/resume"))
+
+    async def is_paused(self) -> bool:
+        """``GET /is_paused``: whether every engine replica is paused."""
+        return bool(json_body(await self._send("GET", "/is_paused"))["is_paused"])
+
+    async def sleep(
+        self, level: int = 1, mode: str = "abort", timeout: float | None = 600.0
+    ) -> dict[str, Any]:
+        """``POST /sleep``: pauses (``mode``), then the ranks release their weights and
+        KV cache (``level`` 1 or 2: the same here, docs/serving.md)."""
+        params = {"level": level, "mode": mode}
+        return json_body(await self._send("POST", "/sleep", params=params, timeout=timeout))
+
+    async def wake_up(self, timeout: float | None = 900.0) -> dict[str, Any]:
+        """``POST /wake_up``: the ranks reload (as long as a start takes), and a pause the
+        sleep made ends."""
+        return json_body(await self._send("POST", "/wake_up", timeout=timeout))
+
+    async def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: whether any engine replica is asleep."""
+        return bool(json_body(await self._send("GET", "/is_sleeping"))["is_sleeping"])
+
     # -- transport --------------------------------------------------------------------
 
     async def _send(
@@ -117,6 +150,8 @@ class AsyncClient:
         json: Any = None,
         stream: bool = False,
         accept: tuple[int, ...] = (),
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
     ) -> httpx.Response:
         """One request, retried per ``self.retry``; returns a 2xx (or ``accept``ed)
         answer or raises its typed error. With ``stream`` the body is left unread."""
@@ -124,8 +159,9 @@ class AsyncClient:
         attempt = 0
         while True:
             request = self._http.build_request(
-                method, url, json=json, headers=self._headers, timeout=self.timeout
-            )
+                method, url, json=json, params=params, headers=self._headers,
+                timeout=self.timeout if timeout is None else make_timeout(timeout),
+            )  # fmt: skip
             try:
                 response = await self._http.send(request, stream=stream)
                 if response.is_success or response.status_code in accept:

@@ -14,7 +14,8 @@ with the oldest::
 
 With two in flight the ranks start step N+1 the moment N ends, and the
 scheduler's own work for a step (update, publish, schedule, encode) overlaps
-the next step's forward. It sleeps while there is no work and wakes on arrival.
+the next step's forward. It sleeps while there is no work and wakes on arrival,
+and parks while an operator has paused it (:mod:`~iterserve.cluster.engine.pause`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from .errors import (
 )
 from .intake import checked_request
 from .outputs import OutputBuffers
+from .pause import PauseControl
 
 logger = logging.getLogger(__name__)
 # A scrape sees the engines at most this stale; each push is a snapshot of every
@@ -132,6 +134,7 @@ class EngineCore:
         self.draining = False  # stopping: finishing what it has, taking nothing new
         self.num_restarts = 0
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
+        self.control = PauseControl(self)  # pause, resume, sleep, wake (the operator's)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -241,6 +244,9 @@ class EngineCore:
     async def _loop(self) -> None:
         try:
             while self.dead_reason is None:
+                if self.control.paused:
+                    await self.control.park()
+                    continue
                 if not self.scheduler.has_work and not self.scheduler.num_in_flight:
                     # The allocators check themselves each time the engine goes idle:
                     # every slot and block free again, no request lost. A failure is a
@@ -419,6 +425,8 @@ class EngineCore:
                 vocab_size=self.vocab_size,
             )
             request.client = client
+            if self.control.holding:  # a wait-mode pause: it queues once the engine is empty
+                return self.control.hold(request)
             self.scheduler.add_request(request)
         except QueueFullError as exc:
             self.recorder.rejected("queue_full")
@@ -503,6 +511,8 @@ class EngineCore:
         """Healthy when a ping travels through every worker and back."""
         if self.dead_reason is not None:
             return False, self.dead_reason
+        if self.control.sleep_level is not None:  # no ranks to ping, by the operator's will
+            return True, "asleep"
         try:
             async with self.step_lock:
                 await self._drain()

@@ -108,7 +108,8 @@ class EngineServer:
         if failure or not self.started.done():
             status = {"replica": self.replica, "ready": False, "counters": {}}
             return {**status, "healthy": failure is None, "message": failure or "starting"}
-        return {**await self.core.stats(), "replica": self.replica, "ready": True}
+        stats = {**await self.core.stats(), **self.core.control.state()}
+        return {**stats, "replica": self.replica, "ready": True}
 
     async def health(self) -> dict:
         """``{"healthy", "ready", "message", "replica"}``. A replica still loading its
@@ -133,6 +134,38 @@ class EngineServer:
     async def lora_adapters(self) -> list[dict]:
         await self._ready()
         return await self.core.lora_adapters()
+
+    # -- the operator's: pause, resume, sleep, wake (cluster/engine/pause.py) -------------
+
+    async def pause(self, mode: str) -> dict:
+        """``{"paused", "sleeping", "sleep_level", "mode", "aborted"}``; raises
+        ValueError for a mode it does not know."""
+        await self._ready()
+        return {**await self.core.control.pause(mode), "replica": self.replica}
+
+    async def resume(self) -> dict:
+        """Raises EngineStateError while asleep."""
+        await self._ready()
+        return {**await self.core.control.resume(), "replica": self.replica}
+
+    async def sleep(self, level: int, mode: str) -> dict:
+        await self._ready()
+        return {**await self.core.control.sleep(level, mode), "replica": self.replica}
+
+    async def wake_up(self) -> dict:
+        await self._ready()
+        return {**await self.core.control.wake_up(), "replica": self.replica}
+
+    async def operator_state(self) -> dict:
+        """``{"paused", "sleeping", "sleep_level"}`` (a replica still loading: neither)."""
+        if not self.started.done():
+            return {
+                "paused": False,
+                "sleeping": False,
+                "sleep_level": None,
+                "replica": self.replica,
+            }
+        return {**self.core.control.state(), "replica": self.replica}
 
     async def placement(self) -> dict:
         """Where this replica and its ranks run: node, placement group and process ids."""

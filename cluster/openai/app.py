@@ -26,6 +26,7 @@ from .fields import IGNORED_FIELDS_HEADER
 from .gate import APISettings, Gate, request_id, route_path
 from .openapi import openapi_schema
 from .operations import add_operations_routes
+from .operator import add_operator_routes
 from .responses import add_responses_routes
 from .serving import OpenAIServing
 from .tokenize import detokenize, tokenize
@@ -121,6 +122,7 @@ def build_api(
     add_responses_routes(app, serving, settings.max_body_bytes)
     add_model_routes(app, serving)
     add_operations_routes(app, serving, metrics_body)
+    add_operator_routes(app, serving)
     if serving.lora is not None:
         from ..lora import add_lora_routes
 

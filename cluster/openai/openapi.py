@@ -258,6 +258,33 @@ def _get(summary: str, operation_id: str, content: dict | None = None, **extra: 
     }
 
 
+def _operator_paths() -> dict:
+    """vLLM's operator routes (:mod:`.operator`): actions by query parameter, no body."""
+    from ..engine.pause import PAUSE_MODES, SLEEP_LEVELS
+    from .operator import WAKE_TAGS
+
+    def query(name: str, schema: dict) -> dict:
+        return {"name": name, "in": "query", "required": False, "schema": schema}
+
+    mode = query("mode", {"type": "string", "enum": list(PAUSE_MODES), "default": "abort"})
+    level = query("level", {"type": "integer", "enum": list(SLEEP_LEVELS), "default": 1})
+    tags = query("tags", {"type": "array", "items": {"type": "string", "enum": list(WAKE_TAGS)}})
+
+    def action(summary: str, operation_id: str, parameters: list[dict]) -> dict:
+        return {"post": _get(summary, operation_id, parameters=parameters)["get"]}
+
+    return {
+        "/pause": action("Stop generating on every engine replica: abort what runs, wait "
+                         "for it, or keep it for /resume", "pause", [mode]),
+        "/resume": action("Generate again (409 while asleep)", "resume", []),
+        "/is_paused": _get("Whether every engine replica is paused", "isPaused"),
+        "/sleep": action("Pause (mode), then release the ranks' weights and KV cache", "sleep",
+                         [level, mode]),
+        "/wake_up": action("Re-acquire them, and end a pause the sleep made", "wakeUp", [tags]),
+        "/is_sleeping": _get("Whether any engine replica is asleep", "isSleeping"),
+    }  # fmt: skip
+
+
 def openapi_schema(
     *,
     model_name: str,
@@ -329,6 +356,7 @@ def openapi_schema(
         "/tokenize": _post("Token ids of a prompt or of chat messages", "TokenizeRequest"),
         "/detokenize": _post("The text of token ids", "DetokenizeRequest"),
         "/version": _get("The server's version", "getVersion"),
+        **_operator_paths(),
         "/health": _get("200 when every engine replica serves, else 503", "health", security=[]),
         "/metrics": _get(
             "Prometheus metrics",

@@ -182,11 +182,11 @@ class ChannelEngineClient:
     async def stats(self) -> list[dict]:
         return [r for r in await self._broadcast("stats", 30) if isinstance(r, dict)]
 
-    async def call_all(self, method: str, *args) -> list:
-        """``method(*args)`` on every engine replica (LoRA adapters' loads): each
-        one's answer, or the exception it raised."""
+    async def call_all(self, method: str, *args, timeout_s: float = 120.0) -> list:
+        """``method(*args)`` on every engine replica (LoRA adapters' loads, the operator
+        routes): each one's answer, or the exception it raised."""
         response = self.handle.broadcast(method, *args)
-        return await response.results_async(timeout_s=120, return_exceptions=True)
+        return await response.results_async(timeout_s=timeout_s, return_exceptions=True)
 
     async def health(self) -> list[dict]:
         return [

@@ -238,3 +238,28 @@ async def test_breaking_out_of_a_stream_frees_the_request(make, kind):
     stats = await wait_idle(client)
     assert (stats.slots_used, stats.kv_blocks_used, stats.num_waiting) == (0, 0, 0)
     assert aborted(stats) == before + 1  # ended by the abort, not by running out
+
+
+async def test_the_operator_routes(make, kind):
+    """pause (keep) holds a request until resume; sleep and wake_up bring it home."""
+    client = make()
+    answer = await resolve(client.pause(mode="keep"))
+    assert answer["status"] == "paused" and answer["num_engine_replicas"] == 1
+    assert await resolve(client.is_paused()) is True
+    waiting = asyncio.ensure_future(
+        asyncio.to_thread(
+            Client(client.base_url, api_key=API_KEY, timeout=60).completions.create,
+            model=MODEL, prompt="hi", max_tokens=3,
+        )
+    )  # fmt: skip
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    assert (await resolve(client.resume()))["status"] == "resumed"
+    assert (await asyncio.wait_for(waiting, 60)).usage.completion_tokens == 3
+    assert await resolve(client.is_paused()) is False
+    assert (await resolve(client.sleep(level=2)))["level"] == 2
+    assert await resolve(client.is_sleeping()) is True
+    assert (await resolve(client.wake_up()))["status"] == "awake"
+    assert await resolve(client.is_sleeping()) is False
+    out = await resolve(client.completions.create(model=MODEL, prompt="hi", max_tokens=2))
+    assert out.usage.completion_tokens == 2
