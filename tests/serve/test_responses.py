@@ -294,3 +294,17 @@ def test_an_input_past_the_context_names_the_input(http):
     error = refusal(http, input="hello world " * 600)
     assert error["code"] == "context_length_exceeded" and error["param"] == "input"
     assert "in the input" in error["message"]
+
+
+def test_the_client_parse_helper_reads_structured_output(client, app):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        population: int
+
+    r = client.responses.parse(
+        model=MODEL, input='{"name": "Paris", "population": 2100000}', text_format=City
+    )
+    assert r.output_parsed == City(name="Paris", population=2100000)
+    assert app[1].opened[-1][1]["structured_output"]["kind"] == "json"
