@@ -9,8 +9,8 @@ Each line of the input is one request, as OpenAI's Batch API writes them::
     {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
 ``url`` is ``/v1/chat/completions``, ``/v1/completions`` or ``/v1/embeddings``
-(the last once the server serves embeddings; until then each such line is
-refused by name). Each is answered by the same code that answers the HTTP
+(the last with ``--runner pooling``, which in turn refuses the other two by
+name, as the server does). Each is answered by the same code that answers the HTTP
 route (:class:`~iterserve.cluster.openai.serving.OpenAIServing`), over one
 engine started in this process (:class:`~iterserve.cluster.engine.api.AsyncEngine`),
 with ``2 × max_num_seqs`` requests in flight. The output has one line per input
@@ -130,7 +130,7 @@ def _handler(serving, url: Any) -> Callable[[bytes, str], Awaitable] | None:
     names = {
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
-        "/v1/embeddings": "embeddings",  # once the server has it
+        "/v1/embeddings": "embeddings",
     }
     return getattr(serving, names[url], None) if url in names else None
 

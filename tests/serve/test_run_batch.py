@@ -116,3 +116,24 @@ def test_run_batch_end_to_end_on_the_tiny_model_exits_cleanly(tiny_model_dir, tm
     assert len(answers[2]["response"]["body"]["choices"]) == 2
     assert "Running batch: 4/4" in done.stderr
     assert "4 lines answered" in done.stderr
+
+
+def test_embedding_lines_on_a_pooling_runner(ray_session, tokenizer_dir, vocab_size, tmp_path):
+    lines = [
+        {"custom_id": "e1", "url": "/v1/embeddings", "body": {"model": MODEL, "input": "hello"}},
+        {"custom_id": "e2", "url": "/v1/embeddings",
+         "body": {"model": MODEL, "input": ["hello", "world"], "encoding_format": "float"}},
+        completion("c1"),  # a pooling runner serves no completions: refused by name
+    ]  # fmt: skip
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    fake = stand_in("fake", output_len=12, max_model_len=128, vocab_size=vocab_size)
+    argv = ["-i", str(src), "-o", str(out), "--model", str(tokenizer_dir), "--runner", "pooling",
+            *FAKE_FLAGS]  # fmt: skip
+    assert batch.main(argv, executor=fake) == 0
+    e1, e2, c1 = read_answers(out)
+    assert e1["response"]["status_code"] == 200 and e1["error"] is None
+    assert e1["response"]["body"]["object"] == "list"
+    assert len(e2["response"]["body"]["data"]) == 2
+    assert all(isinstance(x, float) for x in e2["response"]["body"]["data"][1]["embedding"])
+    assert c1["response"]["status_code"] == 404 and "pooling" in c1["error"]["message"]
