@@ -111,20 +111,8 @@ def attend(query, k_cache, v_cache, batch: plan.BatchPlan, scale, window, soft_c
     arrays = (as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,
               table_of, starts, lengths, rows, np.float32(scale),
               None if soft_cap is None else np.float32(soft_cap), as_array(out))  # fmt: skip
-    if kernel == "loops":
-        run = (
-            attention_rows.attend_rows_loops_parallel
-            if parallel
-            else attention_rows.attend_rows_loops
-        )
-        run(*arrays)
-    else:
-        run = (
-            attention_rows.attend_rows_tiles_parallel
-            if parallel
-            else attention_rows.attend_rows_tiles
-        )
-        run(*arrays, True if kernel == "amx_tiles" else None)
+    run = attention_rows.attend_rows_parallel if parallel else attention_rows.attend_rows
+    run(*arrays, None if kernel == "loops" else True, True if kernel == "amx_tiles" else None)
 
 
 def _attend_long_amx(query, k_cache, v_cache, batch, scale, window, soft_cap, out):

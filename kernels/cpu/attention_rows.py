@@ -185,7 +185,7 @@ def _attend_row(
 @jit()
 def _attend_row_tiles(
     q, k_flat, v_flat, tables, table_of, starts, lengths, rows, r, scale, soft_cap, out,
-    scores, acc, top, block_size, num_kv_heads, amx,
+    scores, acc, top, block_size, num_kv_heads, amx, packed, tile, config,
 ):  # fmt: skip
     """:func:`_attend_row` in tiles. ``k_flat``/``v_flat`` are the caches' bits as
     1-D arrays; ``scores`` is ``[num_heads, longest rounded up to a block]``, indexed
@@ -194,8 +194,8 @@ def _attend_row_tiles(
     their slots hold, which nothing reads). Score tiles start at 16-slot
     boundaries, so under a window the slots of the first tile before it are scored
     too and then left out of the largest score, the softmax and the PV tiles.
-    ``amx``: None, or :func:`.amx.group_scores`'s scratch (packed query, score
-    tile, tile configuration)."""
+    With ``amx`` not None the scores come from :func:`.amx.group_scores`, whose
+    scratch are ``packed`` (the query), ``tile`` and ``config``."""
     table, start, length, next_table, next_start, next_length = _row(
         tables, table_of, starts, lengths, r
     )
@@ -203,7 +203,6 @@ def _attend_row_tiles(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     if amx is not None:
-        packed, tile, config = amx
         cpu_amx.pack_group_queries(q.view(np.uint32), row, num_kv_heads, group, packed)
         cpu_amx.configure_group_tiles(config, group)
     first_block = start // block_size
@@ -336,73 +335,68 @@ def _loops_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, 
 
 
 @jit()
-def _tiles_scratch(q, k_cache, width, amx):
+def _tiles_scratch(q, k_cache, width):
     """A thread's scratch for :func:`_attend_row_tiles`: scores ``width`` a head, the
-    accumulators, each head's largest score, and where ``amx`` is not None the AMX
-    scores' (packed query, score tile, tile configuration)."""
+    accumulators, each head's largest score, and the AMX scores' (packed query,
+    score tile, tile configuration: a few hundred bytes, made whether used or not)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    scores = np.empty((num_heads, width), dtype=np.float32)
-    acc = np.empty((num_heads, head_dim), dtype=np.float32)
-    top = np.empty(num_heads, dtype=np.float32)
-    if amx is None:
-        return scores, acc, top, None
-    group = (
+    return (
+        np.empty((num_heads, width), dtype=np.float32),
+        np.empty((num_heads, head_dim), dtype=np.float32),
+        np.empty(num_heads, dtype=np.float32),
         np.empty(num_heads * head_dim // 2, dtype=np.uint32),
         np.empty(POSITIONS * (num_heads // k_cache.shape[2]), dtype=np.float32),
         np.empty(64, dtype=np.uint8),
     )
-    return scores, acc, top, group
 
 
 @jit()
 def _tiles_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale, soft_cap,
-               out, scratch):  # fmt: skip
-    scores, acc, top, group = scratch
+               out, scratch, amx):  # fmt: skip
+    scores, acc, top, packed, tile, config = scratch
     _attend_row_tiles(q, k_cache.reshape(-1), v_cache.reshape(-1), tables, table_of, starts,
                       lengths, rows, r, scale, soft_cap, out, scores, acc, top, k_cache.shape[1],
-                      k_cache.shape[2], group)  # fmt: skip
+                      k_cache.shape[2], amx, packed, tile, config)  # fmt: skip
 
 
-# The four entry points: the loops or the tiles, the rows one after the other or
-# across numba's threads (each thread with scratch of its own). Row ``r`` of a
-# batch is query row ``rows[r]``, seeing positions ``starts[r]`` (0 when
-# ``starts`` is None) to ``lengths[r] - 1`` of the sequence whose table is
-# ``tables[table_of[r]]``. The tiles' ``amx``: None, or True for AMX scores.
-
-
-@jit()
-def attend_rows_loops(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
-                      soft_cap, out):  # fmt: skip
-    scratch = _loops_scratch(q, _widest(starts, lengths, 1))
-    _first_blocks(k_cache, tables, table_of, starts, lengths)
-    for r in range(lengths.shape[0]):
-        _loops_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
-                   soft_cap, out, scratch)  # fmt: skip
-
-
-@jit(parallel=True)
-def attend_rows_loops_parallel(q, k_cache, v_cache, tables, table_of, starts, lengths, rows,
-                               scale, soft_cap, out):  # fmt: skip
-    for r in prange(lengths.shape[0]):
-        scratch = _loops_scratch(q, _width(starts, lengths, r, 1))
-        _loops_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
-                   soft_cap, out, scratch)  # fmt: skip
+# The entry points: the rows one after the other, or across numba's threads (each
+# thread with scratch of its own). Row ``r`` of a batch is query row ``rows[r]``,
+# seeing positions ``starts[r]`` (0 when ``starts`` is None) to ``lengths[r] - 1`` of
+# the sequence whose table is ``tables[table_of[r]]``. The kernel is the loops with
+# ``tiles`` None, else the tiles; with ``amx`` not None their scores are AMX's. Each
+# combination is compiled on its own (None is a type of its own to numba), the
+# others' code pruned. Inside a prange loop numba hands the body what it reads from
+# outside as optional values, so there a branch on ``x is None`` is compiled both
+# ways and runs as a branch: the choice between the kernels, whose scratch differs,
+# is made before the loops.
 
 
 @jit()
-def attend_rows_tiles(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
-                      soft_cap, out, amx):  # fmt: skip
-    scratch = _tiles_scratch(q, k_cache, _widest(starts, lengths, k_cache.shape[1]), amx)
+def attend_rows(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale, soft_cap,
+                out, tiles, amx):  # fmt: skip
     _first_blocks(k_cache, tables, table_of, starts, lengths)
-    for r in range(lengths.shape[0]):
-        _tiles_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
-                   soft_cap, out, scratch)  # fmt: skip
+    if tiles is None:
+        scratch = _loops_scratch(q, _widest(starts, lengths, 1))
+        for r in range(lengths.shape[0]):
+            _loops_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
+                       soft_cap, out, scratch)  # fmt: skip
+    else:
+        tiled = _tiles_scratch(q, k_cache, _widest(starts, lengths, k_cache.shape[1]))
+        for r in range(lengths.shape[0]):
+            _tiles_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
+                       soft_cap, out, tiled, amx)  # fmt: skip
 
 
 @jit(parallel=True)
-def attend_rows_tiles_parallel(q, k_cache, v_cache, tables, table_of, starts, lengths, rows,
-                               scale, soft_cap, out, amx):  # fmt: skip
-    for r in prange(lengths.shape[0]):
-        scratch = _tiles_scratch(q, k_cache, _width(starts, lengths, r, k_cache.shape[1]), amx)
-        _tiles_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
-                   soft_cap, out, scratch)  # fmt: skip
+def attend_rows_parallel(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
+                         soft_cap, out, tiles, amx):  # fmt: skip
+    if tiles is None:
+        for r in prange(lengths.shape[0]):
+            scratch = _loops_scratch(q, _width(starts, lengths, r, 1))
+            _loops_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
+                       soft_cap, out, scratch)  # fmt: skip
+    else:
+        for r in prange(lengths.shape[0]):
+            tiled = _tiles_scratch(q, k_cache, _width(starts, lengths, r, k_cache.shape[1]))
+            _tiles_row(q, k_cache, v_cache, tables, table_of, starts, lengths, rows, r, scale,
+                       soft_cap, out, tiled, amx)  # fmt: skip

@@ -25,7 +25,7 @@ from .. import checks, reference
 from ..attention_layer import AttentionLayer
 from ..metadata import AttentionMetadata
 from . import attention, dispatch, plan, rotary
-from .attention_rows import attend_rows_loops, attend_rows_tiles
+from .attention_rows import attend_rows
 from .fastmath import as_array
 from .jit import compiled, jit
 
@@ -45,8 +45,8 @@ def _one_call_tiles(
                                     stride, positions, cos_sin, q_out.reshape(q_out.shape[0], -1),
                                     k_slots, v_slots, slots)  # fmt: skip
     if bad < 0:
-        attend_rows_tiles(q_out, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
-                          soft_cap, out, amx)  # fmt: skip
+        attend_rows(q_out, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
+                    soft_cap, out, True, amx)  # fmt: skip
     return bad
 
 
@@ -59,8 +59,8 @@ def _one_call_loops(
     bad = rotary.rotate_store_loops(query, key, value, positions, cos_sin, q_out, k_slots,
                                     v_slots, slots)  # fmt: skip
     if bad < 0:
-        attend_rows_loops(q_out, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
-                          soft_cap, out)  # fmt: skip
+        attend_rows(q_out, k_cache, v_cache, tables, table_of, starts, lengths, rows, scale,
+                    soft_cap, out, None, None)  # fmt: skip
     return bad
 
 

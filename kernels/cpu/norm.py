@@ -24,59 +24,51 @@ from .tiles import add_square_sum_tile, scale_tile, square_sum_tile
 
 
 @jit()
-def _rms_norm_rows(x, weight, eps, out):
-    rows, width = x.shape
-    for i in range(rows):
-        total = np.float32(0.0)  # fp32, as the reference's mean: 1.5x faster than fp64
-        for j in range(width):
-            v = load_f32(x, (i, j))
-            total += v * v
-        inv = np.float32(1.0 / math.sqrt(total / width + eps))
-        for j in range(width):
-            normed = round_to(out, load_f32(x, (i, j)) * inv)
-            store_f32(out, (i, j), load_f32(weight, j) * normed)
+def _summed(x, residual, summed, i, j):
+    """Row ``i``'s value ``j`` of ``x``, plus the residual's (rounded, and kept in
+    ``summed``) when there is one: ``residual`` None compiles the plain norm."""
+    if residual is None:
+        return load_f32(x, (i, j))
+    s = round_to(summed, load_f32(x, (i, j)) + load_f32(residual, (i, j)))
+    store_f32(summed, (i, j), s)
+    return s
 
 
 @jit()
-def _add_rms_norm_rows(x, residual, weight, eps, out, summed):
+def _rms_norm_rows(x, residual, weight, eps, out, summed):
+    """Each row normalised into ``out``; with a ``residual`` (not None) the row is
+    ``x + residual``, kept in ``summed`` as the next layer's residual."""
     rows, width = x.shape
+    normed_from = x if residual is None else summed
     for i in range(rows):
         total = np.float32(0.0)  # fp32, as the reference's mean: 1.5x faster than fp64
         for j in range(width):
-            s = round_to(summed, load_f32(x, (i, j)) + load_f32(residual, (i, j)))
-            store_f32(summed, (i, j), s)
+            s = _summed(x, residual, summed, i, j)
             total += s * s
         inv = np.float32(1.0 / math.sqrt(total / width + eps))
         for j in range(width):
-            normed = round_to(out, load_f32(summed, (i, j)) * inv)
+            normed = round_to(out, load_f32(normed_from, (i, j)) * inv)
             store_f32(out, (i, j), load_f32(weight, j) * normed)
 
 
 @jit()
-def _rms_norm_rows_bf16(x, weight, eps, out):
+def _rms_norm_rows_bf16(x, residual, weight, eps, out, summed):
     """:func:`_rms_norm_rows` for bf16 rows of a multiple of 16 values, in vector
-    tiles (:mod:`.cpu_tiles`); ``x`` and ``out`` as ``[rows, width]`` bits."""
+    tiles (:mod:`.tiles`); the arrays as ``[rows, width]`` bits."""
     rows, width = x.shape
     chunks = width // 16
     x_flat, out_flat = x.reshape(-1), out.reshape(-1)
     for i in range(rows):
-        total = square_sum_tile(x_flat, i * width, chunks)
-        inv = np.float32(1.0 / math.sqrt(total / width + eps))
-        scale_tile(x_flat, i * width, weight, inv, out_flat, i * width, chunks)
-
-
-@jit()
-def _add_rms_norm_rows_bf16(x, residual, weight, eps, out, summed):
-    """:func:`_add_rms_norm_rows` in vector tiles, as :func:`_rms_norm_rows_bf16`."""
-    rows, width = x.shape
-    chunks = width // 16
-    x_flat, r_flat = x.reshape(-1), residual.reshape(-1)
-    out_flat, s_flat = out.reshape(-1), summed.reshape(-1)
-    for i in range(rows):
-        total = add_square_sum_tile(x_flat, i * width, r_flat, i * width, s_flat, i * width,
-                                    chunks)  # fmt: skip
-        inv = np.float32(1.0 / math.sqrt(total / width + eps))
-        scale_tile(s_flat, i * width, weight, inv, out_flat, i * width, chunks)
+        at = i * width
+        if residual is None:
+            total = square_sum_tile(x_flat, at, chunks)
+            inv = np.float32(1.0 / math.sqrt(total / width + eps))
+            scale_tile(x_flat, at, weight, inv, out_flat, at, chunks)
+        else:
+            s_flat = summed.reshape(-1)
+            total = add_square_sum_tile(x_flat, at, residual.reshape(-1), at, s_flat, at, chunks)
+            inv = np.float32(1.0 / math.sqrt(total / width + eps))
+            scale_tile(s_flat, at, weight, inv, out_flat, at, chunks)
 
 
 def rms_norm(
@@ -98,15 +90,13 @@ def rms_norm(
     # Plain allocations: placing the outputs off their inputs' 4K alias cost more
     # than it saved in every decode step measured (docs/kernels.md, 4K aliasing).
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel = _rms_norm_rows_bf16 if tiles else _rms_norm_rows
     if residual is None:
-        kernel = _rms_norm_rows_bf16 if tiles else _rms_norm_rows
-        kernel(as_array(x), as_array(weight), float(eps), as_array(out))
+        kernel(as_array(x), None, as_array(weight), float(eps), as_array(out), None)
         return out
     summed = torch.empty_like(x, memory_format=torch.contiguous_format)
-    (_add_rms_norm_rows_bf16 if tiles else _add_rms_norm_rows)(
-        as_array(x), as_array(residual), as_array(weight), float(eps), as_array(out),
-        as_array(summed),
-    )  # fmt: skip
+    kernel(as_array(x), as_array(residual), as_array(weight), float(eps), as_array(out),
+           as_array(summed))  # fmt: skip
     return out, summed
 
 

@@ -108,8 +108,8 @@ def test_cpu_backend_attends_windowed_decodes_on_its_kernels(monkeypatch):
     calls, real = [], ref.paged_attention
     monkeypatch.setattr(ref, "paged_attention",
                         lambda *a, **kw: calls.append(kw["window"]) or real(*a, **kw))  # fmt: skip
-    starts, real_rows = [], attention_rows.attend_rows_loops
-    monkeypatch.setattr(attention_rows, "attend_rows_loops",
+    starts, real_rows = [], attention_rows.attend_rows
+    monkeypatch.setattr(attention_rows, "attend_rows",
                         lambda *a: starts.append(a[5] is not None) or real_rows(*a))  # fmt: skip
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the serial loop
     ops = get_ops("cpu")

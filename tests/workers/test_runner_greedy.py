@@ -67,9 +67,9 @@ def test_a_warmed_up_runner_compiles_first_and_generates_the_same(
     from iterserve.kernels.cpu import attention_rows, layer
 
     calls = []  # the rows each attention call took: on its own, or after the rotary
-    kernel, one_call = attention_rows.attend_rows_loops, layer._one_call_loops
+    kernel, one_call = attention_rows.attend_rows, layer._one_call_loops
     monkeypatch.setattr(
-        attention_rows, "attend_rows_loops", lambda *a: calls.append(a[6].size) or kernel(*a)
+        attention_rows, "attend_rows", lambda *a: calls.append(a[6].size) or kernel(*a)
     )
     monkeypatch.setattr(
         layer, "_one_call_loops", lambda *a: calls.append(a[14].size) or one_call(*a)

@@ -22,3 +22,17 @@ def fail_on(monkeypatch, module, *names: str) -> None:
 
     for name in names:
         monkeypatch.setattr(module, name, called)
+
+
+def fail_on_loops(monkeypatch) -> None:
+    """The row kernels may run the tiles only: a call of the loops fails the test."""
+    from iterserve.kernels.cpu import attention_rows
+
+    for name in ("attend_rows", "attend_rows_parallel"):
+        kernel = getattr(attention_rows, name)
+
+        def tiles_only(*args, kernel=kernel):
+            assert args[11] is not None, "the loops ran where the tiles must"
+            return kernel(*args)
+
+        monkeypatch.setattr(attention_rows, name, tiles_only)

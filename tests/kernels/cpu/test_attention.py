@@ -6,7 +6,7 @@ import torch
 
 from iterserve.kernels import get_ops
 from iterserve.kernels import reference as ref
-from iterserve.kernels.cpu import activation, attention_rows, isa, jit, norm, rotary
+from iterserve.kernels.cpu import activation, isa, jit, norm, rotary
 from iterserve.kernels.cpu import attention as cpu_attention
 from iterserve.kernels.cpu import plan as cpu_plan
 from tests.kernels.attention_cases import (
@@ -16,7 +16,7 @@ from tests.kernels.attention_cases import (
     make_batch,
     poison_past_ends,
 )
-from tests.kernels.cpu.levels import at_level, fail_on
+from tests.kernels.cpu.levels import at_level, fail_on, fail_on_loops
 
 pytestmark = pytest.mark.skipif(not jit.available(), reason="numba is not installed")
 
@@ -309,7 +309,7 @@ def test_bf16_tiles_attend_as_the_dense_attention(monkeypatch, block_size, num_h
     PV tile splits (up to 8 heads a tile, 12 as 8 + 4), heads of one to four
     32-value chunks, blocks of one and two score tiles, sequences ending inside
     a tile; the loops may not run."""
-    fail_on(monkeypatch, attention_rows, "attend_rows_loops", "attend_rows_loops_parallel")
+    fail_on_loops(monkeypatch)
     b = on_cpu(make_batch(shape, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
                           seed=11))  # fmt: skip
     serial, parallel = serial_and_parallel(b)
@@ -348,7 +348,7 @@ def test_bf16_tiles_take_windows_and_soft_caps(monkeypatch, block_size, window, 
     monkeypatch.setattr(cpu_plan, "SHORT_PIECE_WORK", 1 << 16)  # every piece on the kernel
     b = on_cpu(make_batch(shape, 8, 2, 64, block_size, torch.bfloat16, seed=17))
     b.query = b.query * 4  # scores large enough for a cap to bite
-    fail_on(monkeypatch, attention_rows, "attend_rows_loops", "attend_rows_loops_parallel")
+    fail_on_loops(monkeypatch)
     fail_on(monkeypatch, ref, "paged_attention", "attend_long_pieces")
     serial, parallel = serial_and_parallel(b, window=window, soft_cap=soft_cap)
     want = dense_attention(b, window, soft_cap).to(torch.bfloat16).double()
