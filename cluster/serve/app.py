@@ -117,8 +117,7 @@ class ServeArgs(BaseModel):
     )
     chat_template: str | None = Field(
         None,
-        description="The chat template: a file, or the template itself; unset: the "
-        "checkpoint's.",
+        description="The chat template: a file, or the template itself; unset: the checkpoint's.",
     )
     generation_config: str = Field(
         "auto",
@@ -128,8 +127,7 @@ class ServeArgs(BaseModel):
     )
     override_generation_config: dict[str, Any] = Field(
         default_factory=dict,
-        description="Sampling defaults set over generation_config's, e.g. "
-        '{"temperature": 0.5}.',
+        description='Sampling defaults set over generation_config\'s, e.g. {"temperature": 0.5}.',
     )
 
     @field_validator("tool_call_parser")
