@@ -169,7 +169,19 @@ def _measure(path, model_name, device, batch_sizes, context, prefill_len, steps,
     num_blocks = cache_blocks(batch_sizes, context, prefill_len, steps, block_size)
     runner = ModelRunner(path, num_kv_blocks=num_blocks, block_size=block_size, device=device)
     out: dict[str, Any] = {"model": model_name, "device": device, "dtype": str(runner.dtype)}
-    return {**out, **measure(runner, batch_sizes, context, prefill_len, steps)}
+    out |= measure(runner, batch_sizes, context, prefill_len, steps)
+    if device == "cpu":  # the decode steps' distance from this core's two bounds
+        from . import roofline
+
+        bandwidth, peak = roofline.stream_bandwidth(), roofline.peak_flops(runner.dtype)
+        out["stream_gb_s"] = round(bandwidth / 1e9, 1)
+        out["peak_gflop_s"] = round(peak / 1e9)
+        for b in (32, 64):
+            if f"decode_tok_s_{b}" in out:
+                step_s = b / out[f"decode_tok_s_{b}"]
+                out[f"roofline_{b}"] = roofline.shares(runner.config, b, context, runner.dtype,
+                                                       step_s, bandwidth, peak)  # fmt: skip
+    return out
 
 
 def measure(runner: ModelRunner, batch_sizes, context: int, prefill_len: int, steps: int,

@@ -29,9 +29,10 @@ the work in vector registers, written directly as LLVM IR:
   32 pairs at a time through strided 3-D indexing, ~1.5 ns an element at 512
   tokens.
 
-- :func:`silu_mul_tile`: a gated MLP's bf16 SiLU·mul, 16 values a vector, the
-  exponential as :func:`.cpu_math.exp_f32`'s polynomial; ~1.6x torch's two
-  passes at 32 to 512 rows of 2816 values (0.53 against 0.83 ns a value).
+- :func:`silu_mul_tile`, :func:`gelu_tanh_mul_tile`: a gated MLP's bf16
+  activation·mul, 16 values a vector, the exponential as
+  :func:`.fastmath.exp_f32`'s polynomial; SiLU's ~1.6x torch's two passes at 32
+  to 512 rows of 2816 values (0.53 against 0.83 ns a value).
 
 - :func:`square_sum_tile`, :func:`add_square_sum_tile` and
   :func:`scale_tile`: RMSNorm's two passes over a bf16 row, 16 values a
@@ -61,6 +62,16 @@ if numba is not None:
     from llvmlite import binding, ir
     from numba.core import cgutils, types
     from numba.extending import intrinsic
+
+# The gated activations the MLP tiles compute, and GELU's tanh form's constants:
+# z = sqrt(2 / pi) (x + 0.044715 x**3).
+GATES = ("silu", "gelu_tanh")
+GELU_KAPPA = 0.044715
+GELU_BETA = 0.7978845608028654
+# Cephes' tanhf below |z| = 0.625 (fastmath.tanh_f32's): z + z**3 P(z**2), P's
+# coefficients from the highest power down.
+TANH_POLY = (-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1,
+             -3.33332819422e-1)  # fmt: skip
 
 # A score tile's positions; a PV tile's head values (two vectors of 16 lanes).
 POSITIONS = 16
@@ -425,30 +436,66 @@ if numba is not None:
         )
         return builder.fmul(p, builder.bitcast(exponent, _V16F))
 
-    @intrinsic
-    def silu_mul_tile(typingctx, x, x_index, up_index, out, out_index, chunks):
-        """``out.flat[out_index:][:16 * chunks]`` = ``round(silu(g)) * u``, rounded,
-        for the bf16 ``g`` at ``x.flat[x_index:]`` and ``u`` at ``x.flat[up_index:]``:
-        a gated MLP's activation as Hugging Face computes it in bf16 (the SiLU
-        ``g / (1 + e**-g)`` in fp32, rounded; the product in fp32, rounded)."""
-        signature = types.void(x, x_index, up_index, out, out_index, chunks)
+    def _gelu_tanh(builder, g):
+        """``g (1 + tanh(z)) / 2``, ``z = sqrt(2/pi) (g + 0.044715 g**3)``, in 16 lanes
+        as torch computes it (its tanh form, so its cancellations too: 0 where
+        tanh(z) is -1), tanh as :func:`.fastmath.tanh_f32` takes it (Cephes'
+        ``tanhf``: an odd polynomial below |z| = 0.625, ``1 - 2 / (e**2z + 1)``
+        above)."""
 
-        def codegen(context, builder, sig, args):
-            x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
-            out_data = context.make_array(sig.args[3])(context, builder, args[3]).data
-            x_index, up_index, out_index, chunks = (_i64(builder, args[i]) for i in (1, 2, 4, 5))
-            one = ir.Constant(_V16F, [1.0] * 16)
-            with cgutils.for_range(builder, chunks) as loop:
-                j = builder.mul(loop.index, _I64(16))
-                g = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
-                u = _widen(builder, _load(builder, x_data, builder.add(up_index, j), _V16H))
-                silu = builder.fdiv(g, builder.fadd(one, _exp(builder, builder.fneg(g))))
-                silu, _ = _bf16_round_trip(builder, silu)
-                bits = _rounded_bits(builder, builder.fmul(silu, u))
-                _store(builder, out_data, builder.add(out_index, j), bits)
-            return context.get_dummy_value()
+        def c(value):
+            return ir.Constant(_V16F, [value] * 16)
 
-        return signature, codegen
+        cube = builder.fmul(builder.fmul(g, g), g)
+        z = builder.fmul(builder.fadd(g, builder.fmul(cube, c(GELU_KAPPA))), c(GELU_BETA))
+        zz = builder.fmul(z, z)
+        p = c(TANH_POLY[0])
+        for term in TANH_POLY[1:]:
+            p = builder.fadd(builder.fmul(p, zz), c(term))
+        small = builder.fadd(builder.fmul(builder.fmul(p, zz), z), z)
+        large = builder.fsub(
+            c(1.0), builder.fdiv(c(2.0), builder.fadd(_exp(builder, builder.fmul(z, c(2.0))), c(1.0)))
+        )
+        tanh = builder.select(builder.fcmp_ordered("<", zz, c(0.390625)), small, large)
+        return builder.fmul(builder.fmul(g, c(0.5)), builder.fadd(c(1.0), tanh))
+
+    def _gated_mul_tile(activation: str):
+        """A gated MLP's bf16 ``act(g) * u`` tile, ``act`` one of :data:`GATES`."""
+
+        @intrinsic
+        def gated_mul_tile(typingctx, x, x_index, up_index, out, out_index, chunks):
+            """``out.flat[out_index:][:16 * chunks]`` = ``round(act(g)) * u``, rounded,
+            for the bf16 ``g`` at ``x.flat[x_index:]`` and ``u`` at ``x.flat[up_index:]``:
+            a gated MLP's activation as Hugging Face computes it in bf16 (the
+            activation in fp32, rounded; the product in fp32, rounded): SiLU as
+            ``g / (1 + e**-g)``, GELU's tanh form as torch writes it
+            (:func:`_gelu_tanh`)."""
+            signature = types.void(x, x_index, up_index, out, out_index, chunks)
+
+            def codegen(context, builder, sig, args):
+                x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                out_data = context.make_array(sig.args[3])(context, builder, args[3]).data
+                x_index, up_index, out_index, chunks = (_i64(builder, args[i]) for i in (1, 2, 4, 5))
+                one = ir.Constant(_V16F, [1.0] * 16)
+                with cgutils.for_range(builder, chunks) as loop:
+                    j = builder.mul(loop.index, _I64(16))
+                    g = _widen(builder, _load(builder, x_data, builder.add(x_index, j), _V16H))
+                    u = _widen(builder, _load(builder, x_data, builder.add(up_index, j), _V16H))
+                    if activation == "gelu_tanh":
+                        act = _gelu_tanh(builder, g)
+                    else:
+                        act = builder.fdiv(g, builder.fadd(one, _exp(builder, builder.fneg(g))))
+                    act, _ = _bf16_round_trip(builder, act)
+                    bits = _rounded_bits(builder, builder.fmul(act, u))
+                    _store(builder, out_data, builder.add(out_index, j), bits)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return gated_mul_tile
+
+    silu_mul_tile = _gated_mul_tile("silu")
+    gelu_tanh_mul_tile = _gated_mul_tile("gelu_tanh")
 
     # 2**f for |f| <= 1/2: a degree-5 polynomial fitted at Chebyshev nodes (from the
     # highest power down), within 1.1e-7 of the value there (about two fp32 steps).
