@@ -91,6 +91,34 @@ class EngineConfig:
         maximum=1,
         helm_default=0.8,
     )
+    kv_offloading_size: float = knob(
+        0.0,
+        "GiB of host memory in all (across tensor-parallel ranks) for KV blocks leaving the "
+        "device: found there again by a later prompt, or by a preempted sequence swapped "
+        "back; 0: none (docs/serving.md, KV cache tiers)",
+        minimum=0,
+    )
+    kv_disk_cache_dir: str | None = knob(
+        None,
+        "directory of the disk tier under the host tier: blocks kept across restarts, "
+        "one directory per model fingerprint, each rank its own files; unset: none "
+        "(the chart: `kvDiskCache.volume`)",
+        helm=False,
+    )
+    kv_disk_cache_size: float = knob(
+        10.0,
+        "GiB of files the disk tier keeps (per engine replica), least recently used deleted first",
+        exclusive_minimum=0,
+    )
+    kv_events_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "KV cache events, vLLM's keys: `{enable_kv_cache_events, publisher: zmq, "
+            "endpoint, replay_endpoint, topic, buffer_steps, hwm}`; each engine replica "
+            "binds the endpoint's port plus its index (`/v1/stats` lists them); empty: none",
+            "helm": False,
+        },
+    )
     step_timeout_s: float = knob(
         60.0, "a step slower than this is a hung worker: restart and recompute", exclusive_minimum=0
     )
@@ -166,10 +194,26 @@ class EngineConfig:
         object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
         if self.lora_modules and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)
+        self._check_kv_tiers()
         if self.runner == "pooling" and self.pooling_type == "MEAN":
             # A mean needs every token's hidden state: none may be skipped as cached.
             scheduler = dataclasses.replace(self.scheduler, enable_prefix_caching=False)
             object.__setattr__(self, "scheduler", scheduler)
+
+    def _check_kv_tiers(self) -> None:
+        from .engine.kv_events import check_kv_events_config
+
+        object.__setattr__(self, "kv_events_config", check_kv_events_config(self.kv_events_config))
+        if self.kv_disk_cache_dir and not self.kv_offloading_size:
+            raise ValueError(
+                "kv_disk_cache_dir: the disk tier reads and writes through host memory; "
+                "set kv_offloading_size too"
+            )
+        if self.kv_offloading_size and not self.scheduler.prefix_caching:
+            raise ValueError(
+                "kv_offloading_size: the KV tiers keep prefix-cached blocks; it needs "
+                "enable_prefix_caching with the continuous or chunked policy (paged layout)"
+            )
 
     @property
     def rank_max_loras(self) -> int:

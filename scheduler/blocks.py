@@ -35,6 +35,10 @@ first ``num_freed`` entries are no longer held::
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -79,6 +83,8 @@ class BlockManager:
         self.num_freed: dict[str, int] = {}
         self._first_query: dict[str, int] = {}
         self.num_evictions = 0
+        # The lower tiers (host memory, disk) and the events of every tier; None: none.
+        self.tiers: KVTiers | None = None
 
     @property
     def num_free(self) -> int:
@@ -124,20 +130,29 @@ class BlockManager:
     ) -> list[int] | None:
         """Grows the table to hold ``num_tokens`` tokens; returns the new block ids,
         or ``None`` (changing nothing) when too few blocks are free. A new table may
-        start with ``cached`` blocks (from :meth:`lookup`): they come first, shared."""
+        start with ``cached`` blocks (from :meth:`lookup`): they come first, shared.
+        An entry ``~slot`` (negative) of ``cached`` is a block in host memory: a fresh
+        block takes its hash now, and the plan loads it there before any row."""
         if cached:
             if request_id in self.tables:
                 raise RuntimeError(f"{request_id}: cached blocks can only start a table")
             target = max(num_tokens, self.slab_tokens)
             needed = max(0, blocks_for(target, self.block_size) - len(cached))
-            # An evictable hit leaves the pool fresh blocks come from: count it too.
-            revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+            # An evictable hit leaves the pool fresh blocks come from: count it too,
+            # and a load takes a fresh block.
+            revived = sum(1 for b in cached if b < 0 or self.ref_counts[b] == 0)
             if needed + revived > self.num_free:
                 return None
+            loads = False
             for block in cached:
+                if block < 0:
+                    loads = True
+                    continue
                 if self.ref_counts[block] == 0:
                     del self._evictable[block]
                 self.ref_counts[block] += 1
+            if loads:
+                cached = [b if b >= 0 else self._load(~b) for b in cached]
             new = cached + [self._take() for _ in range(needed)]
             self.tables[request_id] = list(new)
             self._num_done[request_id] = len(cached)
@@ -168,28 +183,45 @@ class BlockManager:
             del self.cached[evicted]
             self.block_hashes[block] = None
             self.num_evictions += 1
+            if self.tiers is not None:
+                self.tiers.device_removed(evicted)
         self.ref_counts[block] = 1
+        return block
+
+    def _load(self, slot: int) -> int:
+        """A fresh block that takes the content of host ``slot`` (loaded by the plan)."""
+        assert self.tiers is not None
+        key = self.tiers.host_key[slot]
+        assert key is not None and key not in self.cached, "a load of a key held already"
+        block = self._take()
+        self.cached[key] = block
+        self.block_hashes[block] = key
+        self.tiers.load(slot, block)
         return block
 
     def num_registered(self, request_id: str) -> int:
         """Leading blocks of the table already done with for caching."""
         return self._num_done.get(request_id, 0)
 
-    def register(self, request_id: str, hashes: list[bytes], num_full: int) -> None:
+    def register(self, request_id: str, hashes: list[bytes], num_full: int) -> list[int]:
         """Registers the table's blocks up to ``num_full`` under ``hashes`` (the
         sequence's block hashes): their KV is computed by a step already planned.
-        A block whose content another block holds already stays unshared."""
+        A block whose content another block holds already stays unshared. Returns
+        the indices newly registered when there are tiers to tell (else none)."""
         start = self._num_done.get(request_id, 0)
         if num_full <= start:
-            return
+            return []
         table = self.tables[request_id]
         cached = self.cached
+        new = []
         for i in range(start, num_full):
             block, h = table[i], hashes[i]
             if h not in cached:
                 cached[h] = block
                 self.block_hashes[block] = h
+                new.append(i)
         self._num_done[request_id] = num_full
+        return new if self.tiers is not None else []
 
     def free(self, request_id: str, num_valid_blocks: int | None = None) -> list[int]:
         """Drops the table's references; returns the blocks it still held. A block
@@ -210,6 +242,8 @@ class BlockManager:
                     raise RuntimeError(f"block {block} is shared but was never computed")
                 del self.cached[h]
                 hashes[block] = None
+                if self.tiers is not None:
+                    self.tiers.device_removed(h)
             self._release(block)
         return blocks[first:]
 
@@ -233,10 +267,13 @@ class BlockManager:
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            if self.block_hashes[block] is None:
+            h = self.block_hashes[block]
+            if h is None:
                 self._free.append(block)
             else:
                 self._evictable[block] = None
+                if self.tiers is not None:
+                    self.tiers.released(block, h)  # copied down a tier
 
     def free_out_of_window(self, request_id: str, first_query: int) -> list[int]:
         """Hands on the table's leading blocks that no layer can read from a query at
@@ -260,7 +297,9 @@ class BlockManager:
         return self.tables.get(request_id, [])[self.num_freed.get(request_id, 0) :]
 
     def clear_cache(self) -> None:
-        """Forgets every hash: the KV they name is gone (the workers restarted)."""
+        """Forgets every hash: the KV they name is gone (the workers restarted, or the
+        prefix cache is reset)."""
+        cleared = list(self.cached)
         for block in self._evictable:
             self._free.append(block)
         self._evictable.clear()
@@ -268,6 +307,9 @@ class BlockManager:
         self.block_hashes = [None] * self.num_blocks
         for request_id in self._num_done:
             self._num_done[request_id] = len(self.tables[request_id])
+        if self.tiers is not None:
+            for h in cleared:
+                self.tiers.device_removed(h)
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])

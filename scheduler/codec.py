@@ -21,6 +21,8 @@ from .messages import (
     EngineOutput,
     EngineOutputs,
     FinishedSeq,
+    KVReport,
+    KVTransfers,
     NewSequence,
     PooledOutput,
     PromptLogprobs,
@@ -40,8 +42,9 @@ from .sampling import (
 # (logit bias, allowed tokens, bad words, prompt logprobs, structured outputs) and
 # StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
 # 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads); 8: pooling
-# (StepResult.pooled, EngineOutput.pooled), StructuredOutput.start_after
-VERSION = 8
+# (StepResult.pooled, EngineOutput.pooled), StructuredOutput.start_after; 9: KV tiers
+# (StepPlan.kv, StepResult.kv)
+VERSION = 9
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -168,6 +171,29 @@ _SCHEMAS[NewSequence] = (
 )
 _SCHEMAS[AdapterLoad] = (_int, _int, _str, _str)
 _SCHEMAS[ScheduledSeq] = (_int, _int, _int, _list(_int), _bool, _int, _list(_int), _int)
+_SCHEMAS[KVTransfers] = (
+    _list(_int),
+    _list(_int),
+    _list(_int),
+    _list(_int),
+    _bool,
+    _list(_int),
+    _list(_str),
+    _list(_str),
+    _list(_list(_int)),
+    _list(_str),
+    _list(_int),
+    _list(_int),
+    _list(_str),
+)
+_SCHEMAS[KVReport] = (
+    _list(_int),
+    _list(_int),
+    _list(_str),
+    _float,
+    _list(_float),
+    _list(_float),
+)
 _SCHEMAS[StepPlan] = (
     _int,
     _list(_record(NewSequence)),
@@ -176,6 +202,7 @@ _SCHEMAS[StepPlan] = (
     _list(_int),
     _bool,
     _list(_record(AdapterLoad)),
+    _optional(_record(KVTransfers)),
 )
 _SCHEMAS[SampledToken] = (_int, _int, _optional(_float), _list(_pair))
 _SCHEMAS[FinishedSeq] = (_int, _str, _list(_int))
@@ -190,6 +217,7 @@ _SCHEMAS[StepResult] = (
     _int,
     _list(_record(PromptLogprobs)),
     _list(_record(PooledOutput)),
+    _optional(_record(KVReport)),
 )
 _SCHEMAS[EngineOutput] = (
     _str,
@@ -292,7 +320,13 @@ def _encode_plan(m: StepPlan) -> list:
         m.padding_slots,
         m.ahead,
         [[a.slot, a.adapter_id, a.name, a.path] for a in m.adapter_loads],
+        None if m.kv is None else _encode_fields(m.kv),
     ]
+
+
+def _encode_fields(m) -> list:
+    """A record of plain fields (the KV tiers' messages: at most one per step)."""
+    return [getattr(m, name) for name in _FIELDS[type(m)]]
 
 
 def _encode_prompt_logprobs(p: PromptLogprobs) -> list:
@@ -327,6 +361,7 @@ def _encode_result(m: StepResult) -> list:
         m.num_padding_tokens,
         [_encode_prompt_logprobs(p) for p in m.prompt_logprobs],
         [[p.seq_id, p.data] for p in m.pooled],
+        None if m.kv is None else _encode_fields(m.kv),
     ]
 
 

@@ -26,7 +26,8 @@ N will produce is not known yet, so a plan built ahead rests on what is certain:
   once N's result is in.
 
 Prefix caching (which blocks are shared by content, and when) is explained in
-:mod:`~iterserve.scheduler.prefix_cache`.
+:mod:`~iterserve.scheduler.prefix_cache`; the tiers below the device (host
+memory, disk), preemption by swap and the KV events in :mod:`~iterserve.scheduler.kv_tiers`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .adapters import AdapterResidency
 from .blocks import BlockManager
 from .config import SchedulerConfig
 from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .kv_tiers import KVTiers, TierConfig
 from .messages import NewSequence, StepResult
 from .policies import make_policy
 from .prefix_cache import PrefixCache
@@ -57,10 +59,16 @@ class Scheduler:
     """``ahead``: whether a step may be built while the one before it runs (then
     two are in flight at most; else one at a time). ``kv_window``: the model's,
     when every layer reads only that many last positions (blocks before it are
-    handed on while a sequence runs; paged only)."""
+    handed on while a sequence runs; paged only). ``tiers``: the KV tiers below the
+    device and the events (with prefix caching only; None: neither)."""
 
     def __init__(
-        self, config: SchedulerConfig, *, ahead: bool = True, kv_window: int | None = None
+        self,
+        config: SchedulerConfig,
+        *,
+        ahead: bool = True,
+        kv_window: int | None = None,
+        tiers: TierConfig | None = None,
     ):
         config.check_complete()
         self.config = config
@@ -75,6 +83,10 @@ class Scheduler:
                                    window=window)  # fmt: skip
         self.prefix_caching = config.prefix_caching
         self.prefix = PrefixCache(self.blocks, config.block_size, config.prefix_caching)
+        self.tiers: KVTiers | None = None
+        if tiers is not None and config.prefix_caching:
+            self.tiers = KVTiers(tiers, config.block_size, self.blocks.cached)
+            self.blocks.tiers = self.tiers
         self.waiting = WaitingQueue(config.max_queue_len)
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -140,6 +152,11 @@ class Scheduler:
         self._next_seq_id += 1
         self.requests[request.request_id] = request
         self.waiting.push(request)
+        if self.tiers is not None and self.prefix.hit_allowed(request):
+            hashes = request.full_block_hashes(self.config.block_size)
+            self.tiers.prefetch(
+                request, hashes[: (request.num_tokens - 1) // self.config.block_size]
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request in any state; its slot and blocks are free for the next step."""
@@ -155,6 +172,8 @@ class Scheduler:
             return None
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
         self._finish(request, reason)
         return RequestOutput(request_id, finish_reason=reason, request=request)
 
@@ -169,7 +188,26 @@ class Scheduler:
         for request in sorted([*self.running.values(), *ahead], key=Request.sort_key):
             self.preempt(request, kv_lost=True)
         self.blocks.clear_cache()  # the KV every hash named died with the workers
+        if self.tiers is not None:
+            self.tiers.ranks_lost()  # and their host memory with them
         self.adapters.forget_resident()  # and so did the adapters they held
+
+    def reset_prefix_cache(self, external: bool = False, preempt_running: bool = False) -> bool:
+        """Forgets every cached block's hash (``external``: the host and disk tiers'
+        too). False, changing nothing, while requests hold blocks (vLLM's answer),
+        unless ``preempt_running`` preempts them first (no step may be in flight)."""
+        if not self.prefix_caching:
+            return True  # nothing is cached
+        if self._in_flight or self.released_ahead:
+            return False
+        if self.running and not preempt_running:
+            return False
+        for request in sorted(self.running.values(), key=Request.sort_key, reverse=True):
+            self.preempt(request)
+        self.blocks.clear_cache()
+        if external and self.tiers is not None:
+            self.tiers.clear()
+        return True
 
     def drop_in_flight(self) -> None:
         """Forgets the steps in flight: their results will never come (the workers
@@ -204,7 +242,7 @@ class Scheduler:
         if finishing and not self.policy.holds_finished_slots:
             self._release_ahead(finishing)
         self.policy.schedule(step, now)
-        if not step.scheduled:
+        if not step.scheduled and not self._tiers_busy(in_flight):
             return None
         for new in step.new_seqs:
             request = step.requests[new.slot_idx]
@@ -215,6 +253,12 @@ class Scheduler:
         self._released_slots = []
         in_flight.append(scheduled)
         return scheduled
+
+    def _tiers_busy(self, in_flight: deque[ScheduledStep]) -> bool:
+        """Whether a step without rows should still go, for the tiers: it carries
+        transfers, or collects the reports of disk reads (one at a time)."""
+        tiers = self.tiers
+        return tiers is not None and tiers.busy and not in_flight
 
     def _finishing_if_ahead_fits(self) -> list[Request] | None:
         """The running sequences whose last token the step in flight samples; None
@@ -257,6 +301,8 @@ class Scheduler:
         if result.step != step.plan.step:
             raise ProtocolError(f"result for step {result.step}, expected {step.plan.step}")
         in_flight.popleft()
+        if result.kv is not None and self.tiers is not None:
+            self.tiers.on_report(result.kv)
         running = RequestStatus.RUNNING
         requests = step.requests
         expected: list[Request] = []
@@ -498,7 +544,12 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or bool(self.released_ahead) or len(self.waiting) > 0
+        return (
+            bool(self.running)
+            or bool(self.released_ahead)
+            or len(self.waiting) > 0
+            or (self.tiers is not None and self.tiers.busy)
+        )
 
     def next_deadline(self) -> float | None:
         """When a waiting-but-unlaunched batch must launch (static/dynamic), if any."""
@@ -526,12 +577,15 @@ class Scheduler:
             "prefix_cache_hits": self.num_prefix_hits,
             "prefix_cache_evictions": self.blocks.num_evictions,
             **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
+            **(self.tiers.stats() if self.tiers is not None else {}),
         }
 
     def check_integrity(self) -> None:
         """Slots, blocks and counts are consistent with the requests that hold them."""
         self.slots.check_integrity()
         self.blocks.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         for request_id in self.blocks.tables:
             assert request_id in self.running, f"{request_id} holds blocks but is not running"
         for request in self.running.values():

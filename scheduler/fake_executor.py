@@ -20,6 +20,13 @@ prefix, a shared block overwritten, a block handed out while still read: each
 fails the step. With a ``kv_window`` (the model's: every layer reads only the
 last ``kv_window`` positions) an entry attends to its window only, and the
 blocks before it, which the scheduler hands on, may hold anything.
+
+With ``num_host_blocks`` it also models the KV tiers (:class:`KVTransfers`): host
+slots hold copies of blocks' contents, and ``kv_disk`` (a dict standing in for
+the disk's files, shared by the executors of one test: key -> (content, parent,
+tokens)) the copies written down. A read completes ``read_delay`` steps after
+its plan; one whose entry is gone or :data:`CORRUPT` fails (and the entry goes).
+Loaded blocks then face the same attention checks as computed ones.
 """
 
 from __future__ import annotations
@@ -33,12 +40,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from .blocks import blocks_for
-from .messages import PooledOutput, PromptLogprobs, SampledToken, StepPlan, StepResult
+from .messages import (
+    KVReport,
+    KVTransfers,
+    PooledOutput,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
 from .request import FinishReason
 from .sampling import SamplingParams
 from .seq_table import SequenceTable, stop_reason
 
 OutputLen = Callable[[str], "int | None"]
+CORRUPT = "corrupt"  # a file of the stand-in disk that fails its checksum
 
 
 class FakeExecutor:
@@ -58,6 +74,9 @@ class FakeExecutor:
         seed: int = 0,
         pooling: str | None = None,
         hidden_size: int = 8,
+        num_host_blocks: int = 0,
+        kv_disk: dict | None = None,
+        read_delay: int = 1,
     ):
         if isinstance(output_len, int) or output_len is None:
             fixed = output_len
@@ -82,6 +101,13 @@ class FakeExecutor:
         self.check_kv = check_kv and bool(block_size)
         self._kv: dict[int, list[tuple[int, int] | None]] = {}  # block -> (pos, digest) per slot
         self._digests: dict[int, list[int]] = {}  # seq_id -> digest of tokens [0, p] per p
+        # The KV tiers' stand-ins: host slot -> content, the disk, reads in flight.
+        self.num_host_blocks = num_host_blocks
+        self.kv_disk = kv_disk if kv_disk is not None else {}
+        self.read_delay = read_delay
+        self._host: dict[int, list | None] = {}
+        self._reads: list[tuple[int, int, int, str]] = []  # (due step, read id, slot, key)
+        self._report = KVReport()
 
     def token_at(self, request_id: str, output_pos: int) -> int:
         """The non-EOS token a request produces at output position ``output_pos``
@@ -127,12 +153,66 @@ class FakeExecutor:
         top = [[(t, -0.5)][: seq.params.prompt_logprobs] for t in tokens]
         return PromptLogprobs(seq.seq_id, [-0.5] * len(tokens), [1] * len(tokens), top)
 
+    def kv_tier_info(self) -> dict | None:
+        """What the engine learns of this rank's tiers at start (see ``KVTiers``);
+        None without tiers."""
+        if not self.num_host_blocks:
+            return None
+        disk = [(key, parent, tokens) for key, (_, parent, tokens) in self.kv_disk.items()]
+        return {"num_host_blocks": self.num_host_blocks, "block_bytes": 1 << 16,
+                "load_s_per_block": 1e-6, "compute_s_per_token": 1e-4, "disk": disk}  # fmt: skip
+
+    def _transfers(self, kv: KVTransfers | None) -> None:
+        """A plan's tier moves, in a rank's order; reads complete ``read_delay`` later."""
+        if kv is not None:
+            kv_cache = self._kv
+            for block, slot in zip(kv.store_blocks, kv.store_slots, strict=True):
+                content = kv_cache.get(block)
+                self._host[slot] = None if content is None else list(content)
+            for slot, block in zip(kv.load_slots, kv.load_blocks, strict=True):
+                content = self._host[slot]
+                if content is None:
+                    kv_cache.pop(block, None)
+                else:
+                    kv_cache[block] = list(content)
+            if kv.clear_disk:
+                self.kv_disk.clear()
+            for slot, key, parent, tokens in zip(kv.write_slots, kv.write_keys,
+                                                 kv.write_parents, kv.write_tokens):  # fmt: skip
+                self.kv_disk.pop(key, None)  # a rewrite is the newest file
+                self.kv_disk[key] = (self._host[slot], parent, tuple(tokens))
+            for key in kv.delete_keys:
+                self.kv_disk.pop(key, None)
+            due = self.num_steps + self.read_delay
+            for read_id, slot, key in zip(kv.read_ids, kv.read_slots, kv.read_keys):
+                self._reads.append((due, read_id, slot, key))
+        while self._reads and self._reads[0][0] <= self.num_steps:
+            _, read_id, slot, key = self._reads.pop(0)
+            entry = self.kv_disk.get(key)
+            if entry is None or entry[0] == CORRUPT:
+                self.kv_disk.pop(key, None)
+                self._report.reads_failed.append(read_id)
+            else:
+                self._host[slot] = None if entry[0] is None else list(entry[0])
+                self._report.reads_done.append(read_id)
+
+    def _take_report(self) -> KVReport | None:
+        report = self._report
+        if not (report.reads_done or report.reads_failed or report.writes_dropped):
+            return None
+        self._report = KVReport()
+        return report
+
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        if self.num_host_blocks:
+            self._transfers(plan.kv)
         plan = self.table.apply(plan)
         result = StepResult(
             step=plan.step, num_tokens=plan.num_tokens, num_padding_tokens=plan.num_padding_tokens
         )
+        if self.num_host_blocks:
+            result.kv = self._take_report()
         if any(e.num_draft_tokens and not e.draft_token_ids for e in plan.scheduled):
             plan = self._draft(plan)
         if self.check_kv:
@@ -277,6 +357,10 @@ class FakeModel:
     check_blocks: bool = True
     period: int | None = None
     hidden_size: int = 8
+    # The KV tiers' stand-in: a block's bytes (host blocks are the config's
+    # kv_offloading_size over it), and the dict that stands in for the disk's files.
+    kv_block_bytes: int = 1 << 16
+    kv_disk: dict | None = None
 
     def model_info(self, config: Any, device: str, level: str | None = None) -> dict:
         return {
@@ -305,4 +389,8 @@ class FakeModel:
             period=self.period,
             pooling=config.pooling_type if config.runner == "pooling" else None,
             hidden_size=self.hidden_size,
+            num_host_blocks=int(
+                getattr(config, "kv_offloading_size", 0) * (1 << 30) / self.kv_block_bytes
+            ),
+            kv_disk=self.kv_disk,
         )

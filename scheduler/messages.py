@@ -8,6 +8,9 @@ pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
 
 A worker applies a :class:`StepPlan` in this order:
 
+00. apply its :class:`KVTransfers` (``kv``): copy device blocks to host slots, then
+    host slots to device blocks, then queue its disk reads and writes (they run in
+    the background and are reported in a later result's :class:`KVReport`);
 0. load every :class:`AdapterLoad` into its adapter slot (no sequence running
    in this plan uses the adapter the slot held before);
 1. drop the state of every slot in ``released_slots`` (finished, aborted,
@@ -125,6 +128,58 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class KVTransfers:
+    """Moves between the KV cache's tiers that a step's plan carries (scheduler ->
+    every rank; see :mod:`~iterserve.scheduler.kv_tiers`). A rank applies them at the
+    start of the step, before any row, in this order:
+
+    1. ``store_blocks[i]`` (a device block) -> ``store_slots[i]`` (a host slot);
+    2. ``load_slots[i]`` (a host slot) -> ``load_blocks[i]`` (a fresh device block);
+    3. ``clear_disk``: every file of the disk tier goes (before the writes below);
+    4. queues the disk writes (host slot ``write_slots[i]`` as the file of
+       ``write_keys[i]``, its parent ``write_parents[i]`` ("" for none) and tokens
+       ``write_tokens[i]`` in the header), the deletions (``delete_keys``) and the
+       reads (file ``read_keys[i]`` into host slot ``read_slots[i]``, reported by
+       ``read_ids[i]``), which run in the background.
+
+    Keys are block hashes in hex. Each rank reports every read once, in some later
+    result's :class:`KVReport`, done or failed; a write it cannot make (its queue
+    is full, the disk refuses) it reports as dropped.
+    """
+
+    store_blocks: list[int] = field(default_factory=list)
+    store_slots: list[int] = field(default_factory=list)
+    load_slots: list[int] = field(default_factory=list)
+    load_blocks: list[int] = field(default_factory=list)
+    clear_disk: bool = False
+    write_slots: list[int] = field(default_factory=list)
+    write_keys: list[str] = field(default_factory=list)
+    write_parents: list[str] = field(default_factory=list)
+    write_tokens: list[list[int]] = field(default_factory=list)
+    delete_keys: list[str] = field(default_factory=list)
+    read_ids: list[int] = field(default_factory=list)
+    read_slots: list[int] = field(default_factory=list)
+    read_keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class KVReport:
+    """What a rank's KV tiers did since its last report (rank -> scheduler, in a
+    :class:`StepResult`; every rank's are merged). ``reads_done``/``reads_failed``:
+    disk reads (by read id) whose block is now in host memory, or is not (the file
+    was gone, corrupt or foreign: deleted); ``writes_dropped``: keys whose write was
+    not made. ``copy_s``: this step's stores and loads; ``read_s``/``write_s``: each
+    finished read's and write's seconds."""
+
+    reads_done: list[int] = field(default_factory=list)
+    reads_failed: list[int] = field(default_factory=list)
+    writes_dropped: list[str] = field(default_factory=list)
+    copy_s: float = 0.0
+    read_s: list[float] = field(default_factory=list)
+    write_s: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepPlan:
     """Scheduler -> every worker, once per iteration."""
 
@@ -135,6 +190,7 @@ class StepPlan:
     padding_slots: list[int] = field(default_factory=list)
     ahead: bool = False  # built while the step before it ran
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
+    kv: KVTransfers | None = None  # moves between the KV tiers, before any row
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +264,7 @@ class StepResult:
     num_padding_tokens: int = 0
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     pooled: list[PooledOutput] = field(default_factory=list)
+    kv: KVReport | None = None  # what the KV tiers did (every rank's, merged)
 
 
 # One token's logprob and its top alternatives: ``(logprob, [(token_id, logprob), ...])``.

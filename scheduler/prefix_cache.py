@@ -36,14 +36,38 @@ class PrefixCache:
         its first blocks, short of its last token, which is always computed. A
         prompt whose logprobs were asked for is computed whole: they come from its
         logits, which a cached block does not keep."""
-        if not self.enabled:
-            return []
-        if request.params.prompt_logprobs is not None and not request.num_output_tokens:
+        if not self.hit_allowed(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks == 0:
             return []
-        return self.blocks.lookup(request.full_block_hashes(self.block_size), max_blocks)
+        hashes = request.full_block_hashes(self.block_size)
+        found = self.blocks.lookup(hashes, max_blocks)
+        tiers = self.blocks.tiers
+        if tiers is None or len(found) == max_blocks or not tiers.host_slot:
+            return found
+        # Below the device: a block in host memory is loaded (``~slot``), and a later
+        # block may be on the device again (another request's, or loaded before).
+        cached, host = self.blocks.cached, tiers.host_slot
+        num_loads = 0
+        for h in hashes[len(found) : max_blocks]:
+            block = cached.get(h)
+            if block is None:
+                slot = host.get(h)
+                if slot is None:
+                    break
+                block = ~slot
+                num_loads += 1
+            found.append(block)
+        if num_loads and not tiers.load_pays(num_loads):
+            return [b for b in found[: next(i for i, b in enumerate(found) if b < 0)]]
+        return found
+
+    def hit_allowed(self, request: Request) -> bool:
+        """Whether the request may start on cached blocks at all."""
+        if not self.enabled:
+            return False
+        return request.params.prompt_logprobs is None or request.num_output_tokens > 0
 
     def register(self, request: Request, num_tokens: int | None = None) -> None:
         """Registers the request's full blocks among its first ``num_tokens`` (default:
@@ -55,7 +79,11 @@ class PrefixCache:
         num_full = num_tokens // self.block_size
         if num_full > self.blocks.num_registered(request.request_id):
             hashes = request.full_block_hashes(self.block_size)
-            self.blocks.register(request.request_id, hashes, num_full)
+            new = self.blocks.register(request.request_id, hashes, num_full)
+            if new:
+                tiers = self.blocks.tiers
+                assert tiers is not None
+                tiers.registered(request, hashes, new)
 
     def release(self, request: Request, num_valid_tokens: int) -> list[int]:
         """Drops the request's blocks, registering first those whose KV is computed

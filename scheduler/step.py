@@ -115,6 +115,12 @@ class StepBuilder:
         adapter = request.adapter
         return adapter is None or request.slot_idx >= 0 or self.sched.adapters.can_pin(adapter)
 
+    def can_admit(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted now: its adapter fits
+        (:meth:`adapter_fits`) and no disk read of its leading blocks is in flight."""
+        tiers = self.sched.tiers
+        return self.adapter_fits(request) and (tiers is None or tiers.can_admit(request))
+
     def is_scheduled(self, request: Request) -> bool:
         return self.requests.get(request.slot_idx) is request
 
@@ -131,7 +137,7 @@ class StepBuilder:
         request's window, as it would have anyway."""
         sched = self.sched
         admitting = request.slot_idx < 0
-        if admitting and not self.adapter_fits(request):
+        if admitting and not self.can_admit(request):
             return False
         hit = sched.prefix.hit(request) if admitting else []
         start = len(hit) * sched.config.block_size if admitting else request.num_computed_tokens
@@ -145,6 +151,8 @@ class StepBuilder:
             # A long cached prefix may reach back past the window already.
             self._free_out_of_window(request, start)
             self.new_seqs.append(sched.admit(request, start))
+            if sched.tiers is not None and hit:
+                sched.tiers.count_hit(request, hit)
         sample = target == request.num_tokens + request.num_pending
         self._add(request, ScheduledSeq(
             request.slot_idx, start, num_tokens, new_blocks, sample, num_pad_tokens
@@ -308,5 +316,6 @@ class StepBuilder:
             padding_slots=self.padding_slots,
             ahead=self.ahead,
             adapter_loads=self.sched.adapters.take_loads(),
+            kv=None if self.sched.tiers is None else self.sched.tiers.take_transfers(),
         )
         return ScheduledStep(plan, self.requests, self.freed_before, now, self.num_draft_tokens)

@@ -58,6 +58,7 @@ from .errors import (
     ModelNotFoundError,
 )
 from .intake import checked_request
+from .kv_tiers import EngineKVTiers
 from .outputs import OutputBuffers
 from .pause import PauseControl
 
@@ -135,6 +136,7 @@ class EngineCore:
         self.num_restarts = 0
         self.restarts = RestartBudget(config.max_restarts, config.restart_window_s)
         self.control = PauseControl(self)  # pause, resume, sleep, wake (the operator's)
+        self.kv = EngineKVTiers(config, engine_index, self.metrics)  # host, disk, events
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -157,7 +159,9 @@ class EngineCore:
             ),
             ahead=self.config.async_scheduling,
             kv_window=info.get("kv_window"),
+            tiers=self.kv.tier_config(self.workers.kv_tiers),
         )
+        self.kv.started(self.scheduler, self.workers.kv_tiers)
         self.adapters = EngineAdapters(
             self.config, self.scheduler, self.metrics.model_name, check_weights=self.runs_model
         )
@@ -235,6 +239,7 @@ class EngineCore:
         for task in (self.loop_task, self.push_task):
             if task is not None:
                 task.cancel()
+        self.kv.close()
         if self.endpoint is not None:
             self.endpoint.close()
         await self.workers.shutdown()
@@ -284,7 +289,9 @@ class EngineCore:
 
     async def _collect(self) -> list[RequestOutput]:
         result = await self.workers.collect()
+        self.kv.observe(result.kv)
         step = self.scheduler.update(result)  # the oldest step in flight, taken back
+        self.kv.after_step(self.scheduler)  # the tiers' events and metrics
         now = time.monotonic()
         # The step's time on the critical path: from the previous result when it was
         # built ahead, else from the start of its scheduling.
@@ -337,8 +344,10 @@ class EngineCore:
             self.recorder.worker_restart()
             try:
                 await self.workers.restart()
+                self.kv.ranks_ready(self.scheduler, self.workers.kv_tiers)
             except Exception as restart_exc:  # any start-up failure ends service
                 self._fail_all(f"restarting the engine's workers failed: {restart_exc}")
+            self.kv.after_step(self.scheduler)
 
     async def _stop_serving(self, message: str) -> None:
         """Fails every request at once and reports unhealthy from now on, so that
@@ -455,6 +464,21 @@ class EngineCore:
         """The requests ``client`` added that have not ended."""
         return [r.request_id for r in self.scheduler.requests.values() if r.client == client]
 
+    async def reset_prefix_cache(
+        self, reset_external: bool = False, reset_running: bool = False
+    ) -> bool:
+        """Forgets every cached block (``reset_external``: the host and disk tiers'
+        too) once the steps in flight are taken back; False while requests hold
+        blocks (vLLM's answer: retry), unless ``reset_running`` preempts them first."""
+        if self.dead_reason is not None:
+            return False
+        async with self.step_lock:
+            await self._drain()
+            done = self.scheduler.reset_prefix_cache(reset_external, reset_running)
+        self.kv.after_step(self.scheduler)
+        self.wake.set()  # the disk's clear goes with the next step
+        return done
+
     # -- LoRA adapters (cluster/lora.py) -------------------------------------------------
 
     async def load_lora_adapter(self, name, path, base_model_name=None) -> tuple | None:
@@ -480,6 +504,7 @@ class EngineCore:
             "rank_links": self.workers.links,
             "max_model_len": self.max_model_len,
             **self.adapters.stats(),
+            **self.kv.stats(self.scheduler),
         }
 
     def autoscaling_stats(self, window_s: float = 10.0) -> dict[str, float]:

@@ -156,6 +156,12 @@ class EngineServer:
         await self._ready()
         return {**await self.core.control.wake_up(), "replica": self.replica}
 
+    async def reset_prefix_cache(self, reset_external: bool, reset_running: bool) -> dict:
+        """``{"success"}``: whether this replica forgot every cached block."""
+        await self._ready()
+        done = await self.core.reset_prefix_cache(reset_external, reset_running)
+        return {"success": done, "replica": self.replica}
+
     async def operator_state(self) -> dict:
         """``{"paused", "sleeping", "sleep_level"}`` (a replica still loading: neither)."""
         if not self.started.done():

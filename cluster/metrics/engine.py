@@ -41,6 +41,10 @@ BASE_LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # FinishReason.category
 REJECT_REASONS = ("queue_full",)
 STEP_KINDS = ("prefill", "decode")
+KV_TIERS = ("host", "disk")  # below the device (whose figures are the prefix_cache_* ones)
+KV_OPS = ("store", "load")
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "num_disk_blocks",
+                       "enable_prefix_caching", "prefix_caching_hash_algo")  # fmt: skip
 
 # 1 ms .. 120 s: a GPU decode step (~5-30 ms) and a CPU one (~0.1-1 s) both land
 # mid-range, and the usual SLO lines (50/100/200/500 ms, 1/2/5 s) are exact bucket
@@ -137,10 +141,26 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter("iterserve_spec_decode_num_accepted_tokens_per_pos", "Drafts whose proposal at each position was accepted.",
              (("position", SPEC_POSITIONS),)),
     _histogram("iterserve_spec_decode_acceptance_length", "Proposals accepted per draft (le 0.5: none).", SPEC_LENGTH_BUCKETS),
+    # The KV tiers below the device: host memory and disk (docs/serving.md, KV cache tiers).
+    _gauge("iterserve_cache_config_info", "The KV cache's configuration (block size, blocks per tier, the block hash); value is always 1.",
+           tuple((name, ()) for name in CACHE_CONFIG_LABELS)),
+    _counter("iterserve_kv_tier_queries", "Prompt tokens looked up in a tier below the device (not found above it).",
+             (("tier", KV_TIERS),)),
+    _counter("iterserve_kv_tier_hits", "Of those, tokens found in the tier and reused instead of computed.",
+             (("tier", KV_TIERS),)),
+    _counter("iterserve_kv_tier_bytes", "Bytes moved into a tier (store) or out of it towards the device (load).",
+             (("tier", KV_TIERS), ("op", KV_OPS))),
+    _histogram("iterserve_kv_tier_transfer_seconds", "Time of a tier's transfers: a step's host copies, one disk file's read or write.",
+               LATENCY_BUCKETS, (("tier", KV_TIERS), ("op", KV_OPS))),
+    _counter("iterserve_kv_disk_reads_failed", "Disk reads that found no valid file (gone, corrupt, foreign): their tokens are computed again."),
+    _counter("iterserve_kv_disk_writes_dropped", "Disk writes dropped because the disk did not keep up (or refused them)."),
 )  # fmt: skip
 # Families whose label values are not a fixed enum: their series are made and
 # dropped as the label values come and go (set_lora).
-DYNAMIC_LABELS = ("iterserve_lora_requests_running", "iterserve_lora_requests_waiting")
+DYNAMIC_LABELS = (
+    "iterserve_lora_requests_running", "iterserve_lora_requests_waiting",
+    "iterserve_cache_config_info",
+)  # fmt: skip
 
 METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in SPECS)
 _TYPES = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
@@ -288,6 +308,32 @@ class EngineMetrics:
         for length, n in enumerate(lengths):
             for _ in range(n):
                 self._observe("iterserve_spec_decode_acceptance_length", length)
+
+    def set_cache_config(self, **labels: str) -> None:
+        """The KV cache's configuration, as one info series (``CACHE_CONFIG_LABELS``)."""
+        values = [str(labels[name]) for name in CACHE_CONFIG_LABELS]
+        self._families["iterserve_cache_config_info"].labels(  # type: ignore[attr-defined]
+            self.model_name, self.engine, *values
+        ).set(1)
+
+    def on_kv_tiers(self, delta: dict[str, int], block_bytes: int) -> None:
+        """What the tiers did since the last call (``KVTiers.counts`` differences)."""
+        for tier in KV_TIERS:
+            self._inc("iterserve_kv_tier_queries", delta[f"{tier}_queries"], (tier,))
+            self._inc("iterserve_kv_tier_hits", delta[f"{tier}_hits"], (tier,))
+        for tier, op, count in (("host", "store", "stores"), ("host", "load", "loads"),
+                                ("disk", "store", "writes"), ("disk", "load", "reads")):  # fmt: skip
+            self._inc("iterserve_kv_tier_bytes", delta[count] * block_bytes, (tier, op))
+        self._inc("iterserve_kv_disk_reads_failed", delta["reads_failed"])
+        self._inc("iterserve_kv_disk_writes_dropped", delta["writes_dropped"])
+
+    def on_kv_latency(self, copy_s: float, read_s: list[float], write_s: list[float]) -> None:
+        if copy_s:
+            self._observe("iterserve_kv_tier_transfer_seconds", copy_s, ("host", "store"))
+        for seconds in read_s:
+            self._observe("iterserve_kv_tier_transfer_seconds", seconds, ("disk", "load"))
+        for seconds in write_s:
+            self._observe("iterserve_kv_tier_transfer_seconds", seconds, ("disk", "store"))
 
     def on_worker_restart(self) -> None:
         self._inc("iterserve_worker_restarts", 1)

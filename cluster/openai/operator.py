@@ -11,6 +11,11 @@ engines to sleep and wake them (what RL and operations tools script against).
                                        the ranks' weights and KV cache
 ``POST /wake_up``                      re-acquire them (and resume a pause the sleep made)
 ``GET /is_sleeping``                   ``{"is_sleeping": bool}``
+``POST /reset_prefix_cache``           forget every cached KV block (``reset_external=
+                                       true``: the host and disk tiers' too;
+                                       ``reset_running_requests=true``: preempt the
+                                       running first); ``{"success": bool}``, false
+                                       while requests hold blocks
 =====================================  =================================================
 
 Each call goes to every engine replica and answers once all have done it; every
@@ -65,6 +70,13 @@ def add_operator_routes(app: FastAPI, serving: OpenAIServing) -> None:
         replicas = await _every_replica(serving, "wake_up", timeout_s=WAKE_TIMEOUT_S)
         return {"status": "awake", **_count(replicas)}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict:
+        external = _flag(request, "reset_external")
+        running = _flag(request, "reset_running_requests")
+        replicas = await _every_replica(serving, "reset_prefix_cache", external, running)
+        return {"success": all(r["success"] for r in replicas), **_count(replicas)}
+
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict:
         replicas = await _every_replica(serving, "operator_state")
@@ -76,6 +88,16 @@ def _choice(request: Request, name: str, choices: tuple[str, ...], default: str 
     if value not in choices:
         raise bad_request(f"{name}: must be one of {', '.join(choices)}, got {value!r}", name)
     return value
+
+
+def _flag(request: Request, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (absent: false)."""
+    value = request.query_params.get(name, "false").lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise bad_request(f"{name}: must be true or false, got {value!r}", name)
 
 
 def _count(replicas: list[dict]) -> dict[str, Any]:

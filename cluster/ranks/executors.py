@@ -206,4 +206,6 @@ class ModelExecutors:
             seed=config.seed,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready
-        return runner
+        from ...workers.kv_tiers import with_kv_tiers
+
+        return with_kv_tiers(runner, config, rank, world_size, runtime)

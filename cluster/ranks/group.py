@@ -31,6 +31,23 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
 
 
+def merge_kv_reports(result: StepResult, other: StepResult) -> None:
+    """Adds another rank's KV report to ``result``'s: each rank reports each of its
+    disk reads once; the scheduler counts them."""
+    if other.kv is None:
+        return
+    if result.kv is None:
+        result.kv = other.kv
+        return
+    mine, theirs = result.kv, other.kv
+    mine.reads_done += theirs.reads_done
+    mine.reads_failed += theirs.reads_failed
+    mine.writes_dropped += theirs.writes_dropped
+    mine.copy_s = max(mine.copy_s, theirs.copy_s)
+    mine.read_s += theirs.read_s
+    mine.write_s += theirs.write_s
+
+
 class WorkerFailure(RuntimeError):
     """A worker died, hung past the step timeout, or raised during a step.
     ``generation`` names the started group that failed (see ``WorkerGroup.generation``)."""
@@ -58,6 +75,7 @@ class WorkerGroup:
         self.generation = 0  # bumped by every start: a failure of an older group is stale
         self.channel: SchedulerChannel | None = None
         self.links: list[str] = []  # how the step channel reaches each rank: unix | tcp
+        self.kv_tiers: list[dict | None] = []  # each rank's KV tiers (kv_tier_info), if any
 
     async def _reserve(self) -> None:
         tp = self.config.tensor_parallel_size
@@ -100,7 +118,9 @@ class WorkerGroup:
         runtime = self.model_info.get("runtime")
         capacities = await asyncio.gather(*(w.kv_capacity.remote(runtime) for w in self.workers))
         self.num_kv_blocks = min(capacities)
-        await asyncio.gather(*(w.load.remote(self.num_kv_blocks, runtime) for w in self.workers))
+        self.kv_tiers = list(await asyncio.gather(
+            *(w.load.remote(self.num_kv_blocks, runtime) for w in self.workers)
+        ))  # fmt: skip
         await self._open_channel()
         # The first step sets up the connections; keep that out of the step timeout.
         await self.submit(StepPlan(step=PING_STEP))
@@ -137,7 +157,11 @@ class WorkerGroup:
         try:
             replies = await asyncio.wait_for(self.channel.recv(), timeout_s)
             # A reply that is not a valid result is the rank's fault: restart it.
-            return codec.decode(replies[0], StepResult)
+            result = codec.decode(replies[0], StepResult)
+            for reply in replies[1:]:  # the other ranks answer only their KV tiers' reports
+                if reply:
+                    merge_kv_reports(result, codec.decode(reply, StepResult))
+            return result
         except asyncio.TimeoutError:
             raise WorkerFailure(
                 f"a step took longer than the step timeout of {timeout_s} s", self.generation

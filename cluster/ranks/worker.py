@@ -131,15 +131,18 @@ class EngineWorker:
             self.config, self.rank, self.world_size, self.device, runtime
         )
 
-    def load(self, num_kv_blocks: int, runtime: dict | None = None) -> None:
+    def load(self, num_kv_blocks: int, runtime: dict | None = None) -> dict | None:
         """Builds the executor with the KV cache size every rank agreed on and the
-        engine's ``runtime`` choices (as rank 0's :meth:`model_info` made them)."""
+        engine's ``runtime`` choices (as rank 0's :meth:`model_info` made them).
+        Returns what the engine needs of its KV tiers (None: it has none)."""
         self._cap(runtime and runtime.get("isa"))
         config = self.config.replace(num_kv_blocks=num_kv_blocks)
         self.executor = self.executors.build(
             config, self.rank, self.world_size, self.device, self.all_reduce, runtime
         )
         freeze_startup_objects()
+        info = getattr(self.executor, "kv_tier_info", None)
+        return info() if info is not None else None
 
     @staticmethod
     def _cap(level: str | None) -> None:
@@ -166,4 +169,7 @@ class EngineWorker:
         if plan.step == PING_STEP:
             return codec.encode(StepResult(step=PING_STEP))
         result = self.executor.execute(plan)
-        return codec.encode(result) if self.rank == 0 else b""
+        if self.rank == 0:
+            return codec.encode(result)
+        # The others' results are not read, but for their KV tiers' reports.
+        return b"" if result.kv is None else codec.encode(StepResult(plan.step, kv=result.kv))

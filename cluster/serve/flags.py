@@ -62,11 +62,11 @@ _GROUP_OF = {
     "ParallelConfig": "tensor_parallel_size num_engine_replicas autoscaling placement_strategy "
     "num_cpus_per_worker torch_threads device routing",
     "CacheConfig": "block_size kv_memory_fraction num_kv_blocks kv_layout enable_prefix_caching "
-    "kv_cache_dtype",
+    "kv_cache_dtype kv_offloading_size kv_disk_cache_dir kv_disk_cache_size",
     "LoRAConfig": "enable_lora max_loras max_lora_rank max_cpu_loras",
     "ObservabilityConfig": "ray_metrics",
     "SchedulerConfig": "async_scheduling",
-    "VllmConfig": "speculative_config",
+    "VllmConfig": "speculative_config kv_events_config",
     "FaultToleranceConfig": "step_timeout_s max_restarts restart_window_s drain_timeout_s "
     "health_check_period_s",
     "Frontend": "lora_modules",

@@ -75,9 +75,10 @@ class ContinuousPolicy(Policy):
             request = step.waiting.peek()
             if request is None:
                 return
-            if not step.adapter_fits(request):
-                # Its adapter waits for a slot; one whose adapter has one goes first.
-                request = step.waiting.first(step.adapter_fits)
+            if not step.can_admit(request):
+                # Its adapter waits for a slot, or its blocks for a disk read: one
+                # that waits for neither goes first.
+                request = step.waiting.first(step.can_admit)
                 if request is None:
                     return
             remaining = step.num_to_compute(request)

@@ -32,6 +32,7 @@ class InProcessRanks:
         self.model_info: dict = {}
         self.num_kv_blocks = 0
         self.executor = None
+        self.kv_tiers: list[dict | None] = []
 
     async def start(self) -> None:
         self.generation += 1
@@ -39,6 +40,8 @@ class InProcessRanks:
         self.num_kv_blocks = self.config.scheduler.num_kv_blocks or 4096
         config = self.config.replace(num_kv_blocks=self.num_kv_blocks)
         self.executor = self.model.build(config, 0, 1, "cpu", None)
+        info = getattr(self.executor, "kv_tier_info", None)
+        self.kv_tiers = [info() if info is not None else None]
 
     async def submit(self, plan: StepPlan) -> None:
         self.plans.append(codec.encode(plan))

@@ -232,3 +232,29 @@ def test_lora_modules_come_from_the_adapters_volume(render) -> None:
 def test_without_adapters_lora_stays_off(renders) -> None:
     config = renders["defaults"].app_args["config"]
     assert config["enable_lora"] is False and "lora_modules" not in config
+
+
+def test_the_kv_disk_tier_is_a_volume_mounted_where_the_engine_writes(render) -> None:
+    rendered = render(
+        {
+            "kvDiskCache": {"volume": {"emptyDir": {"sizeLimit": "20Gi"}}},
+            "kvEventsConfig": {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557"},
+            "engine": {"kvOffloadingSize": 4, "kvDiskCacheSize": 16},
+        }
+    )
+    config = rendered.app_args["config"]
+    assert config["kv_disk_cache_dir"] == "/var/cache/iterserve-kv"
+    assert config["kv_offloading_size"] == 4 and config["kv_disk_cache_size"] == 16
+    assert config["kv_events_config"]["enable_kv_cache_events"] is True
+    _check_engine_config(config)
+    for pod in rendered.pod_templates.values():
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["kv-disk-cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
+        mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert mounts["kv-disk-cache"]["mountPath"] == "/var/cache/iterserve-kv"
+        assert not mounts["kv-disk-cache"].get("readOnly")
+
+
+def test_without_a_disk_volume_the_engine_has_no_disk_tier(renders) -> None:
+    config = renders["defaults"].app_args["config"]
+    assert "kv_disk_cache_dir" not in config and config["kv_offloading_size"] == 0

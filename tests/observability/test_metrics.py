@@ -11,6 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from iterserve.cluster.metrics.engine import (
     COUNT_BUCKETS,
     FINISH_REASONS,
+    KV_OPS,
+    KV_TIERS,
     LATENCY_BUCKETS,
     METRIC_NAMES,
     RATIO_BUCKETS,
@@ -29,6 +31,8 @@ ALLOWED_LABELS = {
     "kind": set(STEP_KINDS),
     "policy": set(POLICIES),
     "position": set(SPEC_POSITIONS),
+    "tier": set(KV_TIERS),
+    "op": set(KV_OPS),
 }
 SLO_BOUNDARIES_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -167,6 +167,8 @@ The Serve config (serveConfigV2) as YAML.
   "max_logprobs" (int $e.maxLogprobs)
   "max_loras" (int $e.maxLoras)
   "kv_memory_fraction" (float64 $e.kvMemoryFraction)
+  "kv_offloading_size" (float64 $e.kvOffloadingSize)
+  "kv_disk_cache_size" (float64 $e.kvDiskCacheSize)
   "step_timeout_s" (float64 $e.stepTimeoutS)
   "max_restarts" (int $e.maxRestarts)
   "restart_window_s" (float64 $e.restartWindowS)
@@ -200,6 +202,12 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- if .Values.speculativeConfig }}
 {{- $_ := set $config "speculative_config" .Values.speculativeConfig }}
+{{- end }}
+{{- if .Values.kvDiskCache.volume }}
+{{- $_ := set $config "kv_disk_cache_dir" .Values.kvDiskCache.mountPath }}
+{{- end }}
+{{- if .Values.kvEventsConfig }}
+{{- $_ := set $config "kv_events_config" .Values.kvEventsConfig }}
 {{- end }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
@@ -266,6 +274,10 @@ Volumes and mounts that carry the model into a Ray pod.
 - name: lora-adapters
   {{- toYaml .Values.lora.volume | nindent 2 }}
 {{- end }}
+{{- if .Values.kvDiskCache.volume }}
+- name: kv-disk-cache
+  {{- toYaml .Values.kvDiskCache.volume | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "iterserve.modelVolumeMounts" -}}
@@ -276,6 +288,10 @@ Volumes and mounts that carry the model into a Ray pod.
 - name: lora-adapters
   mountPath: {{ .Values.lora.mountPath }}
   readOnly: true
+{{- end }}
+{{- if .Values.kvDiskCache.volume }}
+- name: kv-disk-cache
+  mountPath: {{ .Values.kvDiskCache.mountPath }}
 {{- end }}
 {{- end }}
 
