@@ -52,6 +52,12 @@ class EngineConfig:
     tensor_parallel_size: int = knob(
         1, "worker ranks; attention heads and MLP columns are split across them", minimum=1
     )
+    batch_invariant: bool = knob(
+        False,
+        "compute every row in an order of its own: a request's logits, and so its greedy and "
+        "seeded tokens, do not depend on what shares its steps, how its prompt is cut into "
+        "pieces or whether it is preempted (docs/model-runtime.md, Reproducible outputs)",
+    )
     device: str = knob("auto", "`auto` (CUDA when present), `cpu` or `cuda`", helm=False)
     kernel_backend: str = knob(
         "auto",

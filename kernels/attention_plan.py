@@ -15,10 +15,25 @@ Everything here is a function of the call's shapes plus two optional host-side
 hints (the longest query piece and the longest sequence), never of tensor
 values, so choosing costs no device synchronisation and a CUDA graph captured
 for a batch shape replays the same choice. Pure Python: no torch, no triton.
+
+A batch-invariant engine (``invariant``) must attend each row as it would alone,
+whatever shares the step, so nothing may follow the batch: not the kernel (a
+token decoded as one row and recomputed in a prefill piece after a preemption
+must meet the same code), nor the split count (:func:`choose_num_splits` follows
+the number of sequences, and a row's splits are merged in another order). Every
+row then runs the prefill kernel with the decode kernel's small tile (each row of
+a tile computed on its own: its positions in tiles of ``prefill_block_n`` from
+the first, tiles past it masked, which leaves its sums unchanged) and one split
+for every sequence length. A split at fixed lengths (a function of each row's
+own length) would keep flash-decoding's parallelism for a few long sequences,
+but a prefill piece's rows would then need partial results per split, ``tokens x
+splits x head_dim`` floats a head, and one merge order for both kinds of row;
+that is left for a measured need.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # H200 / H100 SXM. Used where the device cannot be asked (the CPU interpreter,
@@ -113,6 +128,7 @@ def plan_attention(
     elem_bytes: int = 2,
     num_sms: int = DEFAULT_NUM_SMS,
     window: int | None = None,
+    invariant: bool = False,
 ) -> AttentionPlan:
     """The launches for a call with these shapes.
 
@@ -122,8 +138,13 @@ def plan_attention(
     (too small) hint leaves rows uncomputed: hints are trusted, like the
     metadata itself. With a sliding ``window`` a decode row reads at most about
     ``window`` positions, whatever its sequence's length: that is what is split.
+    ``invariant``: a batch-invariant engine's plan, the same for every call (the
+    module's docstring).
     """
     tiles = tiles_for(elem_bytes, head_dim, num_heads // num_kv_heads)
+    if invariant:
+        tiles = dataclasses.replace(tiles, prefill_block_m=tiles.decode_block_m)
+        return AttentionPlan(tiles=tiles, num_splits=1, use_decode=False, use_prefill=True)
     if window is not None:
         max_seq_len = min(max_seq_len, window + tiles.decode_block_q + tiles.decode_block_n)
     longest_piece = num_tokens if max_query_len is None else min(max_query_len, num_tokens)

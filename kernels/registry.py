@@ -6,6 +6,13 @@ one grouped Triton kernel per projection on CUDA.
 
 The Triton modules are imported only when the triton backend is requested, so
 importing this package or using the torch or cpu backend never imports triton.
+
+``get_ops(..., invariant=True)``: the ops of an engine that computes every row
+batch-invariantly (``batch_invariant``, docs/model-runtime.md): the cpu backend
+sends every prefill piece to the row kernels, as decode rows (:mod:`.cpu.plan`),
+and Triton runs one kernel, one split, for decode rows and pieces alike
+(:mod:`.attention_plan`). The torch references batch rows through torch's own
+products and attention, and refuse the mode by name.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class KernelOps:
     # what the kernels read of a step's AttentionMetadata, derived once a step (into .host):
     # prepare(meta, num_heads=, block_size=, windows=)
     prepare: Callable[..., Any] = _nothing_to_prepare
+    # every row attended in an order no other row of the step changes (get_ops(invariant=))
+    invariant: bool = False
 
     def with_attention(self, paged_attention: Callable[..., torch.Tensor]) -> KernelOps:
         """These ops with another ``paged_attention``; ``rotary_store_attend``, which
@@ -81,7 +90,7 @@ def _module(name: str):
 
 
 @functools.cache
-def _load(name: str) -> KernelOps:
+def _load(name: str, invariant: bool = False) -> KernelOps:
     reference = _module("reference")
     if name == "torch":
         return KernelOps(
@@ -96,48 +105,73 @@ def _load(name: str) -> KernelOps:
             gelu_tanh_mul=reference.gelu_tanh_mul,
             fused_experts=_module("experts").fused_experts,
         )
+
+    def mode(op):  # the batch-invariant variant of an op that attends: a keyword of its own
+        return functools.partial(op, invariant=True) if invariant else op
+
     if name == "cpu":
         rotary, attention = _module("cpu.rotary"), _module("cpu.attention")
         activation, layer = _module("cpu.activation"), _module("cpu.layer")
         return KernelOps(
             name="cpu",
             store_kv=rotary.store_kv,
-            paged_attention=attention.paged_attention,
+            paged_attention=mode(attention.paged_attention),
             rms_norm=_module("cpu.norm").rms_norm,
             rotary_embedding=rotary.rotary_embedding,
             rotary_store_kv=rotary.rotary_store_kv,
-            rotary_store_attend=layer.rotary_store_attend,
+            rotary_store_attend=mode(layer.rotary_store_attend),
             silu_mul=activation.silu_mul,
             gelu_tanh_mul=activation.gelu_tanh_mul,
             fused_experts=_module("experts").fused_experts,
             attention_layer=layer.CpuAttentionLayer,
-            prepare=_module("cpu.plan").prepare,
+            prepare=mode(_module("cpu.plan").prepare),
+            invariant=invariant,
         )
     ops, attn, cache = _module("triton_ops"), _module("triton_attention"), _module("triton_cache")
     rotary_store_kv = reference.rotary_then_store(ops.rotary_embedding, cache.store_kv)
+    paged_attention = mode(attn.paged_attention)
     return KernelOps(
         name=name,
         store_kv=cache.store_kv,
-        paged_attention=attn.paged_attention,
+        paged_attention=paged_attention,
         rms_norm=ops.rms_norm,
         rotary_embedding=ops.rotary_embedding,
         rotary_store_kv=rotary_store_kv,
-        rotary_store_attend=reference.rotary_store_then_attend(
-            rotary_store_kv, attn.paged_attention
-        ),
+        rotary_store_attend=reference.rotary_store_then_attend(rotary_store_kv, paged_attention),
         silu_mul=ops.silu_mul,
         gelu_tanh_mul=ops.gelu_tanh_mul,
-        fused_experts=_module("triton_experts").fused_experts,
+        fused_experts=mode(_module("triton_experts").fused_experts),
+        invariant=invariant,
     )
 
 
-def get_ops(backend: str = "auto", device: torch.device | str | None = None) -> KernelOps:
+def get_ops(backend: str = "auto", device: torch.device | str | None = None, *,
+            invariant: bool = False) -> KernelOps:  # fmt: skip
     """Return the ops of ``backend`` ("auto", "triton", "cpu" or "torch").
 
     "auto" picks triton when ``device`` is a CUDA device (``None`` means CUDA
     if available) and triton is installed; otherwise "cpu" when numba is
-    installed, else the torch references.
+    installed, else the torch references. ``invariant``: the batch-invariant
+    variants (the module's docstring); the torch backend refuses them.
     """
+    name = backend_name(backend, device)
+    if invariant:
+        check_batch_invariant(name, device)
+    return _load(name, invariant)
+
+
+def check_batch_invariant(backend: str, device: torch.device | str | None = None) -> None:
+    """Refuses, by name, a backend that does not compute batch-invariantly."""
+    if backend_name(backend, device) == "torch":
+        raise ValueError(
+            "batch_invariant: the torch kernel backend cannot compute each row apart from its "
+            "batch (its references run torch's products and attention, which choose their "
+            "kernels by the batch's shape); use kernel_backend cpu (numba) or triton"
+        )
+
+
+def backend_name(backend: str = "auto", device: torch.device | str | None = None) -> str:
+    """The backend ``backend`` resolves to on ``device`` (see :func:`get_ops`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -153,4 +187,4 @@ def get_ops(backend: str = "auto", device: torch.device | str | None = None) -> 
         raise ValueError("backend 'triton' requested but triton is not installed")
     elif backend == "cpu" and not numba_available():
         raise ValueError("backend 'cpu' requested but numba is not installed")
-    return _load(backend)
+    return backend

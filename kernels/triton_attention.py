@@ -253,6 +253,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a flattened mixed batch over a paged KV cache.
 
@@ -260,6 +261,7 @@ def paged_attention(
     the metadata values are trusted (checking them would need a GPU sync), and
     so are the hints ``max_query_len`` (longest query piece) and
     ``max_seq_len`` (longest sequence), which only steer the choice of kernels.
+    ``invariant``: a batch-invariant engine's plan (:mod:`.attention_plan`).
     """
     checks.check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, soft_cap
@@ -279,6 +281,7 @@ def paged_attention(
         elem_bytes=query.element_size(),
         num_sms=_num_sms(query.device),
         window=window,
+        invariant=invariant,
     )
     return run_plan(plan, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     window, soft_cap)  # fmt: skip

@@ -168,9 +168,12 @@ def fused_experts(
     topk_weights: torch.Tensor,
     activation: str = "silu",
     packed: Sequence | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """:func:`iterserve.kernels.experts.fused_experts` in two grouped launches.
-    ``packed`` (the CPU's packed weights) is not used here."""
+    ``packed`` (the CPU's packed weights) is not used here. ``invariant``: a
+    batch-invariant engine's, whose blocks have 16 rows whatever the step's size
+    and whose token's experts are added one after the other in their order."""
     check_fused_experts(x, w13, w2, topk_ids, topk_weights, activation)
     checks.check_triton_device("x", x)
     num_tokens, top_k = topk_ids.shape
@@ -179,7 +182,7 @@ def fused_experts(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    block_m = block_m_for(num_pairs)
+    block_m = 16 if invariant else block_m_for(num_pairs)
     block_k = 32 if x.element_size() >= 4 else 64
     precision = dot_precision(x.dtype)
     with device_guard(x):
@@ -203,4 +206,10 @@ def fused_experts(
             NUM_EXPERTS=num_experts, HIDDEN=hidden, INTER=inter,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
         )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    out = out.view(num_tokens, top_k, hidden)
+    if invariant:  # torch's reduction over dim 1 may block its sums by the tensor's size
+        total = out[:, 0].clone()
+        for k in range(1, top_k):
+            total += out[:, k]
+        return total.to(x.dtype)
+    return out.sum(dim=1).to(x.dtype)

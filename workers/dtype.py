@@ -21,11 +21,12 @@ A configured dtype is honoured everywhere. ``auto`` picks, once at load:
     between restarts of the same machine;
 - with the torch references or without numba: fp32.
 
-Choices that change a rank's numerics (the dtype, which products run padded) are
-made once per engine by its first rank and handed to every rank at load
-(:class:`RuntimeChoices`), never by each rank's own timing: two ranks of one
-engine sample the same token from the same logits only if they computed them
-alike. ``/version`` and the start-up line show the level, the dtype and why.
+Choices that change a rank's numerics (the dtype, which products run padded,
+whether every row is computed batch-invariantly) are made once per engine by its
+first rank and handed to every rank at load (:class:`RuntimeChoices`), never by
+each rank's own timing: two ranks of one engine sample the same token from the
+same logits only if they computed them alike. ``/version`` and the start-up line
+show the level, the dtype and why.
 """
 
 from __future__ import annotations
@@ -196,6 +197,9 @@ class RuntimeChoices:
     isa: str  # the engine's instruction-set level: the lowest of its ranks'
     # ``[out, in]`` of the weights whose bf16 batches of 17-32 rows run as 33 rows
     pad_cliff: tuple[tuple[int, int], ...] = ()
+    # every row computed in an order that no other row of the step changes
+    # (docs/model-runtime.md, Reproducible outputs)
+    batch_invariant: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -206,12 +210,14 @@ class RuntimeChoices:
 
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "dtype_reason": self.dtype_reason, "isa": self.isa,
-                "pad_cliff": [list(s) for s in self.pad_cliff]}  # fmt: skip
+                "pad_cliff": [list(s) for s in self.pad_cliff],
+                "batch_invariant": self.batch_invariant}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> RuntimeChoices:
         return cls(d["dtype"], d["dtype_reason"], d["isa"],
-                   tuple(tuple(s) for s in d.get("pad_cliff", ())))  # fmt: skip
+                   tuple(tuple(s) for s in d.get("pad_cliff", ())),
+                   bool(d.get("batch_invariant", False)))  # fmt: skip
 
 
 def decide(
@@ -223,21 +229,33 @@ def decide(
     *,
     level: str | None = None,
     tp_size: int = 1,
+    batch_invariant: bool = False,
 ) -> RuntimeChoices:
     """The engine's :class:`RuntimeChoices` for ``config`` on this rank's hardware at
     ``level`` (the lowest of the ranks'; default this process's): its dtype
     (:func:`choose_dtype`, measuring the model's products where no rule decides)
     and, in bf16 on several threads with AMX, which weights' cliff batches run
-    padded (:func:`iterserve.kernels.cpu.linear.measure_cliff`)."""
+    padded (:func:`iterserve.kernels.cpu.linear.measure_cliff`). With
+    ``batch_invariant`` nothing runs padded (the products run in fixed row blocks),
+    and a kernel backend that cannot compute so is refused by name."""
+    if batch_invariant:
+        from ..kernels.registry import check_batch_invariant
+
+        check_batch_invariant(kernel_backend, device)
     level = isa.level() if level is None else level
     shapes = product_shapes(config, tp_size)
     choice = choose_dtype(dtype, checkpoint_dtype, device, kernel_backend, level=level,
                           measure=lambda: measure_products(shapes))  # fmt: skip
+    on_cpu = torch.device(device).type == "cpu"
+    if batch_invariant and on_cpu and choice.dtype == torch.float16:
+        raise DtypeError("batch_invariant on a CPU computes in float32 or bfloat16 (float16 "
+                         "runs the torch references, which batch rows); choose one of those")  # fmt: skip
     pads: tuple[tuple[int, int], ...] = ()
-    if choice.dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    if choice.dtype == torch.bfloat16 and on_cpu and not batch_invariant:
         pads = _cliff_shapes(shapes)
-    logger.info("the engine computes in %s (%s) at %s", choice.name, choice.reason, level)
-    return RuntimeChoices(choice.name, choice.reason, level, pads)
+    logger.info("the engine computes in %s (%s) at %s%s", choice.name, choice.reason, level,
+                ", batch-invariant" if batch_invariant else "")  # fmt: skip
+    return RuntimeChoices(choice.name, choice.reason, level, pads, batch_invariant)
 
 
 def _cliff_shapes(shapes) -> tuple[tuple[int, int], ...]:

@@ -148,11 +148,13 @@ class MLP(nn.Module):
             out = out + self.down_bias
         return out
 
-    def pack(self, pads_cliff: Callable[[torch.Size], bool]) -> None:
+    def pack(self, pads_cliff: Callable[[torch.Size], bool], invariant: bool = False) -> None:
         self.gate_up_packed = pack_weight(
-            self.gate_up_weight, pads_cliff(self.gate_up_weight.shape)
+            self.gate_up_weight, pads_cliff(self.gate_up_weight.shape), invariant
         )
-        self.down_packed = pack_weight(self.down_weight, pads_cliff(self.down_weight.shape))
+        self.down_packed = pack_weight(
+            self.down_weight, pads_cliff(self.down_weight.shape), invariant
+        )
 
 
 def activation_op(activation: str) -> str:

@@ -219,11 +219,12 @@ class Decoder(nn.Module):
             layer.attn.bind(cos_sin, kv.keys[i], kv.values[i])
         self.block_size = kv.block_size
 
-    def pack_weights(self, pads_cliff=None) -> bool:
+    def pack_weights(self, pads_cliff=None, invariant: bool = False) -> bool:
         """Keeps every matrix product's weight in oneDNN's layout
         (:mod:`iterserve.kernels.cpu.linear`); call after the weights are loaded.
         ``pads_cliff(shape)``: the engine's choice of the weights whose 17–32-row bf16
-        batches run as 33 rows (None: none).
+        batches run as 33 rows (None: none); ``invariant``: a batch-invariant engine's
+        products (:mod:`iterserve.kernels.cpu.fixed_rows`).
         fp32 keeps the plain weight too, for batches under 16 rows; bf16 products
         all take the packed one, so its plain weights are let go (but the embedding,
         which the first layer reads by row, and the experts'). False (nothing packed)
@@ -231,10 +232,10 @@ class Decoder(nn.Module):
         pads = pads_cliff or (lambda shape: False)
         for layer in self.layers:
             a = layer.attn
-            a.qkv_packed = pack_weight(a.qkv_weight, pads(a.qkv_weight.shape))
-            a.o_packed = pack_weight(a.o_weight, pads(a.o_weight.shape))
-            layer.mlp.pack(pads)
-        self.lm_head_packed = pack_weight(self.lm_head, pads(self.lm_head.shape))
+            a.qkv_packed = pack_weight(a.qkv_weight, pads(a.qkv_weight.shape), invariant)
+            a.o_packed = pack_weight(a.o_weight, pads(a.o_weight.shape), invariant)
+            layer.mlp.pack(pads, invariant)
+        self.lm_head_packed = pack_weight(self.lm_head, pads(self.lm_head.shape), invariant)
         if self.lm_head_packed is None:
             return False
         if packs_every_batch(self.embed.dtype):

@@ -49,10 +49,13 @@ class SparseMoE(nn.Module):
                                      self.packed)  # fmt: skip
         return self.all_reduce(out)  # [num_tokens, hidden]
 
-    def pack(self, pads_cliff) -> None:
-        self.router_packed = pack_weight(self.router, pads_cliff(self.router.shape))
+    def pack(self, pads_cliff, invariant: bool = False) -> None:
+        self.router_packed = pack_weight(self.router, pads_cliff(self.router.shape), invariant)
         packed = [
-            (pack_weight(w13, pads_cliff(w13.shape)), pack_weight(w2, pads_cliff(w2.shape)))
+            (
+                pack_weight(w13, pads_cliff(w13.shape), invariant),
+                pack_weight(w2, pads_cliff(w2.shape), invariant),
+            )
             for w13, w2 in zip(self.w13, self.w2)
         ]
         self.packed = packed if packed and packed[0][0] is not None else None

@@ -67,6 +67,10 @@ class ModelRunner:
     long ones past its original context (:func:`.model.rope_table`, here and in
     the draft model), and it is the longest sequence a graph takes (at most
     ``GRAPH_MAX_LEN`` when None); a step with a longer one runs eagerly.
+
+    ``batch_invariant``: a runner on its own computes every row apart from its
+    batch (an engine's runners are told so by ``choices``; docs/model-runtime.md,
+    "Reproducible outputs").
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class ModelRunner:
         draft_model: str | Path | None = None,
         pooling: str | None = None,
         choices: RuntimeChoices | None = None,
+        batch_invariant: bool = False,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from .checkpoint import load_checkpoint
@@ -103,7 +108,8 @@ class ModelRunner:
         # on its own makes them.
         if choices is None:
             choices = decide(ckpt.config, dtype, ckpt.config.torch_dtype, device,
-                             kernel_backend, tp_size=tp_size)  # fmt: skip
+                             kernel_backend, tp_size=tp_size,
+                             batch_invariant=batch_invariant)  # fmt: skip
         logger.info("rank %d computes in %s (%s) at %s", tp_rank, choices.dtype,
                     choices.dtype_reason, choices.isa)  # fmt: skip
         self._build(
@@ -135,6 +141,7 @@ class ModelRunner:
         max_loras: int = 0,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        batch_invariant: bool = False,
     ) -> ModelRunner:
         """A runner of ``config``'s shape with random weights drawn on the device:
         for benchmarks and device checks, where a checkpoint would only cost load time.
@@ -143,7 +150,8 @@ class ModelRunner:
         runner.generation_config = {}
         runner.tokenizer_path = tokenizer_path
         eos = frozenset(config.eos_token_ids)
-        choices = RuntimeChoices(str(dtype).removeprefix("torch."), "configured", isa.level())
+        choices = RuntimeChoices(str(dtype).removeprefix("torch."), "configured", isa.level(),
+                                 batch_invariant=batch_invariant)  # fmt: skip
         runner._build(config, choices, torch.device(device), 0, 1, None, kernel_backend,
                       num_kv_blocks, block_size, eos, max_model_len, weights=None,
                       weight_seed=weight_seed)  # fmt: skip
@@ -164,7 +172,11 @@ class ModelRunner:
         self.dtype = choices.torch_dtype
         self.tp_size = tp_size
         self.tp_rank = tp_rank
-        self.ops = get_ops(kernel_backend, self.device)
+        self.ops = get_ops(kernel_backend, self.device, invariant=choices.batch_invariant)
+        if choices.batch_invariant and self.device.type == "cuda":
+            from ..kernels import triton_matmul  # cuBLAS picks its kernels by the batch
+
+            triton_matmul.enable()
         self.block_size = block_size
         # fp32 table regardless of model dtype: the kernels rotate in fp32. Every rank
         # builds it from the same max_model_len, so all take the same longrope factors.
@@ -185,8 +197,14 @@ class ModelRunner:
             self.model.init_random_(weight_seed)
         if self.ops.name == "cpu":
             size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            if size <= PACK_WEIGHTS_MAX_BYTES or packs_every_batch(self.dtype):
-                self.model.pack_weights(choices.pads_cliff)
+            invariant = choices.batch_invariant  # its products must be packed, whatever the size
+            if size <= PACK_WEIGHTS_MAX_BYTES or packs_every_batch(self.dtype) or invariant:
+                packed = self.model.pack_weights(choices.pads_cliff, invariant)
+                if invariant and not packed:
+                    raise ValueError(
+                        f"batch_invariant: this build of torch cannot pack {self.dtype} weights "
+                        "for oneDNN, whose fixed row blocks the mode's products run on"
+                    )
         self.kv_cache = KVCache.allocate(
             c.num_layers,
             num_kv_blocks,

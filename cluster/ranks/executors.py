@@ -78,10 +78,14 @@ def _kernels(config, choices, device: str, kernel_backend: str) -> dict[str, str
         return {}
     from ...kernels.cpu import dispatch
 
-    return dispatch.Dispatch(choices.isa).describe(
+    kernels = dispatch.Dispatch(choices.isa).describe(
         choices.dtype, dispatch.model_traits(config.num_heads, config.num_kv_heads,
-                                             config.head_dim, config.hidden_size),
+                                             config.head_dim, config.hidden_size,
+                                             invariant=choices.batch_invariant),
     )  # fmt: skip
+    if choices.batch_invariant:  # every piece is the row kernels'
+        kernels["attention.long"] = "none (batch-invariant: every piece on attention.rows)"
+    return kernels
 
 
 class ModelExecutors:
@@ -99,7 +103,8 @@ class ModelExecutors:
         ckpt = load_checkpoint(config.model_path)
         choices = decide(ckpt.config, config.dtype, ckpt.config.torch_dtype, device,
                          config.kernel_backend, level=level,
-                         tp_size=config.tensor_parallel_size)  # fmt: skip
+                         tp_size=config.tensor_parallel_size,
+                         batch_invariant=config.batch_invariant)  # fmt: skip
         info = {
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
@@ -108,6 +113,7 @@ class ModelExecutors:
             "dtype_reason": choices.dtype_reason,
             "kv_window": ckpt.config.kv_window,  # blocks before it are handed on
             "runtime": choices.to_dict(),
+            "batch_invariant": choices.batch_invariant,
             "isa": _isa_phrase(device),
             "kernels": _kernels(ckpt.config, choices, device, config.kernel_backend),
         }

@@ -17,7 +17,11 @@ step's rows split in two (:mod:`.plan`, once a step):
 
 Which kernel runs is the dispatch table's (:mod:`.dispatch`). fp32 and bf16;
 numba has no fp16, which takes the reference path. With more than one torch
-thread the rows are split across numba's threads (as many as torch's).
+thread the rows are split across numba's threads (as many as torch's). In a
+batch-invariant engine (``invariant``) every piece is the row kernels' and the
+rows take the threads' driver whenever there are threads, even a batch of one
+row: the serial and the parallel drivers are compiled apart, and a row must not
+move between them with the size of its batch.
 """
 
 from __future__ import annotations
@@ -64,17 +68,20 @@ def paged_attention(
     window: int | None = None,
     soft_cap: float | None = None,
     plan: plan.BatchPlan | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """:func:`reference.paged_attention` on the compiled kernels where they take the
     tensors (fp32 or bf16 on the CPU). ``plan``: the step's (``KernelOps.prepare``),
-    whose metadata were checked when it was built; without one it is built here."""
+    whose metadata were checked when it was built; without one it is built here.
+    ``invariant``: the batch-invariant plan (the module's docstring)."""
     if not compiled(query, k_cache, v_cache):
         return reference.paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window=window, soft_cap=soft_cap)  # fmt: skip
-    if plan is None or not plan.matches(query.shape[0], query.shape[1], k_cache.shape[1]):
+    if plan is None or not plan.matches(query.shape[0], query.shape[1], k_cache.shape[1],
+                                        invariant):  # fmt: skip
         checks.check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, window, soft_cap)  # fmt: skip
-        plan = _build(query, k_cache, block_tables, seq_lens, query_start_loc)
+        plan = _build(query, k_cache, block_tables, seq_lens, query_start_loc, invariant)
     else:
         checks.check_attention_call(query, k_cache, v_cache, scale, window, soft_cap)
     out = torch.empty(query.shape, dtype=query.dtype)  # [num_tokens, num_heads, head_dim]
@@ -82,9 +89,10 @@ def paged_attention(
     return out
 
 
-def _build(query, k_cache, block_tables, seq_lens, query_start_loc) -> plan.BatchPlan:
+def _build(query, k_cache, block_tables, seq_lens, query_start_loc, invariant=False
+           ) -> plan.BatchPlan:  # fmt: skip
     return plan.build(query.shape[0], query.shape[1], k_cache.shape[1], block_tables, seq_lens,
-                      query_start_loc)  # fmt: skip
+                      query_start_loc, invariant=invariant)  # fmt: skip
 
 
 def attend(query, k_cache, v_cache, batch: plan.BatchPlan, scale, window, soft_cap, out) -> None:
@@ -105,7 +113,7 @@ def attend(query, k_cache, v_cache, batch: plan.BatchPlan, scale, window, soft_c
         "attention.rows", name, dispatch.row_traits(num_heads, num_kv_heads, head_dim, block_size)
     )
     tables, table_of, lengths, rows = batch.rows
-    parallel = torch.get_num_threads() > 1 and len(rows) > 1
+    parallel = torch.get_num_threads() > 1 and (len(rows) > 1 or batch.invariant)
     if parallel:
         use_threads(torch.get_num_threads())
     arrays = (as_array(query.contiguous()), as_array(k_cache), as_array(v_cache), tables,

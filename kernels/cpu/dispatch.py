@@ -46,6 +46,8 @@ def _rule(op: str, kernel: str, dtypes, level: str, traits: str = "", why: str =
 #   small      at most 64 rows, one thread, no bias, a weight the AMX kernel reads
 #   few        fewer than 16 rows
 #   rows16     contiguous rows of a multiple of 16 values
+#   invariant  an engine that computes each row apart from its batch (batch_invariant)
+#   tileable   one thread, no bias, a weight the AMX kernel reads (any number of rows)
 # fmt: off
 TABLE: tuple[Rule, ...] = (
     # decode rows and short prefill pieces (kernels/cpu/attention_rows.py)
@@ -60,7 +62,11 @@ TABLE: tuple[Rule, ...] = (
     _rule("attention.long", "flash", BOTH, "generic", "uncut",
           "torch's flash attention: a 128-token bf16 piece 1.9 against 12.7 ms on the rows"),
     _rule("attention.long", "reference", BOTH, "generic"),
-    # matrix products (kernels/cpu/linear.py)
+    # matrix products (kernels/cpu/linear.py; batch-invariant: kernels/cpu/fixed_rows.py)
+    _rule("linear", "amx_blocks", [BF16], "amx", "invariant tileable",
+          "one order of sums a row whatever the batch; 64 rows: the amx_rows kernel"),
+    _rule("linear", "onednn_blocks", BOTH, "generic", "invariant",
+          "oneDNN asked for 32 rows every call runs one kernel: a row's sums do not move"),
     _rule("linear", "amx_rows", [BF16], "amx", "small",
           "a 144M Llama's 32-row decode step 0.86x oneDNN's time, 64 rows 0.92x"),
     _rule("linear", "plain", [FP32], "generic", "few",
@@ -112,13 +118,14 @@ def long_traits(head_dim: int, window_cuts: bool, soft_cap) -> frozenset:
 
 
 def model_traits(num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int,
-                 block_size: int = 16) -> dict[str, frozenset]:  # fmt: skip
+                 block_size: int = 16, invariant: bool = False) -> dict[str, frozenset]:  # fmt: skip
     """Each op's traits for a model's typical call (a decode step on one thread,
-    a layer without a window or cap), for :meth:`Dispatch.describe`."""
+    a layer without a window or cap), for :meth:`Dispatch.describe`; ``invariant``:
+    a batch-invariant engine's."""
     return {
         "attention.rows": row_traits(num_heads, num_kv_heads, head_dim, block_size),
         "attention.long": long_traits(head_dim, False, None),
-        "linear": frozenset({"small"}),
+        "linear": frozenset({"small", "tileable"} | ({"invariant"} if invariant else set())),
         "rms_norm": frozenset({"rows16"} if hidden_size % 16 == 0 else ()),
         "rotary": frozenset({"tiled"} if head_dim % VALUES == 0 else ()),
         "silu_mul": frozenset({"rows16"}),

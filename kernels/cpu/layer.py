@@ -105,14 +105,14 @@ class CpuAttentionLayer(AttentionLayer):
 
     def _plan(self, n: int, meta: AttentionMetadata) -> plan.BatchPlan:
         """The step's plan, or one built now (a call outside a step)."""
-        host = meta.host
+        host, invariant = meta.host, self.ops.invariant
         if isinstance(host, plan.BatchPlan) and host.matches(
-            n, self.num_heads, self.k_cache.shape[1]
+            n, self.num_heads, self.k_cache.shape[1], invariant
         ):
             return host
         built = plan.build(n, self.num_heads, self.k_cache.shape[1], meta.block_tables,
                            meta.seq_lens, meta.query_start_loc, meta.positions,
-                           meta.slot_mapping)  # fmt: skip
+                           meta.slot_mapping, invariant=invariant)  # fmt: skip
         meta.host = built  # the next layer of this step reads it too
         return built
 
@@ -197,9 +197,11 @@ def rotary_store_attend(
     window: int | None = None,
     soft_cap: float | None = None,
     plan: plan.BatchPlan | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """:func:`reference.rotary_store_attend` as a :class:`CpuAttentionLayer` bound
-    for this one call (a model binds its layers once, at load)."""
+    for this one call (a model binds its layers once, at load); ``invariant``: a
+    batch-invariant engine's (:mod:`.plan`)."""
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         checks.check_tensor("k_cache", k_cache, ndim=4)
     reference.split_qkv(qkv, num_heads, num_kv_heads, k_cache)  # names a bad qkv or head count
@@ -208,7 +210,7 @@ def rotary_store_attend(
     from ..registry import get_ops  # the registry imports this module
 
     layer = CpuAttentionLayer(
-        get_ops("cpu"), num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, cos_sin=cos_sin_cache,
+        get_ops("cpu", invariant=invariant), num_heads=num_heads, num_kv_heads=num_kv_heads, scale=scale, cos_sin=cos_sin_cache,
         k_cache=k_cache, v_cache=v_cache, window=window, soft_cap=soft_cap,
     )  # fmt: skip
     meta = AttentionMetadata(positions, slot_mapping, block_tables, seq_lens, query_start_loc,

@@ -58,6 +58,10 @@ oneDNN's ~15 µs. A product with a bias, or a weight whose layout that kernel
 does not read (checked when it is packed), stays oneDNN's. Which of these runs is
 the dispatch table's (:mod:`.dispatch`, op ``linear``).
 
+A batch-invariant engine's weights are packed with ``invariant``: their products
+run in fixed row blocks (:mod:`.fixed_rows`), so that a row's sums never depend
+on the batch, and nothing is padded or bucketed by the batch's size.
+
 fp32 and bf16 CPU weights, and only where the build has oneDNN; anywhere else
 :func:`pack` returns ``None`` and :func:`linear` is ``F.linear``.
 """
@@ -74,7 +78,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import dispatch, isa
+from . import dispatch, fixed_rows, isa
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +110,19 @@ class PackedWeight:
     onednn: torch.Tensor  # oneDNN's blocked layout of [out, in]
     amx: Any  # the AMX kernel's view of it (flat bf16 bits), or None where it does not read it
     pad_cliff: bool = False  # bf16 batches of 17-32 rows run as 33 (the engine's choice)
+    invariant: bool = False  # every row summed in one order whatever the batch (the engine's)
 
     @property
     def shape(self) -> torch.Size:
         return self.onednn.shape
 
 
-def pack(weight: torch.Tensor, pad_cliff: bool = False) -> PackedWeight | None:
+def pack(weight: torch.Tensor, pad_cliff: bool = False, invariant: bool = False
+         ) -> PackedWeight | None:  # fmt: skip
     """``weight`` (``[out, in]``) laid out for this CPU's kernels, or ``None`` where
     that does not apply (not fp32 or bf16 on the CPU, or no oneDNN in this build).
-    ``pad_cliff``: the engine's choice for this weight (:func:`measure_cliff`)."""
+    ``pad_cliff``: the engine's choice for this weight (:func:`measure_cliff`);
+    ``invariant``: a batch-invariant engine's (:mod:`.fixed_rows`)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
         return None
     packed = _reorder(weight)
@@ -124,7 +131,8 @@ def pack(weight: torch.Tensor, pad_cliff: bool = False) -> PackedWeight | None:
     amx = None
     if weight.dtype == torch.bfloat16 and isa.level() == "amx":
         amx = _amx_products().read_weight(packed)  # its layout checked now, not in a step
-    return PackedWeight(packed, amx, pad_cliff and may_pad_cliff(weight.shape, weight.dtype))
+    pad_cliff = pad_cliff and not invariant and may_pad_cliff(weight.shape, weight.dtype)
+    return PackedWeight(packed, amx, pad_cliff, invariant)
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -200,7 +208,8 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on ``packed`` (:func:`pack` of ``weight``) by
     the kernel the dispatch table picks for the call: ``plain`` (``F.linear``),
-    ``amx_rows`` (:mod:`.amx_linear`) or ``onednn``."""
+    ``amx_rows`` (:mod:`.amx_linear`), ``onednn``, or a batch-invariant engine's
+    (:mod:`.fixed_rows`)."""
     if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]
@@ -210,23 +219,31 @@ def linear(
         return F.linear(x, weight, bias)
     if kernel == "amx_rows":
         return _amx_products().product(x.contiguous(), packed.amx, packed.shape[0])
+    if kernel in fixed_rows.KERNELS:
+        return fixed_rows.KERNELS[kernel](x, packed, bias)
     if packed.pad_cliff and CLIFF_ROWS[0] < rows <= CLIFF_ROWS[1]:
         return _product(x, packed.onednn, bias, CLIFF_ROWS[1] + 1)
     return _product(x, packed.onednn, bias, bucket_rows(rows))
 
 
 _FEW, _SMALL, _NONE = frozenset({"few"}), frozenset({"small"}), frozenset()
+_INVARIANT, _TILEABLE = frozenset({"invariant"}), frozenset({"invariant", "tileable"})
 
 
 def _traits(x: torch.Tensor, bias, packed: PackedWeight) -> frozenset:
     """The call's shape class: ``few`` rows (under :data:`MIN_ROWS`), or ``small``
-    (1–64 rows, no bias, one thread, a weight the AMX kernel reads)."""
+    (1–64 rows, no bias, one thread, a weight the AMX kernel reads); in a
+    batch-invariant engine ``invariant``, and ``tileable`` where the AMX kernel
+    takes it (``small`` but for the row count)."""
     rows = x.shape[0]
     few = rows < MIN_ROWS
-    if (
-        packed.amx is not None and bias is None and 0 < rows <= _amx_products().MAX_ROWS
-        and torch.get_num_threads() == 1 and x.shape[1] == packed.shape[1] and x.is_cpu
-    ):  # fmt: skip
+    tileable = (
+        packed.amx is not None and bias is None and torch.get_num_threads() == 1
+        and x.shape[1] == packed.shape[1] and x.is_cpu
+    )  # fmt: skip
+    if packed.invariant:
+        return _TILEABLE if tileable else _INVARIANT
+    if tileable and 0 < rows <= _amx_products().MAX_ROWS:
         return _SMALL | _FEW if few else _SMALL
     return _FEW if few else _NONE
 

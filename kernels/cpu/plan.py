@@ -8,6 +8,11 @@ which rows the row kernels attend and which prefill pieces are long
 each window the model has, the long pieces' arrays for the AMX kernel, and the
 positions and slots the rotary op and the KV store read. :func:`prepare` builds
 it (``KernelOps.prepare``); an op called without one builds its own.
+
+In a batch-invariant engine (``invariant``) every piece, however long, goes to the
+row kernels: a prompt's row then attends exactly as the same token does when it
+is decoded, or recomputed after a preemption in a piece cut elsewhere (the row
+kernels compute each row on its own, in the order of its own positions).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from .. import checks, reference
 # 3.6; 128 tokens 12.7 against 1.9. fp32, 16 pieces, 4/2 heads: 32 tokens (4096)
 # 0.92 against 1.03; 64 tokens 2.8 against 1.8.
 SHORT_PIECE_WORK = 8192
+# The work under which a batch-invariant engine's pieces all fall: every one.
+EVERY_PIECE = 1 << 62
 
 
 @dataclass
@@ -47,6 +54,7 @@ class BatchPlan:
     starts: dict[int, np.ndarray | None] = field(default_factory=dict)
     # the long pieces' (tables, first rows, query lengths, sequence lengths)
     long: tuple | None = None
+    invariant: bool = False  # every piece on the rows, one row driver whatever their count
 
     def row_starts(self, window: int | None) -> np.ndarray | None:
         """Each row's first position under ``window``, None where it cuts no row."""
@@ -58,34 +66,39 @@ class BatchPlan:
             self.starts[window] = np.maximum(lengths - window, 0) if cut else None
         return self.starts[window]
 
-    def matches(self, num_tokens: int, num_heads: int, block_size: int) -> bool:
-        return (num_tokens, num_heads, block_size) == (
-            self.num_tokens, self.num_heads, self.block_size
+    def matches(self, num_tokens: int, num_heads: int, block_size: int,
+                invariant: bool = False) -> bool:  # fmt: skip
+        return (num_tokens, num_heads, block_size, invariant) == (
+            self.num_tokens, self.num_heads, self.block_size, self.invariant
         )  # fmt: skip
 
 
-def prepare(meta, *, num_heads: int, block_size: int, windows=()) -> BatchPlan:
+def prepare(meta, *, num_heads: int, block_size: int, windows=(), invariant: bool = False
+            ) -> BatchPlan:  # fmt: skip
     """The plan of ``meta`` (an ``AttentionMetadata``) for layers of ``num_heads``
     query heads over caches of ``block_size`` slots, with the rows' starts under
-    each of ``windows`` made now. The metadata are checked here, once a step."""
+    each of ``windows`` made now. The metadata are checked here, once a step.
+    ``invariant``: every piece on the row kernels (the module's docstring)."""
     plan = build(meta.positions.shape[0], num_heads, block_size, meta.block_tables,
-                 meta.seq_lens, meta.query_start_loc, meta.positions, meta.slot_mapping)  # fmt: skip
+                 meta.seq_lens, meta.query_start_loc, meta.positions, meta.slot_mapping,
+                 invariant=invariant)  # fmt: skip
     for window in windows:
         plan.row_starts(window)
     return plan
 
 
 def build(num_tokens, num_heads, block_size, block_tables, seq_lens, query_start_loc,
-          positions=None, slot_mapping=None) -> BatchPlan:  # fmt: skip
+          positions=None, slot_mapping=None, *, invariant: bool = False) -> BatchPlan:  # fmt: skip
     """:func:`prepare` from the metadata tensors themselves."""
     checks.check_batch(block_tables, seq_lens, query_start_loc, torch.device("cpu"))
+    short_work = EVERY_PIECE if invariant else SHORT_PIECE_WORK // num_heads
     pieces = reference.split_pieces(num_tokens, block_size, block_tables, seq_lens,
-                                    query_start_loc, SHORT_PIECE_WORK // num_heads)  # fmt: skip
+                                    query_start_loc, short_work)  # fmt: skip
     rows = _row_arrays(block_tables, pieces) if pieces.together else None
     long = _piece_arrays(block_tables, pieces, pieces.long) if pieces.long else None
     return BatchPlan(
         num_tokens, num_heads, block_size, block_tables, pieces, rows,
-        _host_array(positions), _host_array(slot_mapping), long=long,
+        _host_array(positions), _host_array(slot_mapping), long=long, invariant=invariant,
     )  # fmt: skip
 
 

@@ -151,6 +151,7 @@ The Serve config (serveConfigV2) as YAML.
   "dtype" $e.dtype
   "seed" (int $e.seed)
   "tensor_parallel_size" (int $e.tensorParallelSize)
+  "batch_invariant" $e.batchInvariant
   "runner" $e.runner
   "pooling_type" $e.poolingType
   "pooling_normalize" $e.poolingNormalize
