@@ -20,6 +20,8 @@ directly. The reference is ``F.linear``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -120,6 +122,8 @@ def enable(dispatch_key: str = "CUDA") -> None:
     if dispatch_key in _libraries:
         return
     library = torch.library.Library("aten", "IMPL")
-    library.impl("mm", lambda a, b: matmul(a, b), dispatch_key)
-    library.impl("addmm", _addmm, dispatch_key)
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl("mm", lambda a, b: matmul(a, b), dispatch_key)
+        library.impl("addmm", _addmm, dispatch_key)
     _libraries[dispatch_key] = library

@@ -33,7 +33,11 @@ the end). Sections, in order:
    fraction of the copy ceiling over a grid of (batch, context), each timed
    loop cycling over KV caches that together exceed L2 four times;
 6. ``host``: host-side costs of building a batch and of sampling;
-7. ``compile``: every kernel variant the runtime launches compiled for sm_90
+7. ``invariance``: a batch-invariant engine (a 144M-shaped Llama, bf16 and
+   fp16) gives each row the same logits, to the bit, alone as among others,
+   under chunked prefill and preemption (``gpu_check_invariance``); it puts
+   the mode's products behind torch's for the rest of the process;
+8. ``compile``: every kernel variant the runtime launches compiled for sm_90
    under this Triton (``tests/kernels/compile_variants.py``), with registers
    and spills: the device image's Triton is older than the suite's.
 
@@ -90,7 +94,8 @@ SPEC_BANDWIDTH = [  # (name substring, bytes/s): the vendor's HBM figure
 DEFAULT_BUDGET_S = 330.0
 # Seconds each section is expected to take on an H200 (Triton's cache cold);
 # a section starts only when that much budget is left. Estimates, not figures.
-NEEDS_S = {"kernels": 45, "model": 70, "latency": 40, "attention": 25, "host": 5, "compile": 40}
+NEEDS_S = {"kernels": 45, "model": 70, "latency": 40, "attention": 25, "host": 5,
+           "invariance": 25, "compile": 40}  # fmt: skip
 COMPILE_SCRIPT = ROOT / "tests" / "kernels" / "compile_variants.py"
 
 
@@ -549,6 +554,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     use_checkout()
     import torch
+    from gpu_check_invariance import check_invariance
     from gpu_check_model import ModelBench, check_latency, check_model
 
     if args.smoke:
@@ -575,6 +581,7 @@ def main(argv: list[str] | None = None, *, started: float | None = None) -> int:
         ("latency", lambda: check_latency(r, bench, budget)),
         ("attention", lambda: check_attention_bandwidth(r, dev, args.smoke, ceiling, budget)),
         ("host", lambda: check_host(r, dev, args.smoke)),
+        ("invariance", lambda: check_invariance(r, dev, args.smoke, budget)),
         ("compile", lambda: check_compile(r, budget)),
     ]
     if args.compile_only:

@@ -147,8 +147,20 @@ def exercise() -> None:
         ("qwen3-30b-a3b", torch.float16, 16),
         ("moe-demo", torch.float32, 16),
     ]
+    # A batch-invariant engine's launches: one attention kernel and one split for
+    # every row, experts in 16-row blocks (its products are below).
+    invariant_cases = [
+        ("llama3-8b", torch.bfloat16, 16),
+        ("llama3-8b", torch.float16, 16),
+        ("gemma2-9b", torch.bfloat16, 16),
+        ("demo", torch.float32, 16),
+        ("mixtral-8x7b", torch.bfloat16, 16),
+    ]
+    invariant = get_ops("triton", invariant=True)
     params = SamplingParams(temperature=0.0)
-    for name, dtype, block_size in cases:
+    for ops, name, dtype, block_size in [(ops, *c) for c in cases] + [
+        (invariant, *c) for c in invariant_cases
+    ]:
         config, tp = shapes[name]
         cos_sin = build_cos_sin_cache(config.head_dim, config.max_position_embeddings, 1e4)
         model = Decoder(config, ops, cos_sin, dtype=dtype, device=meta, tp_size=tp,
@@ -192,6 +204,16 @@ def exercise() -> None:
         for pieces in ([(100, 1)], [(3000, 1)] * 50):
             graphs.run(step(pieces))
 
+    # The batch-invariant engine's fixed-tile products (behind aten's mm and addmm on CUDA).
+    from iterserve.kernels import triton_matmul
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.empty(37, 4096, dtype=dtype, device=meta)
+        w = torch.empty(1024, 4096, dtype=dtype, device=meta)
+        triton_matmul.linear(x, w)
+        triton_matmul.linear(x, w, torch.empty(1024, dtype=dtype, device=meta))
+
+    ops = get_ops("triton")
     # The public ops also take int64 metadata (the runtime itself sends int32).
     q = torch.empty(9, 32, 128, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(4096, 16, 8, 128, dtype=torch.bfloat16, device=meta)

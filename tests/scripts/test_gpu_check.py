@@ -73,6 +73,11 @@ def test_smoke_run_passes_and_reports_every_section(smoke):
     model = report["model"]
     assert {row["batch"] for row in model["decode"]} == {1, 4}
     assert model["decode_step_replayed"] and model["graph_replays"] > 0
+    # a batch-invariant engine: every row as alone, under pieces and a preemption
+    for name in ("float32", "float16"):
+        row = report["invariance"][name]
+        assert row["rows_compared"] > 0 and row["rows_differing"] == 0 and row["tokens_equal"]
+        assert row["preemptions"] and row["mixed_steps"]
     # the temporary files of the rewrites are all renamed away
     assert [p.name for p in tmp.iterdir()] == ["check.json"]
 
