@@ -27,6 +27,7 @@ import torch
 
 from . import checks, reference
 from .cpu.linear import linear
+from .quant import QuantizedWeight
 
 # In the tensors' dtype, as Hugging Face's expert MLPs compute them (fp32 tensors:
 # the fp32 references' values); a 512-token bf16 prefill step of the 144M-shaped
@@ -79,8 +80,14 @@ def fused_experts(
     """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token;
     an expert is ``w2 @ act(gate) * up`` with ``[gate; up] = w13 @ x``. ``packed``:
     each expert's two weights in oneDNN's layout (:func:`cpu_linear.pack`), used
-    where given (the Triton kernel has no use for them)."""
-    check_fused_experts(x, w13, w2, topk_ids, topk_weights, activation)
+    where given (the Triton kernel has no use for them), or a quantized checkpoint's
+    (:class:`~iterserve.kernels.quant.QuantizedWeight`), whose dense ``w13`` and
+    ``w2`` are empty."""
+    quantized = packed is not None and isinstance(packed[0][0], QuantizedWeight)
+    if quantized:
+        w13 = w2 = None  # only the packed weights are read
+    else:
+        check_fused_experts(x, w13, w2, topk_ids, topk_weights, activation)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     # (token, k) pairs sorted by expert: each expert's rows are one contiguous run
@@ -88,7 +95,8 @@ def fused_experts(
     # activation and the weighted sum run once over every pair (a step's cost on a
     # CPU is as much the number of calls as their arithmetic).
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    num_experts = len(packed) if quantized else w13.shape[0]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens = order // top_k
     rows = x.index_select(0, tokens)  # [num_pairs, hidden]
     runs = [(e, n) for e, n in enumerate(counts) if n]  # experts no token chose: nothing read
@@ -102,7 +110,8 @@ def fused_experts(
         parts = []
         for (expert, _), start, end in zip(runs, bounds, bounds[1:]):
             w_packed = packed[expert][which] if packed is not None else None
-            parts.append(linear(inputs[start:end], weights[expert], None, w_packed))
+            weight = weights[expert] if weights is not None else None
+            parts.append(linear(inputs[start:end], weight, None, w_packed))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     h = ACTIVATIONS[activation](each_expert(rows, w13, 0))  # [num_pairs, inter]

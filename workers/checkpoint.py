@@ -17,6 +17,7 @@ from safetensors import safe_open
 from .architectures import SUPPORTED_ARCHITECTURES
 from .architectures.keys import token_id_list
 from .config import CheckpointError, ModelConfig
+from .quant import parse as parse_quantization
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -56,6 +57,8 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self.raw_config = _read_json(self.path / "config.json", "config.json")
         self.config = ModelConfig.from_dict(self.raw_config)
+        # how its weights are quantized (None: dense), read and checked now (workers/quant)
+        self.quantization = parse_quantization(self.raw_config.get("quantization_config"))
         gen_path = self.path / "generation_config.json"
         self.generation_config = (
             _read_json(gen_path, "generation_config.json") if gen_path.exists() else {}

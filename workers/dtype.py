@@ -200,6 +200,9 @@ class RuntimeChoices:
     # every row computed in an order that no other row of the step changes
     # (docs/model-runtime.md, Reproducible outputs)
     batch_invariant: bool = False
+    # the quantization the weights load with (workers/quant: a method, or "fp8" on a
+    # dense checkpoint); None: dense
+    quantization: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -211,13 +214,14 @@ class RuntimeChoices:
     def to_dict(self) -> dict:
         return {"dtype": self.dtype, "dtype_reason": self.dtype_reason, "isa": self.isa,
                 "pad_cliff": [list(s) for s in self.pad_cliff],
-                "batch_invariant": self.batch_invariant}  # fmt: skip
+                "batch_invariant": self.batch_invariant,
+                "quantization": self.quantization}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> RuntimeChoices:
         return cls(d["dtype"], d["dtype_reason"], d["isa"],
                    tuple(tuple(s) for s in d.get("pad_cliff", ())),
-                   bool(d.get("batch_invariant", False)))  # fmt: skip
+                   bool(d.get("batch_invariant", False)), d.get("quantization"))  # fmt: skip
 
 
 def decide(
@@ -230,6 +234,7 @@ def decide(
     level: str | None = None,
     tp_size: int = 1,
     batch_invariant: bool = False,
+    quantization: str | None = None,
 ) -> RuntimeChoices:
     """The engine's :class:`RuntimeChoices` for ``config`` on this rank's hardware at
     ``level`` (the lowest of the ranks'; default this process's): its dtype
@@ -237,7 +242,8 @@ def decide(
     and, in bf16 on several threads with AMX, which weights' cliff batches run
     padded (:func:`iterserve.kernels.cpu.linear.measure_cliff`). With
     ``batch_invariant`` nothing runs padded (the products run in fixed row blocks),
-    and a kernel backend that cannot compute so is refused by name."""
+    and a kernel backend that cannot compute so is refused by name. ``quantization``:
+    the method the weights load with (:func:`.quant.resolve`'s), recorded."""
     if batch_invariant:
         from ..kernels.registry import check_batch_invariant
 
@@ -255,7 +261,7 @@ def decide(
         pads = _cliff_shapes(shapes)
     logger.info("the engine computes in %s (%s) at %s%s", choice.name, choice.reason, level,
                 ", batch-invariant" if batch_invariant else "")  # fmt: skip
-    return RuntimeChoices(choice.name, choice.reason, level, pads, batch_invariant)
+    return RuntimeChoices(choice.name, choice.reason, level, pads, batch_invariant, quantization)
 
 
 def _cliff_shapes(shapes) -> tuple[tuple[int, int], ...]:

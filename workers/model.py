@@ -281,11 +281,12 @@ class Decoder(nn.Module):
             else:
                 param.normal_(0.0, std, generator=gen)
 
-    def load_weights(self, ckpt: Checkpoint) -> None:
-        """Copies this rank's shard of every tensor of the checkpoint into place."""
+    def load_weights(self, ckpt: Checkpoint, quantization: str | None = None) -> None:
+        """Copies this rank's shard of every tensor of the checkpoint into place;
+        ``quantization``: the engine's (None: the checkpoint's own, :mod:`.quant`)."""
         from .weights import load_weights
 
-        load_weights(self, ckpt)
+        load_weights(self, ckpt, quantization)
 
 
 def weight_bytes(

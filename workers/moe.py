@@ -51,6 +51,10 @@ class SparseMoE(nn.Module):
 
     def pack(self, pads_cliff, invariant: bool = False) -> None:
         self.router_packed = pack_weight(self.router, pads_cliff(self.router.shape), invariant)
+        quantized = getattr(self.w13, "quantized", None)
+        if quantized is not None:  # a quantized checkpoint's experts, packed at load
+            self.packed = quantized
+            return
         packed = [
             (
                 pack_weight(w13, pads_cliff(w13.shape), invariant),

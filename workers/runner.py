@@ -28,6 +28,7 @@ from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
 from .model import AllReduce, Decoder, rope_table
 from .prompt_logprobs import PromptLogprobsCollector
+from .quant import method as quant_method
 from .sampler import Sampler, SamplerOutput
 from .step_params import DraftRow, SampleRow
 
@@ -70,7 +71,8 @@ class ModelRunner:
 
     ``batch_invariant``: a runner on its own computes every row apart from its
     batch (an engine's runners are told so by ``choices``; docs/model-runtime.md,
-    "Reproducible outputs").
+    "Reproducible outputs"). ``quantization``: a runner on its own serves the
+    checkpoint's quantization (None) or this one (:func:`.quant.resolve`).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ModelRunner:
         pooling: str | None = None,
         choices: RuntimeChoices | None = None,
         batch_invariant: bool = False,
+        quantization: str | None = None,
     ):
         # Imported here: reading checkpoints needs safetensors, the rest of the runtime does not.
         from .checkpoint import load_checkpoint
@@ -109,9 +112,11 @@ class ModelRunner:
         if choices is None:
             choices = decide(ckpt.config, dtype, ckpt.config.torch_dtype, device,
                              kernel_backend, tp_size=tp_size,
-                             batch_invariant=batch_invariant)  # fmt: skip
-        logger.info("rank %d computes in %s (%s) at %s", tp_rank, choices.dtype,
-                    choices.dtype_reason, choices.isa)  # fmt: skip
+                             batch_invariant=batch_invariant,
+                             quantization=quant_method(quantization, ckpt.quantization))  # fmt: skip
+        logger.info("rank %d computes in %s (%s) at %s%s", tp_rank, choices.dtype,
+                    choices.dtype_reason, choices.isa,
+                    f", weights {choices.quantization}" if choices.quantization else "")  # fmt: skip
         self._build(
             ckpt.config, choices, device, tp_rank, tp_size, all_reduce, kernel_backend,
             num_kv_blocks, block_size, ckpt.eos_token_ids, max_model_len, weights=ckpt,
@@ -192,7 +197,7 @@ class ModelRunner:
             max_model_len=max_model_len,
         )
         if weights is not None:
-            self.model.load_weights(weights)
+            self.model.load_weights(weights, choices.quantization)
         else:
             self.model.init_random_(weight_seed)
         if self.ops.name == "cpu":

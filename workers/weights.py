@@ -11,6 +11,8 @@ dense MLP; embeddings, norms, routers and the LM head whole.
 Every tensor's full shape is checked before its slice is read: a slice of a
 wrongly sized tensor can look right. A family that stores each norm's scale
 as ``weight - 1`` (Gemma) gives its offset; the model keeps the scale itself.
+A quantized checkpoint's products are read by :mod:`.quant.load` (their
+``.weight`` tensors are not read here).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from .architectures import weight_names
 from .config import CheckpointError
 from .moe import SparseMoE
+from .quant import load as quant_load
+from .quant import resolve as resolve_quantization
 
 if TYPE_CHECKING:
     from .architectures.base import WeightNames
@@ -30,15 +34,19 @@ if TYPE_CHECKING:
 
 
 class _Loader:
-    def __init__(self, model: Decoder, ckpt: Checkpoint, names: WeightNames):
+    def __init__(self, model: Decoder, ckpt: Checkpoint, names: WeightNames,
+                 quantized: set[str] = frozenset()):  # fmt: skip
         self.ckpt, self.tp = ckpt, model.tp
         self.norm_offset = names.norm_offset
+        self.quantized = quantized  # tensors the quantized loader reads (workers/quant)
 
     def put(self, dst: torch.Tensor, name: str, dim: int | None = None,
             span: tuple[int, int | None] = (0, None), full: tuple[int, ...] | None = None,
             ) -> None:  # fmt: skip
         """``dst`` from tensor ``name`` (its ``span`` along ``dim``), whose shape must
         be ``full``: by default ``dst``'s, times the ranks along ``dim``."""
+        if name in self.quantized:
+            return
         if full is None:
             shape = list(dst.shape)
             if dim is not None:
@@ -76,9 +84,15 @@ class _Loader:
             at, offset = at + per_rank, offset + whole
 
 
-def load_weights(model: Decoder, ckpt: Checkpoint) -> None:
+def load_weights(model: Decoder, ckpt: Checkpoint, quantization: str | None = None) -> None:
+    """``quantization``: the engine's ``quantization`` (None: the checkpoint's own);
+    quantized products are read by :mod:`.quant.load`, the rest here."""
+    config = resolve_quantization(quantization, ckpt.quantization)
+    quantized = []
+    if config is not None and config is ckpt.quantization:
+        quantized = quant_load.sites(model, config, ckpt)
     c, tp, n = model.config, model.tp, weight_names(model.config)
-    hd, load = c.head_dim, _Loader(model, ckpt, n)
+    hd, load = c.head_dim, _Loader(model, ckpt, n, quant_load.claims(quantized))
     load.put(model.embed, f"{n.embed}.weight")
     load.norm(model.norm, f"{n.final_norm}.weight")
     if not c.tie_word_embeddings:
@@ -107,6 +121,10 @@ def load_weights(model: Decoder, ckpt: Checkpoint) -> None:
             _load_experts(load, layer.mlp, p, n, tp.expert_intermediate)
         else:
             _load_mlp(load, layer.mlp, p, n, tp.intermediate, c.intermediate_size)
+    if quantized:
+        quant_load.load(model, ckpt, config, quantized)
+    elif config is not None:  # fp8 on a dense checkpoint
+        quant_load.quantize_online(model, config)
 
 
 def _load_mlp(load: _Loader, m, p: str, n: WeightNames, inter: int, whole: int) -> None:

@@ -73,6 +73,15 @@ TABLE: tuple[Rule, ...] = (
           "F.linear's dispatch is ~20 us cheaper than oneDNN's below 16 rows"),
     _rule("linear", "onednn", BOTH, "generic",
           why="packed weights: 5-20% faster at 128 rows (fp32), 1.5-2x (bf16)"),
+    # quantized checkpoints' products (kernels/cpu/quant_linear.py), read once a weight
+    _rule("linear.w8a8", "amx_int8", BOTH, "amx", "",
+          "int8 tiles: the 144M Llama's layer products at 32 rows 0.55x bf16's time, 64 rows 0.62x"),
+    _rule("linear.w8a8", "onednn_int8", BOTH, "generic", "",
+          "oneDNN's int8 matmul (VNNI where present), per-row scales applied after it"),
+    _rule("linear.w8a8", "reference", BOTH, "generic"),
+    _rule("linear.wx", "amx_widen", [BF16], "amx", "",
+          "4-bit weights widened in the product: the 144M Llama's layer at 32 rows 0.68x bf16's"),
+    _rule("linear.wx", "reference", BOTH, "generic"),
     # the elementwise ops between products (kernels/cpu/norm.py, rotary.py, activation.py)
     _rule("rms_norm", "tiles", [BF16], "avx512", "rows16",
           "a 512-token prefill step's RMSNorm 14.3 -> 9.9 ms"),
@@ -90,6 +99,8 @@ TABLE: tuple[Rule, ...] = (
 # fmt: on
 
 OPS = tuple(dict.fromkeys(rule.op for rule in TABLE))
+# Ops a model has only when its checkpoint is quantized: described where its traits name them.
+QUANTIZED_OPS = ("linear.w8a8", "linear.wx")
 GROUPS = (1, 2, 4, 8, 16)  # query heads a KV head that AMX scores in one product
 POSITIONS, VALUES = 16, 32  # a score tile's positions; a head's values a tile reads
 
@@ -155,11 +166,13 @@ class Dispatch:
 
     def describe(self, dtype: str, traits: dict[str, frozenset[str]]) -> dict[str, str]:
         """What runs for each op in ``dtype``, given each op's typical call's traits
-        (:func:`model_traits`; ops not named: none), as ``/version`` shows it. fp16
-        (which the kernels do not compute) shows the references."""
+        (:func:`model_traits`; ops not named: none), as ``/version`` shows it; the
+        quantized products only where ``traits`` names them. fp16 (which the kernels
+        do not compute) shows the references."""
         if dtype not in BOTH:
-            return {op: "reference" for op in OPS}
-        return {op: self.kernel(op, dtype, traits.get(op, frozenset())) for op in OPS}
+            return {op: "reference" for op in OPS if op not in QUANTIZED_OPS or op in traits}
+        return {op: self.kernel(op, dtype, traits.get(op, frozenset())) for op in OPS
+                if op not in QUANTIZED_OPS or op in traits}  # fmt: skip
 
 
 def current() -> Dispatch:

@@ -63,7 +63,10 @@ run in fixed row blocks (:mod:`.fixed_rows`), so that a row's sums never depend
 on the batch, and nothing is padded or bucketed by the batch's size.
 
 fp32 and bf16 CPU weights, and only where the build has oneDNN; anywhere else
-:func:`pack` returns ``None`` and :func:`linear` is ``F.linear``.
+:func:`pack` returns ``None`` and :func:`linear` is ``F.linear``. A quantized
+checkpoint's weight is packed at load for its own kernels
+(:class:`~iterserve.kernels.quant.QuantizedWeight`, on any device): :func:`pack`
+hands it back and :func:`linear` runs it.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..quant import QuantizedWeight
 from . import dispatch, fixed_rows, isa
 
 logger = logging.getLogger(__name__)
@@ -123,6 +127,9 @@ def pack(weight: torch.Tensor, pad_cliff: bool = False, invariant: bool = False
     that does not apply (not fp32 or bf16 on the CPU, or no oneDNN in this build).
     ``pad_cliff``: the engine's choice for this weight (:func:`measure_cliff`);
     ``invariant``: a batch-invariant engine's (:mod:`.fixed_rows`)."""
+    quantized = getattr(weight, "quantized", None)
+    if quantized is not None:  # a quantized checkpoint's weight, made at load (workers/quant)
+        return quantized
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2:
         return None
     packed = _reorder(weight)
@@ -210,6 +217,8 @@ def linear(
     the kernel the dispatch table picks for the call: ``plain`` (``F.linear``),
     ``amx_rows`` (:mod:`.amx_linear`), ``onednn``, or a batch-invariant engine's
     (:mod:`.fixed_rows`)."""
+    if isinstance(packed, QuantizedWeight):  # its kernel was chosen when it was packed
+        return packed(x, bias)
     if packed is None or x.dim() != 2:
         return F.linear(x, weight, bias)
     rows = x.shape[0]

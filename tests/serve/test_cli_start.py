@@ -27,11 +27,12 @@ def _serve(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def quantized_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model with a quantization_config, which the loader refuses."""
-    path = tmp_path_factory.mktemp("refused") / "tiny-awq"
+    """The tiny model with a quantization_config of a method not served, which the
+    loader refuses."""
+    path = tmp_path_factory.mktemp("refused") / "tiny-bnb"
     shutil.copytree(tiny_model_dir, path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -39,7 +40,7 @@ def quantized_checkpoint(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "args, reason, code",
     [
-        (["{quantized}"], "config.json: 'quantization_config' is set", 2),
+        (["{quantized}"], "config.json: quantization_config.quant_method is 'bitsandbytes'", 2),
         (["{tiny}", "--max-num-seqs", "abc"], "--max-num-seqs abc: must be an integer", 2),
         (["{tiny}", "--gpu-memory-utilization", "1.5"],
          "--gpu-memory-utilization 1.5: kv_memory_fraction must be <= 1", 2),

@@ -129,7 +129,11 @@ def test_unsupported_architecture(llama_copy):
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
             "yarn rope scaling needs a numeric 'original_max_position_embeddings'",
         ),
-        ({"quantization_config": {"quant_method": "awq"}}, "'quantization_config' is set"),
+        (
+            {"quantization_config": {"quant_method": "bitsandbytes"}},
+            "quantization_config.quant_method is 'bitsandbytes'; served: compressed-tensors",
+        ),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.bits is missing"),
         (
             {"architectures": ["Gemma3ForConditionalGeneration"]},
             "unsupported architecture 'Gemma3ForConditionalGeneration'; supported: LlamaForCausalLM, "

@@ -142,8 +142,6 @@ def test_longrope_factor_lists_are_refused_with_their_key(keys, message):
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.2}, "'partial_rotary_factor' is 0.2"),
         ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
          "unsupported rope type 'dynamic'"),
-        ("MistralForCausalLM", {"quantization_config": {"quant_method": "gptq"}},
-         "'quantization_config' is set"),
     ],
 )  # fmt: skip
 def test_what_is_not_computed_is_refused_with_its_key(arch, keys, message):

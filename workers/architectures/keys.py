@@ -113,9 +113,6 @@ def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
         )
     if head_dim % 2:
         raise CheckpointError(f"config.json: head_dim must be even for rotary, got {head_dim}")
-    if raw.get("quantization_config") is not None:
-        raise CheckpointError("config.json: 'quantization_config' is set; quantized weights are "
-                              "not supported")  # fmt: skip
     return dict(
         architecture=raw["architectures"][0],
         vocab_size=get_int(raw, "vocab_size"),
