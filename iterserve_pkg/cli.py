@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.bench import (
         agreement,
         compare,
+        kv_tiers,
         loadgen,
         lora,
         policies,
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     lora.register(benches)
     policies.register(benches)
     prefix.register(benches)
+    kv_tiers.register(benches)
     compare.register(benches)
     shapes.register(benches)
     agreement.register(benches)

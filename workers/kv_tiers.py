@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"ISKV\x00\x01\x00\x00"
 FORMAT = 1
-WRITE_QUEUE = 256  # writes waiting for the disk; past it they are dropped
+# Writes waiting for the disk, at most: past it they are dropped. A queued write only
+# names its host slot (copied out when the writer reaches it), and a store into that
+# slot would wait for it: a quarter of the host tier keeps that rare.
+MAX_WRITE_QUEUE = 4096
 IDLE_WAIT_S = 0.02  # what a step without rows waits for a disk read to finish
 _HEADER_LEN = struct.Struct("<I")
 
@@ -97,14 +100,16 @@ def _file_digest(path: Path) -> bytes:
 class DiskShard:
     """One rank's files of the disk tier, with a writer and a reader thread."""
 
-    def __init__(self, root: str | Path, fp: str, rank: int, payload_bytes: int):
+    def __init__(self, root: str | Path, fp: str, rank: int, payload_bytes: int,
+                 max_queue: int = MAX_WRITE_QUEUE):  # fmt: skip
         self.fp = fp
+        self.max_queue = max_queue
         self.dir = Path(root) / fp / f"rank{rank}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.payload_bytes = payload_bytes
         # Writes, deletions and clears in the order the plans gave them (one queue:
         # a deletion must not overtake the write it undoes); writes past
-        # WRITE_QUEUE waiting are dropped, the others never.
+        # ``max_queue`` waiting are dropped, the others never.
         self.ops: queue.Queue = queue.Queue()
         self._num_writes = 0
         self.reads: queue.Queue = queue.Queue()
@@ -125,7 +130,7 @@ class DiskShard:
         """Queues a write of host ``slot`` (``snapshot(slot) -> bytes``, once ``ready()``
         says the step's stores are done); False when too many wait (dropped)."""
         with self._slots_free:
-            if self._num_writes >= WRITE_QUEUE:
+            if self._num_writes >= self.max_queue:
                 return False
             self._num_writes += 1
             self._busy_slots[slot] = self._busy_slots.get(slot, 0) + 1
@@ -500,5 +505,6 @@ def with_kv_tiers(runner: Any, config: Any, rank: int, world_size: int,
         fp = fingerprint(config.model_path, runtime=runtime, dtype=str(t.dtype),
                          kernel_backend=runner.ops.name, block_size=kv.block_size,
                          tp_size=world_size)  # fmt: skip
-        tiers.disk = DiskShard(config.kv_disk_cache_dir, fp, rank, rank_block_bytes)
+        tiers.disk = DiskShard(config.kv_disk_cache_dir, fp, rank, rank_block_bytes,
+                               max_queue=max(64, min(MAX_WRITE_QUEUE, num_host // 4)))  # fmt: skip
     return TieredExecutor(runner, tiers)

@@ -5,7 +5,10 @@ file is a miss, recomputed, and deleted."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+
+import pytest
 
 from iterserve.scheduler import Scheduler, SchedulerConfig
 from iterserve.scheduler.kv_tiers import TierConfig
@@ -107,3 +110,34 @@ def _settle(executor: TieredExecutor) -> None:
     while (disk.ops.qsize() or disk._num_writes) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)
+
+
+@pytest.mark.usefixtures("ray_session")
+async def test_two_ranks_keep_their_shards_and_find_them_again_after_a_restart(
+    tiny_llama, tmp_path
+):
+    """Tensor parallelism: each rank writes and reads its own shard of a block; a
+    read counts once every rank has reported it. A second engine on the same
+    directory serves the prompts from disk, as one process computes them."""
+    from iterserve.scheduler import SamplingParams
+    from tests.cluster.conftest import collect_all, model_config, start_engine, wait_idle
+    from tests.cluster.test_prefix_cache import single_process_outputs
+
+    prompts = [prompt_for(f"tp{i}", 30) for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = single_process_outputs(tiny_llama, prompts, params, enable_prefix_caching=False)
+    config = model_config(tiny_llama, tensor_parallel_size=2, kv_offloading_size=0.001,
+                          kv_disk_cache_dir=str(tmp_path), kv_disk_cache_size=0.01)  # fmt: skip
+    for life in range(2):
+        engine = await start_engine(config)
+        try:
+            results = await collect_all(engine, prompts, params)
+            assert [tokens for tokens, _ in results] == expected
+            stats = await wait_idle(engine)
+            if life == 0:
+                await asyncio.sleep(1.0)  # the writers' files land
+                assert len(list(tmp_path.glob("*/rank1/*/*.kv"))) >= 3 * 7
+            else:
+                assert stats["kv_disk_hits"] > 0 and stats["kv_reads_failed"] == 0
+        finally:
+            await engine.shutdown()

@@ -57,7 +57,7 @@ def test_prompts_come_back_from_disk_after_a_restart(serve_url, tiny_model_dir, 
     for (text1, cached1), (text2, cached2) in zip(first, second):
         assert text2 == text1
         assert cached2 > cached1 and cached2 >= 32
-    engine = stats["engines"][0] if "engines" in stats else stats
+    engine = stats["replicas"][0]
     assert "kv_block_hash" in str(engine)
 
 
