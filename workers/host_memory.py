@@ -8,10 +8,8 @@ that is free; either way the next step page-faults the same memory in again.
 At 256 decode rows of the demo model that doubled the forward's time.
 :func:`keep_freed_memory` fixes both thresholds, so freed memory stays in the
 heap for the next step. The heap then holds on to at most the largest step's
-temporaries, which the next step needs again.
-
-:func:`advise_huge_pages` asks for transparent huge pages under a tensor not yet
-touched: the KV cache, whose blocks a decode step reads from all over it.
+temporaries, which the next step needs again. (Huge pages under what every step
+reads, the weights and the KV cache: :mod:`iterserve.kernels.cpu.memory`.)
 """
 
 from __future__ import annotations
@@ -22,12 +20,8 @@ import functools
 import logging
 import sys
 
-import torch
-
 logger = logging.getLogger(__name__)
 
-MADV_HUGEPAGE = 14
-HUGE_PAGE_BYTES = 2 << 20
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: bigger blocks are still mapped
@@ -57,21 +51,3 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("could not set malloc's thresholds: CPU steps page-fault their buffers")
     return ok
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Asks the kernel to back ``tensor``'s memory with transparent huge pages
-    (``madvise(MADV_HUGEPAGE)``, which a kernel in THP's ``madvise`` mode needs);
-    only the whole 2 MiB pages inside it. Effective for memory not touched yet;
-    False where there is no such page or the call is refused (another OS, THP off)."""
-    madvise = _libc_function("madvise")
-    if madvise is None:
-        return False
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    start = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(start, end - start, MADV_HUGEPAGE) == 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_memory import advise_huge_pages
+from ..kernels.cpu.memory import tensor_on_huge_pages
 
 
 def bytes_per_block(
@@ -121,6 +121,5 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.devi
     before the zeroing touches it: a decode step reads its sequences' blocks from
     all over the cache, and with 4 KiB pages every block costs TLB misses."""
     tensor = torch.empty(shape, dtype=dtype, device=device)
-    if tensor.device.type == "cpu":
-        advise_huge_pages(tensor)
+    tensor_on_huge_pages(tensor)
     return tensor.zero_()

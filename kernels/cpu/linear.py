@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 from ..quant import QuantizedWeight
 from . import dispatch, fixed_rows, isa
+from .memory import tensor_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ def pack(weight: torch.Tensor, pad_cliff: bool = False, invariant: bool = False
     packed = _reorder(weight)
     if packed is None:
         return None
+    tensor_on_huge_pages(packed)  # read in full every step: 2 MiB pages (.memory)
     amx = None
     if weight.dtype == torch.bfloat16 and isa.level() == "amx":
         amx = _amx_products().read_weight(packed)  # its layout checked now, not in a step

@@ -26,13 +26,17 @@ def _huge_pages_possible() -> bool:
 
 
 @pytest.mark.skipif(not _huge_pages_possible(), reason="no transparent huge pages here")
-def test_a_large_host_tensor_is_advised_onto_huge_pages_and_a_small_one_is_not():
+def test_a_large_host_tensor_is_put_on_huge_pages_and_a_small_one_is_not():
     import torch
 
-    from iterserve.workers.host_memory import advise_huge_pages
+    from iterserve.kernels.cpu.linear import pack
+    from iterserve.kernels.cpu.memory import HUGE_PAGE, tensor_on_huge_pages
 
-    assert advise_huge_pages(torch.empty(16 << 20, dtype=torch.uint8))  # holds whole 2 MiB pages
-    assert not advise_huge_pages(torch.empty(1024, dtype=torch.uint8))  # holds none
+    big = torch.zeros(16 << 20, dtype=torch.uint8)  # touched: collapsed where Linux can
+    assert tensor_on_huge_pages(big) >= (16 << 20) - HUGE_PAGE  # its whole 2 MiB pages
+    assert tensor_on_huge_pages(torch.empty(1024, dtype=torch.uint8)) == 0  # holds none
+    packed = pack(torch.zeros(4096, 1024, dtype=torch.bfloat16))  # oneDNN's own memory too
+    assert packed is None or tensor_on_huge_pages(packed.onednn) > 0
 
 
 def test_the_kv_cache_starts_zeroed():
