@@ -70,9 +70,8 @@ class SchedulerConfig:
     max_num_seqs: int = knob(128, "slots: sequences running at once", minimum=1)
     max_num_batched_tokens: int | None = knob(
         None,
-        "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU (up to "
-        "2048 for a small model: as many tokens as cost a 144M model's 512), 2048 on CUDA, "
-        "raised to max_model_len for the policies that prefill whole prompts",
+        "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU, 2048 "
+        "on CUDA, raised to max_model_len for the policies that prefill whole prompts",
         minimum=1,
         helm_default=CUDA_STEP_TOKENS,
         shown_default="by device",
@@ -211,27 +210,23 @@ class SchedulerConfig:
         assert self.max_num_batched_tokens is not None, "resolved() sets it"
         return self.max_num_batched_tokens
 
-    def step_budget(self, device: str, max_model_len: int | None = None,
-                    step_tokens: int | None = None) -> int:  # fmt: skip
+    def step_budget(self, device: str, max_model_len: int | None = None) -> int:
         """The per-step token budget on ``device`` (``cpu``, ``cuda``, ``cuda:1``): the
-        configured one, else the device's default (or the model's, ``step_tokens``)
-        raised to ``max_num_seqs`` and, for the policies that prefill whole prompts,
-        to the context length."""
+        configured one, else the device's default raised to ``max_num_seqs`` and, for
+        the policies that prefill whole prompts, to the context length."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         default = CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
-        default = step_tokens or default
         budget = max(default, self.max_num_seqs)
         context = self.max_model_len or max_model_len
         if not self.chunked_prefill and context is not None:
             budget = max(budget, context)
         return budget
 
-    def resolved(self, *, num_kv_blocks: int, max_model_len: int, device: str,
-                 step_tokens: int | None = None) -> SchedulerConfig:  # fmt: skip
+    def resolved(self, *, num_kv_blocks: int, max_model_len: int, device: str) -> SchedulerConfig:
         """This config with what the loaded engine decided: the cache's size, the
         context length where the config left it to the checkpoint, and the step
-        budget where it left it to the device (or to the model: ``step_tokens``)."""
+        budget where it left it to the device."""
         from dataclasses import replace
 
         context = self.max_model_len or max_model_len
@@ -244,7 +239,7 @@ class SchedulerConfig:
             self,
             num_kv_blocks=num_kv_blocks,
             max_model_len=context,
-            max_num_batched_tokens=self.step_budget(device, context, step_tokens),
+            max_num_batched_tokens=self.step_budget(device, context),
             speculative_config=speculative,
         )
 

@@ -156,7 +156,6 @@ class EngineCore:
                 num_kv_blocks=self.workers.num_kv_blocks,
                 max_model_len=self.max_model_len,
                 device=info["device"],
-                step_tokens=info.get("step_tokens"),
             ),
             ahead=self.config.async_scheduling,
             kv_window=info.get("kv_window"),

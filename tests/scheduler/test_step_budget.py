@@ -21,16 +21,6 @@ def test_an_unset_budget_is_the_devices_default(device, budget):
     assert Scheduler(resolved(device)).stats()["max_num_batched_tokens"] == budget
 
 
-def test_an_unset_budget_takes_the_models_own_where_the_engine_gives_one():
-    config = SchedulerConfig().resolved(num_kv_blocks=4096, max_model_len=2048, device="cpu",
-                                        step_tokens=2048)  # fmt: skip
-    assert config.max_num_batched_tokens == 2048
-    configured = SchedulerConfig(max_num_batched_tokens=600).resolved(
-        num_kv_blocks=4096, max_model_len=2048, device="cpu", step_tokens=2048
-    )
-    assert configured.max_num_batched_tokens == 600
-
-
 def test_a_configured_budget_is_kept_on_every_device():
     for device in ("cpu", "cuda"):
         assert resolved(device, max_num_batched_tokens=1000).max_num_batched_tokens == 1000
