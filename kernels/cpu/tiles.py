@@ -454,7 +454,8 @@ if numba is not None:
             p = builder.fadd(builder.fmul(p, zz), c(term))
         small = builder.fadd(builder.fmul(builder.fmul(p, zz), z), z)
         large = builder.fsub(
-            c(1.0), builder.fdiv(c(2.0), builder.fadd(_exp(builder, builder.fmul(z, c(2.0))), c(1.0)))
+            c(1.0),
+            builder.fdiv(c(2.0), builder.fadd(_exp(builder, builder.fmul(z, c(2.0))), c(1.0))),
         )
         tanh = builder.select(builder.fcmp_ordered("<", zz, c(0.390625)), small, large)
         return builder.fmul(builder.fmul(g, c(0.5)), builder.fadd(c(1.0), tanh))
@@ -475,7 +476,9 @@ if numba is not None:
             def codegen(context, builder, sig, args):
                 x_data = context.make_array(sig.args[0])(context, builder, args[0]).data
                 out_data = context.make_array(sig.args[3])(context, builder, args[3]).data
-                x_index, up_index, out_index, chunks = (_i64(builder, args[i]) for i in (1, 2, 4, 5))
+                x_index, up_index, out_index, chunks = (
+                    _i64(builder, args[i]) for i in (1, 2, 4, 5)
+                )
                 one = ir.Constant(_V16F, [1.0] * 16)
                 with cgutils.for_range(builder, chunks) as loop:
                     j = builder.mul(loop.index, _I64(16))

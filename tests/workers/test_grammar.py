@@ -197,9 +197,7 @@ def test_a_rank_fills_the_next_mask_from_its_own_token_when_scheduled_ahead(tok)
     output, step = [], 1
     while True:
         result = r.execute(
-            StepPlan(
-                step, scheduled=[ScheduledSeq(0, n + len(output), 1, [], True)], ahead=True
-            )
+            StepPlan(step, scheduled=[ScheduledSeq(0, n + len(output), 1, [], True)], ahead=True)
         )
         output += [t.token_id for t in result.sampled]
         step += 1
