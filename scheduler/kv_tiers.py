@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -285,8 +286,11 @@ class KVTiers:
         self._out = KVTransfers()
         self._prune_meta()
 
-    def set_disk_index(self, entries: list[tuple[bytes, bytes | None, tuple[int, ...]]],
-                       orphans: list[str] = ()) -> None:  # fmt: skip
+    def set_disk_index(
+        self,
+        entries: list[tuple[bytes, bytes | None, tuple[int, ...]]],
+        orphans: Sequence[str] = (),
+    ) -> None:
         """What the ranks found on disk, oldest use first: ``(key, parent, tokens)``
         each (the engine scanned them). Beyond the tier's size, the oldest go, as do
         ``orphans`` (hex keys only some ranks have a file of)."""
