@@ -11,9 +11,18 @@ import time
 from ..scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 
-def ms_per_step(num_seqs: int, num_steps: int = 200, policy: str = "chunked") -> float:
+def ms_per_step(
+    num_seqs: int,
+    num_steps: int = 200,
+    policy: str = "chunked",
+    scheduling_policy: str = "priority",
+    num_tenants: int = 1,
+) -> float:
+    """CPU ms of schedule() + update() per step with ``num_seqs`` sequences decoding,
+    spread round-robin over ``num_tenants`` tenants."""
     config = SchedulerConfig(
         policy=policy,
+        scheduling_policy=scheduling_policy,
         max_num_seqs=num_seqs,
         max_num_batched_tokens=max(2048, num_seqs),
         max_model_len=2048,
@@ -24,7 +33,8 @@ def ms_per_step(num_seqs: int, num_steps: int = 200, policy: str = "chunked") ->
     executor = FakeExecutor(output_len=None, check_blocks=False)
     params = SamplingParams(max_tokens=1500, ignore_eos=True)
     for i in range(num_seqs):
-        sched.add_request(Request(f"req-{i}", list(range(3, 35)), params, arrival_time=float(i)))
+        sched.add_request(Request(f"req-{i}", list(range(3, 35)), params, arrival_time=float(i),
+                                  tenant=f"tenant-{i % num_tenants}"))  # fmt: skip
     # Warm up until every sequence has been prefilled and is decoding.
     while not all(r.is_decoding for r in sched.running.values()) or len(sched.running) < num_seqs:
         step = sched.schedule(0.0)
@@ -46,4 +56,6 @@ def run() -> dict:
     return {
         "ms_per_step_64": round(ms_per_step(64), 4),
         "ms_per_step_256": round(ms_per_step(256), 4),
+        # fair: the same 256 sequences of 4 tenants, each step charged to them.
+        "ms_per_step_256_fair": round(ms_per_step(256, scheduling_policy="fair", num_tenants=4), 4),
     }

@@ -20,6 +20,7 @@ from .messages import (
     AdapterLoad,
     EngineOutput,
     EngineOutputs,
+    EngineRequest,
     FinishedSeq,
     KVReport,
     KVTransfers,
@@ -43,8 +44,8 @@ from .sampling import (
 # StepResult.prompt_logprobs; 5: NewSequence.num_cached_tokens; 6: EngineOutputs;
 # 7: LoRA adapters (NewSequence.lora_slot, StepPlan.adapter_loads); 8: pooling
 # (StepResult.pooled, EngineOutput.pooled), StructuredOutput.start_after; 9: KV tiers
-# (StepPlan.kv, StepResult.kv)
-VERSION = 9
+# (StepPlan.kv, StepResult.kv); 10: EngineRequest
+VERSION = 10
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_LIST_LEN = 1 << 22
 MAX_STR_LEN = MAX_GRAMMAR_BYTES  # the longest string is a grammar's spec
@@ -230,11 +231,21 @@ _SCHEMAS[EngineOutput] = (
     _optional(_list(_float)),
 )
 _SCHEMAS[EngineOutputs] = (_list(_record(EngineOutput)),)
+_SCHEMAS[EngineRequest] = (
+    _str,
+    _str,
+    _list(_int),
+    _record(SamplingParams),
+    _int,
+    _optional(_str),
+    _str,
+    _optional(_float),
+)
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _SCHEMAS}
 for _cls, _schema in _SCHEMAS.items():
     assert len(_schema) == len(_FIELDS[_cls]), f"codec schema of {_cls.__name__} is stale"
 
-_TAGS = {StepPlan: 1, StepResult: 2, EngineOutputs: 3}
+_TAGS = {StepPlan: 1, StepResult: 2, EngineOutputs: 3, EngineRequest: 4}
 _BY_TAG = {tag: cls for cls, tag in _TAGS.items()}
 
 
@@ -409,13 +420,27 @@ def _decode_outputs(value: list) -> EngineOutputs:
     return EngineOutputs(outputs)
 
 
+def _encode_request(m: EngineRequest) -> list:
+    return [
+        m.request_id,
+        m.label,
+        m.prompt_token_ids,
+        _encode_params(m.params),
+        m.priority,
+        m.lora_name,
+        m.tenant,
+        m.slo_ttft_ms,
+    ]
+
+
 _ENCODERS: dict[type, Callable[[Any], list]] = {
     StepPlan: _encode_plan,
     StepResult: _encode_result,
     EngineOutputs: _encode_outputs,
+    EngineRequest: _encode_request,
 }
 
-Message: TypeAlias = "StepPlan | StepResult | EngineOutputs"
+Message: TypeAlias = "StepPlan | StepResult | EngineOutputs | EngineRequest"
 
 
 # -- public API ----------------------------------------------------------------------

@@ -13,6 +13,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 POLICIES = ("static", "dynamic", "continuous", "chunked")
+# Who goes first, with vLLM's names: ``priority`` (a request's priority, then its
+# arrival) and ``fcfs`` (arrival alone), and ``fair`` between tenants (:mod:`.fair`).
+SCHEDULING_POLICIES = ("priority", "fcfs", "fair")
+TENANT_KEYS = ("weight", "ttft_slo_ms")  # what `tenants` may say of each tenant
 # The default per-step token budgets. A CPU rank's step takes time in proportion to its
 # tokens (the demo model on one core: ~0.1 ms a prompt token), so 2048 prompt tokens
 # in one step hold every running stream for ~0.2 s; 512 keep that stall near four
@@ -103,6 +107,29 @@ class SchedulerConfig:
     max_queue_len: int = knob(
         1024, "waiting requests beyond this are refused with 429 and Retry-After", minimum=0
     )
+    scheduling_policy: str = knob(
+        "priority",
+        "who goes first: `priority` (a request's priority, then arrival; preemption takes "
+        "the worst), `fcfs` (arrival only) or `fair` (tenants take turns by the tokens "
+        "computed for them; continuous and chunked; docs/serving.md, Fairness between tenants)",
+        choices=SCHEDULING_POLICIES,
+    )
+    max_queue_len_per_tenant: int | None = knob(
+        None,
+        "waiting requests of one tenant beyond this are refused with 429 and Retry-After "
+        "(`fair`), so that a flood is refused before anyone else; unset: half of `max_queue_len`",
+        minimum=1,
+        shown_default="max_queue_len / 2",
+    )
+    tenants: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "doc": "per-tenant settings (`fair`): `{name: {weight, ttft_slo_ms}}`; a tenant of "
+            "weight 2 gets twice the tokens of one of weight 1 while both wait (unnamed: 1); "
+            "`ttft_slo_ms` is its requests' first-token target unless they name their own",
+            "helm": False,
+        },
+    )
     max_num_partial_prefills: int = knob(
         1, "prompts part-way through prefill at once (chunked)", minimum=1
     )
@@ -135,6 +162,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check_knobs(self)
         self._check_speculation()
+        self._check_fairness()
         budget = self.max_num_batched_tokens  # None: the engine derives it (resolved())
         if budget is not None and budget < self.max_num_seqs:
             raise ValueError(
@@ -168,6 +196,32 @@ class SchedulerConfig:
         if self.kv_layout != "paged":
             raise ValueError("speculative_config: needs the paged KV layout")
         object.__setattr__(self, "speculative_config", spec.as_dict())
+
+    def _check_fairness(self) -> None:
+        from .messages import MAX_TENANT_LEN
+
+        if self.scheduling_policy == "fair" and self.policy not in ("continuous", "chunked"):
+            raise ValueError(
+                f"scheduling_policy: fair shares each step among tenants; policy {self.policy!r} "
+                "admits a whole batch at once: use continuous or chunked"
+            )
+        if self.scheduling_policy != "fair":
+            for key in ("tenants", "max_queue_len_per_tenant"):
+                if getattr(self, key):
+                    raise ValueError(f"{key}: applies to scheduling_policy fair only")
+        for name, settings in self.tenants.items():
+            if type(name) is not str or not 0 < len(name) <= MAX_TENANT_LEN:
+                raise ValueError(f"tenants: a name must be 1 to {MAX_TENANT_LEN} characters")
+            if not isinstance(settings, dict) or set(settings) - set(TENANT_KEYS):
+                raise ValueError(f"tenants: {name!r} must be a mapping of {', '.join(TENANT_KEYS)}")
+            for key, value in settings.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ValueError(f"tenants: {name}.{key} must be a number > 0, got {value!r}")
+
+    @property
+    def tenant_queue_len(self) -> int:
+        """Waiting requests one tenant may have (``fair``)."""
+        return self.max_queue_len_per_tenant or max(1, self.max_queue_len // 2)
 
     @property
     def speculation(self):

@@ -38,12 +38,12 @@ from collections import deque
 from .adapters import AdapterResidency
 from .blocks import BlockManager
 from .config import SchedulerConfig
-from .errors import PromptTooLongError, ProtocolError, QueueFullError
+from .errors import PromptTooLongError, ProtocolError
 from .kv_tiers import KVTiers, TierConfig
-from .messages import NewSequence, StepResult
+from .messages import MAX_TENANT_LEN, NewSequence, StepResult
 from .policies import make_policy
 from .prefix_cache import PrefixCache
-from .queue import WaitingQueue
+from .queue import make_queue
 from .request import (
     FinishReason,
     Request,
@@ -87,8 +87,9 @@ class Scheduler:
         if tiers is not None and config.prefix_caching:
             self.tiers = KVTiers(tiers, config.block_size, self.blocks.cached)
             self.blocks.tiers = self.tiers
-        self.waiting = WaitingQueue(config.max_queue_len)
         self.running: dict[str, Request] = {}
+        # Who waits, in the order of scheduling_policy (and, under fair, whose turn it is).
+        self.waiting = make_queue(config, self.running)
         self.requests: dict[str, Request] = {}
         self.policy = make_policy(config)
         # LoRA adapters: the registry and which the ranks hold (a resource like slots).
@@ -126,6 +127,8 @@ class Scheduler:
         SamplingParamsError or ValueError; a refused request leaves no trace."""
         if type(request.priority) is not int:  # the queue orders by it: refuse before any trace
             raise ValueError(f"priority: must be an integer, got {type(request.priority).__name__}")
+        if type(request.tenant) is not str or not 0 < len(request.tenant) <= MAX_TENANT_LEN:
+            raise ValueError(f"tenant: must be a string of 1 to {MAX_TENANT_LEN} characters")
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if not request.prompt_token_ids:
@@ -136,10 +139,7 @@ class Scheduler:
         if request.lora_name is not None:  # raises AdapterNotFoundError
             request.adapter = self.adapters.get(request.lora_name)
             request.cache_salt = request.adapter.cache_salt + request.cache_salt
-        if self.waiting.full:
-            raise QueueFullError(
-                f"the waiting queue is full ({self.config.max_queue_len} requests)"
-            )
+        self.waiting.check_room(request)  # raises QueueFullError
         room = self.max_model_len - request.num_prompt_tokens
         if request.params.max_tokens > room:
             request.params = dataclasses.replace(
@@ -147,6 +147,10 @@ class Scheduler:
                 max_tokens=room,
                 min_tokens=min(request.params.min_tokens, room),
             )
+        if request.ttft_deadline is None:  # the tenant's target, if it has one
+            slo_ms = self.config.tenants.get(request.tenant, {}).get("ttft_slo_ms")
+            if slo_ms is not None:
+                request.ttft_deadline = request.arrival_time + slo_ms / 1000
         request.status = RequestStatus.WAITING
         request.seq_id = self._next_seq_id
         self._next_seq_id += 1
@@ -559,6 +563,7 @@ class Scheduler:
         """The scheduler's state, from counts kept up to date as it changes."""
         return {
             "policy": self.config.policy,
+            "scheduling_policy": self.config.scheduling_policy,
             "max_num_batched_tokens": self.config.token_budget,
             "step": self.step,
             "num_running": len(self.running) + len(self.released_ahead),
@@ -580,9 +585,23 @@ class Scheduler:
             **(self.tiers.stats() if self.tiers is not None else {}),
         }
 
+    def tenant_stats(self) -> dict[str, dict]:
+        """Per tenant: its requests waiting and running and, under ``fair``, its
+        counter of tokens served (weighted). A scan of every request: for
+        ``/v1/stats`` and a metrics refresh, not for every step."""
+        tenants: dict[str, dict] = {}
+        for request in self.requests.values():
+            counts = tenants.setdefault(request.tenant, {"waiting": 0, "running": 0})
+            counts["running" if request.status == RequestStatus.RUNNING else "waiting"] += 1
+        for name, counter in self.waiting.counters().items():
+            tenants.setdefault(name, {"waiting": 0, "running": 0})["served"] = round(counter, 3)
+        return tenants
+
     def check_integrity(self) -> None:
-        """Slots, blocks and counts are consistent with the requests that hold them."""
+        """Slots, blocks and counts are consistent with the requests that hold them;
+        the waiting queue (per tenant, under ``fair``) with the requests that wait."""
         self.slots.check_integrity()
+        self.waiting.check_integrity(self.requests)
         self.blocks.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()

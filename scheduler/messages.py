@@ -1,7 +1,8 @@
 """The messages that cross the engine's boundaries: the two between the
-scheduler and its workers (:class:`StepPlan`, :class:`StepResult`), and the
-record the engine hands its clients (:class:`EngineOutput`, a step's worth for
-one client in :class:`EngineOutputs`).
+scheduler and its workers (:class:`StepPlan`, :class:`StepResult`), the request
+a client hands an engine (:class:`EngineRequest`), and the record the engine
+hands its clients (:class:`EngineOutput`, a step's worth for one client in
+:class:`EngineOutputs`).
 
 Only lists of ints, floats and short strings cross — never tensors, never
 pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
@@ -265,6 +266,35 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     pooled: list[PooledOutput] = field(default_factory=list)
     kv: KVReport | None = None  # what the KV tiers did (every rank's, merged)
+
+
+# A request's tenant: whose turn it is under ``scheduling_policy: fair``, a label of
+# the metrics. A gateway's fairness id, else the OpenAI ``user`` field, else this one.
+DEFAULT_TENANT = "default"
+MAX_TENANT_LEN = 128  # characters
+MAX_SLO_TTFT_MS = 3_600_000.0  # an hour: a first-token target beyond it is not one
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """Client -> engine: one request to queue (the engine channel's ``ADD``).
+
+    ``request_id`` is the engine's id of it, which the client makes unique;
+    ``label`` the client's own name for it (logs). ``lora_name`` names a loaded
+    LoRA adapter (None: the base model). ``tenant`` is whose request it is
+    (:data:`DEFAULT_TENANT` when nobody said), ``slo_ttft_ms`` its first-token
+    target, if it has one (``fair`` orders admission by it; a request past it
+    is counted, not dropped). The engine checks every value again (intake).
+    """
+
+    request_id: str
+    label: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    lora_name: str | None = None
+    tenant: str = DEFAULT_TENANT
+    slo_ttft_ms: float | None = None
 
 
 # One token's logprob and its top alternatives: ``(logprob, [(token_id, logprob), ...])``.

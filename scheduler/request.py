@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .adapters import Adapter
 from .block_hash import chain_block_hashes
-from .messages import PromptLogprobs
+from .messages import DEFAULT_TENANT, PromptLogprobs
 from .sampling import SamplingParams
 
 
@@ -117,6 +117,10 @@ class Request:
     num_cached_tokens: int | None = None
     # Tokens computed before its last preemption: what recompute may have to redo.
     num_dropped_tokens: int = 0
+    # Whose request it is (``scheduling_policy: fair`` takes turns between tenants),
+    # and when its first token is due (monotonic seconds; None: no target).
+    tenant: str = DEFAULT_TENANT
+    ttft_deadline: float | None = None
     # The LoRA adapter its tokens compute with (None: the base model), named by the
     # client as ``lora_name``; the scheduler resolves the name when it queues it.
     lora_name: str | None = None

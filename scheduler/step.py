@@ -7,6 +7,8 @@ preempted. Policies read the scheduler and write to it only through its small
 API::
 
     step.running / step.waiting             who could run (to read: the builder admits)
+    step.waiting.order_key / yields_to      the order of service (scheduling_policy)
+    step.victim()                           whom a preemption takes, in that order
     step.num_to_compute(request)            tokens before its next sample, after any
                                             cached prefix a waiting request would reuse
     step.try_schedule(request, num_tokens)  tokens of one request, admitting it
@@ -123,6 +125,12 @@ class StepBuilder:
 
     def is_scheduled(self, request: Request) -> bool:
         return self.requests.get(request.slot_idx) is request
+
+    def victim(self) -> Request | None:
+        """Whom a preemption takes now: the last running request in the order of
+        service, among those not admitted in this step (None: nobody)."""
+        new = {n.seq_id for n in self.new_seqs}
+        return self.sched.waiting.victim(r for r in self.running if r.seq_id not in new)
 
     # -- what policies do ----------------------------------------------------------
 
@@ -318,4 +326,5 @@ class StepBuilder:
             adapter_loads=self.sched.adapters.take_loads(),
             kv=None if self.sched.tiers is None else self.sched.tiers.take_transfers(),
         )
+        self.sched.waiting.charge_step(self.requests, self.scheduled)
         return ScheduledStep(plan, self.requests, self.freed_before, now, self.num_draft_tokens)

@@ -8,10 +8,14 @@ instead of stalling them. Both follow the same order::
     budget = max_num_batched_tokens
     1. every running decode: 1 token          (preempting when blocks run out)
     2. running partial prefills: next piece   (chunked only)
-    3. waiting prompts, priority then arrival: whole (continuous) or a piece (chunked)
+    3. waiting prompts, in the order of service: whole (continuous) or a piece (chunked)
 
-When blocks run out, the worst running sequence (priority, then arrival) gives
-its blocks, wherever it sits in the step; a step that preempted admits nobody.
+The order of service is the waiting queue's (``scheduling_policy``): priority
+then arrival, arrival alone, or tenants in turn (``fair``, where a waiting
+prompt of a less-served tenant also goes before a running prompt's next piece,
+which then takes no more of the step than the newcomers did).
+When blocks run out, the last running sequence in that order gives its blocks,
+wherever it sits in the step; a step that preempted admits nobody.
 A waiting prompt whose first blocks are cached (prefix caching) only needs
 budget for the rest: ``step.num_to_compute`` says how much.
 """
@@ -36,6 +40,7 @@ class ContinuousPolicy(Policy):
         return remaining if remaining <= budget_left else 0
 
     def schedule(self, step: StepBuilder, now: float) -> None:
+        order = step.waiting  # the order of service (scheduling_policy)
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in step.running:
@@ -47,53 +52,82 @@ class ContinuousPolicy(Policy):
         ):
             # The common case: no decode can run out of blocks, so order does not matter.
             step.schedule_decodes(decodes)
-            running = sorted(prefills, key=Request.sort_key)
+            running = sorted(prefills, key=order.order_key)
         else:
-            running = sorted(decodes, key=Request.sort_key) + sorted(prefills, key=Request.sort_key)
+            running = sorted(decodes, key=order.order_key) + sorted(prefills, key=order.order_key)
+        num_admitted_partial = 0  # prompts admitted before running ones' pieces (fair)
         for request in running:
             if request.slot_idx < 0:  # preempted as a victim earlier in this loop
                 continue
             remaining = request.num_remaining_tokens
+            taken = 0  # budget that less-served tenants' prompts took before this piece
+            if order.interleaves and remaining > 1 and not step.preempted:
+                # Less-served tenants' waiting prompts go before this piece...
+                partial = sum(1 for r in prefills if r.slot_idx >= 0) + num_admitted_partial
+                num_entries = len(step.scheduled)
+                num_admitted_partial += self._admit_waiting(step, partial, before=request) - partial
+                # (not the budget's change: proposals dropped to make room give some back)
+                taken = sum(e.num_tokens for e in step.scheduled[num_entries:])
             num_tokens = 1 if remaining == 1 else self.piece(remaining, step.budget_left)
+            if taken:
+                # ...and it shrinks to what they took: the step that starts them stays
+                # short, so their first tokens come sooner; the rest waits a step.
+                num_tokens = min(num_tokens, taken)
             if num_tokens == 0:
                 continue
             while not step.try_schedule(request, num_tokens):
                 if step.drop_proposals():
                     continue  # proposals give their blocks back before anyone is preempted
-                victim = max(step.running, key=Request.sort_key)
+                if step.new_seqs:
+                    # Prompts admitted before it in this step (fair) took the blocks: it
+                    # waits, as admission never preempts (nor may a plan built ahead).
+                    break
+                victim = step.victim()
+                if victim is None:
+                    break
                 step.preempt(victim)
                 if victim is request:
                     break
         if step.preempted:
             return  # memory is short: a new prompt now would be the next victim
         # Prompts part-way through prefill when the step began (and not preempted since).
-        num_partial = sum(1 for r in prefills if r.slot_idx >= 0)
+        num_partial = sum(1 for r in prefills if r.slot_idx >= 0) + num_admitted_partial
         self._admit_waiting(step, num_partial)
 
-    def _admit_waiting(self, step: StepBuilder, num_partial: int) -> None:
+    def _admit_waiting(
+        self, step: StepBuilder, num_partial: int, before: Request | None = None
+    ) -> int:
+        """Admits waiting prompts in the order of service while the budget, the
+        slots, the blocks and the cap on partial prefills allow (with ``before``:
+        only those that go before that running prompt's next piece). Returns the
+        prompts part-way through prefill then."""
+        order = step.waiting
         while step.budget_left > 0 and step.num_free_slots > 0:
-            request = step.waiting.peek()
+            request = order.peek()
             if request is None:
-                return
+                break
             if not step.can_admit(request):
                 # Its adapter waits for a slot, or its blocks for a disk read: one
                 # that waits for neither goes first.
-                request = step.waiting.first(step.can_admit)
+                request = order.first(step.can_admit)
                 if request is None:
-                    return
+                    break
+            if before is not None and not order.yields_to(request, before):
+                break
             remaining = step.num_to_compute(request)
             num_tokens = self.piece(remaining, step.budget_left)
             if num_tokens == 0:
-                return
+                break
             partial = num_tokens < remaining
             if partial and num_partial >= self.config.max_num_partial_prefills:
-                return
+                break
             # Admission never preempts: new work waits for free blocks (those of
             # this step's proposals included: they give way).
             if not step.try_schedule(request, num_tokens):
                 if not (step.drop_proposals() and step.try_schedule(request, num_tokens)):
-                    return
+                    break
             num_partial += int(partial)
+        return num_partial
 
 
 class ChunkedPolicy(ContinuousPolicy):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from iterserve.scheduler import (
@@ -20,7 +21,7 @@ from iterserve.scheduler import (
     Scheduler,
 )
 from iterserve.scheduler.codec import decode, encode
-from iterserve.scheduler.messages import StepPlan, StepResult
+from iterserve.scheduler.messages import DEFAULT_TENANT, StepPlan, StepResult
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Arrival:
     prefix_len: int = 0
     # The whole prompt, when given (a chat's next turn: an earlier prompt and its answer).
     prompt: list[int] | None = None
+    tenant: str = DEFAULT_TENANT
+    slo_steps: float | None = None  # its first token is due this many steps after arrival
 
     def __post_init__(self) -> None:
         self.key = self.key or self.request_id
@@ -94,18 +97,22 @@ class Checker:
         return {r.request_id: r.is_decoding for r in self.sched.running.values()}
 
     def check_preemption_order(self) -> None:
-        """Whoever a step preempted is worse (priority, then arrival) than every
-        sequence still running."""
+        """Whoever a step preempted is worse (priority, then arrival; arrival alone
+        under fcfs) than every sequence still running. (Under fair, its tenant was
+        the most served when it was chosen: the counters have moved since.)"""
         sched = self.sched
+        if self.cfg.scheduling_policy == "fair":
+            return
+        key = sched.waiting.order_key
         victims = [
             r for r in sched.requests.values()
             if r.num_preemptions > self.preemptions.get(r.seq_id, r.num_preemptions)
         ]  # fmt: skip
         for victim in victims:
             for request in sched.running.values():
-                assert request.sort_key() < victim.sort_key(), (
-                    f"{victim.request_id} {victim.sort_key()} was preempted while "
-                    f"{request.request_id} {request.sort_key()} keeps running"
+                assert key(request) < key(victim), (
+                    f"{victim.request_id} {key(victim)} was preempted while "
+                    f"{request.request_id} {key(request)} keeps running"
                 )
 
     def after_schedule(self, plan: StepPlan, was_decoding: dict[str, bool]) -> None:
@@ -143,7 +150,9 @@ def run(
     max_steps: int = 20_000,
     through_codec: bool = False,
     ahead: bool = False,
+    on_plan: Callable[[StepPlan], None] | None = None,
 ) -> RunLog:
+    """Runs ``arrivals`` to their end; ``on_plan`` sees each plan as it is handed over."""
     log = RunLog()
     # The results of the steps the executor has run and the scheduler has not yet
     # taken back: the executor runs each plan when it is handed over, in order,
@@ -165,6 +174,8 @@ def run(
     def hand_over(step: ScheduledStep, was_decoding: dict[str, bool]) -> None:
         plan = step.plan
         checker.after_schedule(plan, was_decoding)
+        if on_plan is not None:
+            on_plan(plan)
         for a in by_step.get(clock - 1, []):
             if a.abort_in_flight:
                 abort(a)
@@ -186,6 +197,7 @@ def run(
                 )
                 continue
             params = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+            deadline = None if a.slo_steps is None else a.step + a.slo_steps
             sched.add_request(
                 Request(
                     a.request_id,
@@ -193,6 +205,8 @@ def run(
                     params,
                     arrival_time=float(a.step),
                     priority=a.priority,
+                    tenant=a.tenant,
+                    ttft_deadline=deadline,
                 )
             )
             live[a.request_id] = a.key

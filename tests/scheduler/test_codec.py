@@ -15,6 +15,7 @@ from iterserve.scheduler.messages import (
     AdapterLoad,
     EngineOutput,
     EngineOutputs,
+    EngineRequest,
     FinishedSeq,
     NewSequence,
     PooledOutput,
@@ -161,7 +162,19 @@ engine_outputs = st.builds(
 )
 
 
-ALLOWED = {StepPlan, StepResult, EngineOutputs, CodecError}
+engine_requests = st.builds(
+    EngineRequest,
+    request_id=st.text(max_size=40),
+    label=st.text(max_size=40),
+    prompt_token_ids=st.lists(ints, max_size=16),
+    params=params,
+    priority=st.integers(-(2**31), 2**31 - 1),
+    lora_name=st.one_of(st.none(), st.text(max_size=20)),
+    tenant=st.text(max_size=40),
+    slo_ttft_ms=st.one_of(st.none(), floats),
+)
+
+ALLOWED = {StepPlan, StepResult, EngineOutputs, EngineRequest, CodecError}
 
 
 def outcome(data: bytes) -> type:
@@ -188,6 +201,20 @@ def test_step_result_round_trips(result):
 @given(engine_outputs)
 def test_engine_outputs_round_trip(outputs):
     assert decode(encode(outputs), EngineOutputs) == outputs
+
+
+@settings(max_examples=200, deadline=None)
+@given(engine_requests)
+def test_engine_request_round_trips(request):
+    assert decode(encode(request), EngineRequest) == request
+
+
+def test_an_engine_request_with_a_tenant_that_is_not_a_string_is_refused():
+    good = encode(EngineRequest("k", "l", [1], SamplingParams(), tenant="a"))
+    raw = msgpack.unpackb(good)
+    raw[-2] = 7  # the tenant
+    with pytest.raises(CodecError, match="EngineRequest.tenant: expected str"):
+        decode(msgpack.packb(raw), EngineRequest)
 
 
 def test_an_engine_output_with_an_unknown_finish_reason_is_refused():

@@ -160,6 +160,7 @@ The Serve config (serveConfigV2) as YAML.
   "block_size" (int $e.blockSize)
   "enable_prefix_caching" $e.enablePrefixCaching
   "max_queue_len" (int $e.maxQueueLen)
+  "scheduling_policy" $e.schedulingPolicy
   "max_num_partial_prefills" (int $e.maxNumPartialPrefills)
   "long_prefill_token_threshold" (int $e.longPrefillTokenThreshold)
   "batch_timeout_s" (float64 $e.batchTimeoutS)
@@ -187,6 +188,9 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- if gt (int $e.numKvBlocks) 0 }}
 {{- $_ := set $config "num_kv_blocks" (int $e.numKvBlocks) }}
+{{- end }}
+{{- if gt (int $e.maxQueueLenPerTenant) 0 }}
+{{- $_ := set $config "max_queue_len_per_tenant" (int $e.maxQueueLenPerTenant) }}
 {{- end }}
 {{- if gt (int $e.maxCpuLoras) 0 }}
 {{- $_ := set $config "max_cpu_loras" (int $e.maxCpuLoras) }}
