@@ -9,7 +9,7 @@ dimension ``BLOCK_K`` values at a time from the first, in fp32, no split, no
 atomics. A tile's rows never meet (a tensor-core product keeps each row's sums
 apart) and rows past the batch read zeros, so a row's outputs depend on the row
 and the weight alone, wherever it sits in whatever batch
-(``tests/kernels/test_triton_matmul.py``, interpreted, fp32 and fp16).
+(``tests/kernels/test_kernel_invariance.py``, interpreted, fp32 and fp16).
 
 :func:`enable` makes it the product behind ``aten::mm`` and ``aten::addmm`` on CUDA
 for the whole process (what ``F.linear`` and ``torch.matmul`` of 2-D operands

@@ -151,3 +151,37 @@ def differing(expected, got) -> list[tuple[str, int]]:
             want = expected[label][position][0]
             found += [(label, position) for logits in each if not torch.equal(logits, want)]
     return found
+
+
+def tp_rank(rank: int, world: int, port: int, dtype: str, count: int, out_file: str) -> None:
+    """One rank of a batch-invariant engine of ``world`` ranks (gloo, under
+    mp.spawn): the demo model's requests alone, then in a crowd; writes how many
+    rows differed and each request's tokens."""
+    import json
+
+    import torch.distributed as dist
+
+    from iterserve.models import DEMO_MODEL_PATH
+    from iterserve.workers import ModelRunner
+
+    def all_reduce(tensor):
+        dist.all_reduce(tensor)
+        return tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        runner = ModelRunner(DEMO_MODEL_PATH, dtype=dtype, num_kv_blocks=1024, block_size=16,
+                             kernel_backend="cpu", tp_rank=rank, tp_size=world,
+                             all_reduce=all_reduce, batch_invariant=True)  # fmt: skip
+        prompts = dict(list(prompt_pool(runner.vocab_size).items())[:count])
+        expected, tokens = alone(runner, prompts)
+        steps = [(1.0, [1, 3, 16, 1 << 30], 0.15), (0.7, [2, 17, 64], 0.15)]
+        scenario = Scenario({label: i // 4 for i, label in enumerate(prompts)}, steps, seed=3)
+        got, got_tokens, stats = run(runner, prompts, scenario)
+        with open(f"{out_file}.{rank}", "w") as f:
+            json.dump({"differing": len(differing(expected, got)), "tokens": tokens,
+                       "crowd_tokens": got_tokens, "preemptions": stats["preemptions"]}, f)  # fmt: skip
+    finally:
+        dist.destroy_process_group()

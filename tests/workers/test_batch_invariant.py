@@ -25,17 +25,17 @@ DTYPES = ["float32", "bfloat16"]
 CROWD = [(1.0, [1, 3, 16, 1 << 30], 0.15), (0.7, [2, 17, 64], 0.15), (1.0, [1 << 30], 0.0)]
 
 
-def make_runner(dtype: str, invariant: bool = True) -> ModelRunner:
-    return ModelRunner(DEMO_MODEL_PATH, dtype=dtype, num_kv_blocks=2048, block_size=16,
+def make_runner(dtype: str, invariant: bool = True, path=DEMO_MODEL_PATH) -> ModelRunner:
+    return ModelRunner(path, dtype=dtype, num_kv_blocks=2048, block_size=16,
                        kernel_backend="cpu", batch_invariant=invariant)  # fmt: skip
 
 
 class Model:
     """A runner, the prompt pool, and each request's logits and tokens alone."""
 
-    def __init__(self, dtype: str, invariant: bool = True):
-        self.runner = make_runner(dtype, invariant)
-        self.prompts = prompt_pool(self.runner.vocab_size)
+    def __init__(self, dtype: str, invariant: bool = True, path=DEMO_MODEL_PATH, count=64):
+        self.runner = make_runner(dtype, invariant, path)
+        self.prompts = prompt_pool(self.runner.vocab_size, count)
         self.logits, self.tokens = alone(self.runner, self.prompts)
 
     def check(self, scenario: Scenario) -> dict:
@@ -105,6 +105,17 @@ def test_two_threads_keep_rows_apart(dtype, two_threads):
     model.check(crowd(list(model.prompts)[:24], seed=1))
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gemma2", "mistral"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_windows_and_soft_caps_compute_every_row_as_alone(name, dtype, checkpoint_dir):
+    """Beyond the demo Llama: routed experts beside a dense layer (Qwen3-MoE, two of
+    eight a token), sliding windows shorter than the prompts, capped scores and
+    logits (Gemma 2), a window on every layer (Mistral)."""
+    model = Model(dtype, path=checkpoint_dir(name), count=24)
+    stats = model.check(crowd(model.prompts, seed=2))
+    assert stats["mixed_steps"] and stats["preemptions"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_default_mode_computes_a_row_by_its_batch(dtype):
     """What the mode is for: without it the same scenario changes some rows' bits."""
@@ -137,3 +148,25 @@ def test_the_runner_packs_every_product_for_the_fixed_row_kernels():
     packed = [layer.attn.qkv_packed, layer.attn.o_packed, layer.mlp.gate_up_packed,
               layer.mlp.down_packed, runner.model.lm_head_packed]  # fmt: skip
     assert all(p is not None and p.invariant and not p.pad_cliff for p in packed)
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_rows_apart_and_agree(tmp_path):
+    """TP=2: each rank's rows are the same bits alone as in a crowd, and the ranks
+    sample alike. (Against TP=1 the bits differ: each rank sums half of a product's
+    inputs and the all-reduce adds the halves; docs/model-runtime.md says so.)"""
+    import socket
+
+    import torch.multiprocessing as mp
+    from invariance import tp_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank")
+    mp.spawn(tp_rank, args=(2, port, "bfloat16", 16, out), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
+    for report in ranks:
+        assert report["differing"] == 0 and report["preemptions"]
+        assert report["crowd_tokens"] == {k: report["tokens"][k] for k in report["crowd_tokens"]}
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
