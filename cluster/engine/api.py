@@ -166,6 +166,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         lora_name: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Streams a request's outputs. Leaving the loop early aborts the request.
 
@@ -174,13 +175,16 @@ class AsyncEngine:
         :class:`EngineRefusal` before the first output when the request is refused
         (``InvalidRequestError``, ``ContextLengthError``, ``EngineBusyError``,
         ``EngineDeadError``), and ``EngineError`` when the engine fails it later.
-        ``lora_name`` names a loaded LoRA adapter to generate with.
+        ``lora_name`` names a loaded LoRA adapter to generate with; ``tenant`` whose
+        request it is (``scheduling_policy: fair`` takes turns between tenants).
         """
         params = params or SamplingParams()
         label = request_id or uuid.uuid4().hex
         wire = asdict(params)
         if lora_name is not None:
             wire["lora_name"] = lora_name
+        if tenant is not None:
+            wire["tenant"] = tenant
         stream = await self.connection.open(label, list(prompt_token_ids), wire, priority)
         self.labels.setdefault(label, set()).add(stream)
         try:

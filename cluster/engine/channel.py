@@ -9,17 +9,19 @@ and on TCP (for the others); a client connects with the token the engine handed
 out through Ray (frames and the handshake: :mod:`~iterserve.cluster.framing`). Then a frame's
 payload is one kind byte and its body::
 
-    client -> engine   ADD    [key, label, prompt_token_ids, params, priority]
+    client -> engine   ADD    EngineRequest (scheduler/codec.py)
                        ABORT  [key]
     engine -> client   ACCEPTED [key] | REFUSED [key, kind, message]
                        OUTPUTS  EngineOutputs (scheduler/codec.py)
                        NOTICE   [state, message]
 
-Control bodies are msgpack arrays of plain types; ``OUTPUTS`` is everything
-one step produced for that client's requests, typed records encoded by the
-strict codec: the per-token cost is a few list entries, not a message. The
-``key`` is the engine's id of the request (the client makes it unique); the
-``label`` is the client's own name for it, for logs. A step's outputs larger
+``ADD`` and ``OUTPUTS`` are typed records encoded by the strict codec (a
+request with its sampling parameters, tenant and first-token target; everything
+one step produced for that client's requests: the per-token cost is a few list
+entries, not a message); the other bodies are msgpack arrays of plain types.
+The ``key`` (``EngineRequest.request_id``) is the engine's id of the request
+(the client makes it unique); the ``label`` is the client's own name for it,
+for logs. A step's outputs larger
 than a frame go in several. ``NOTICE`` tells every client at once that the
 engine stopped taking requests (``state``: ``draining`` while it finishes what
 it has, ``dead`` once its workers are gone for good), so that no client chooses
@@ -38,7 +40,7 @@ from typing import Any
 import msgpack
 
 from ...scheduler import codec
-from ...scheduler.messages import EngineOutput, EngineOutputs
+from ...scheduler.messages import EngineOutput, EngineOutputs, EngineRequest
 from ..framing import (
     HEADER,
     ChannelClosed,
@@ -60,7 +62,9 @@ MAX_FRAME_BYTES = 64 << 20
 MAX_UNSENT_BYTES = 256 << 20
 
 
-def encode(kind: int, body: list) -> bytes:
+def encode(kind: int, body: list | EngineRequest) -> bytes:
+    if isinstance(body, EngineRequest):
+        return frame(bytes((kind,)) + codec.encode(body))
     return frame(bytes((kind,)) + msgpack.packb(body, use_bin_type=True))
 
 
@@ -69,12 +73,15 @@ def _no_ext(code, data):
 
 
 async def read_message(reader: asyncio.StreamReader, what: str) -> tuple[int, Any]:
-    """The next message: its kind and its body (a list, or ``EngineOutputs``)."""
+    """The next message: its kind and its body (a list, ``EngineOutputs`` or an
+    ``EngineRequest``)."""
     payload = await read_frame(reader, MAX_FRAME_BYTES, what)
     kind, body = payload[0], payload[1:]
     try:
         if kind == OUTPUTS:
             return kind, codec.decode(body, EngineOutputs)
+        if kind == ADD:
+            return kind, codec.decode(body, EngineRequest)
         message = msgpack.unpackb(body, raw=False, ext_hook=_no_ext, strict_map_key=True)
     except Exception as exc:
         raise ChannelClosed(f"not a message: {type(exc).__name__}: {exc}") from None
@@ -184,11 +191,9 @@ class EngineEndpoint:
             writer.close()
 
     async def _handle(self, client: str, writer: asyncio.StreamWriter, kind: int, body) -> None:
-        if kind == ADD and len(body) == 5:
-            key, label, prompt, params, priority = body
-            if not isinstance(key, str):
-                raise ChannelClosed("a malformed ADD")
-            found = await self.core.add_request(client, key, prompt, params, priority, label)
+        if kind == ADD:  # an EngineRequest, checked by the codec
+            key = body.request_id
+            found = await self.core.add_request(client, body)
             writer.write(
                 encode(ACCEPTED, [key]) if found is None else encode(REFUSED, [key, *found])
             )

@@ -13,7 +13,9 @@ from collections.abc import Callable
 
 import msgpack
 
-from ...scheduler.messages import EngineOutput
+from ...scheduler.codec import CodecError
+from ...scheduler.messages import DEFAULT_TENANT, EngineOutput, EngineRequest
+from ...scheduler.sampling import SamplingParams, SamplingParamsError
 from ..framing import ChannelClosed, connect
 from .channel import (
     ABORT,
@@ -141,14 +143,12 @@ class EngineConnection:
     async def open(self, label: str, prompt, params: dict, priority: int) -> RequestStream:
         """Queues a request on this engine; raises the :class:`EngineRefusal` of
         :mod:`~iterserve.cluster.engine.errors` that says why it was refused (``unavailable`` when
-        the channel is closed)."""
+        the channel is closed). ``params`` are SamplingParams' fields, and may name
+        the request's ``lora_name``, ``tenant`` and ``slo_ttft_ms`` besides."""
         if self.closed:
             raise EngineUnavailableError(f"the channel to engine {self.replica} is closed")
         key = f"{self.name}.{next(self.keys)}"
-        try:  # before anything is registered: a value msgpack cannot carry refuses it here
-            message = encode(ADD, [key, label, prompt, params, priority])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidRequestError(_unsendable(label, prompt, params, priority, exc)) from None
+        message = add_message(key, label, prompt, params, priority)  # before anything is kept
         stream = self.streams[key] = RequestStream(self, key)
         answer = self.pending[key] = asyncio.get_running_loop().create_future()
         self.writer.write(message)
@@ -203,6 +203,47 @@ class EngineConnection:
 
     def close(self) -> None:
         self.task.cancel()
+
+
+class UnsendableError(ValueError):
+    """A value of a request the engine's strict decoding would refuse, named."""
+
+
+def engine_request(key: str, label: str, prompt, params: dict, priority: int) -> EngineRequest:
+    """The ``ADD`` record of a request: ``params`` are SamplingParams' fields plus
+    what else travels with them (``lora_name``, ``tenant``, ``slo_ttft_ms``)."""
+    fields = dict(params)
+    lora_name = fields.pop("lora_name", None)
+    tenant = fields.pop("tenant", DEFAULT_TENANT)
+    slo = fields.pop("slo_ttft_ms", None)
+    # What the engine's strict decoding would refuse is refused here, by its name: a
+    # record it cannot decode would end the channel, and every request on it.
+    if slo is not None and type(slo) is int:
+        slo = float(slo)
+    for name, value, kind in (
+        ("label", label, str),
+        ("priority", priority, int),
+        ("tenant", tenant, str),
+        ("lora_name", lora_name, (str, type(None))),
+        ("slo_ttft_ms", slo, (float, type(None))),
+    ):
+        if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise UnsendableError(f"{name}: cannot be sent to the engine ({type(value).__name__})")
+    if type(prompt) is not list or not all(type(t) is int for t in prompt):
+        raise UnsendableError("prompt_token_ids: must be a list of integers")
+    return EngineRequest(
+        key, label, prompt, SamplingParams(**fields), priority, lora_name, tenant, slo
+    )
+
+
+def add_message(key: str, label: str, prompt, params: dict, priority: int) -> bytes:
+    """The ``ADD`` frame of a request, or InvalidRequestError naming what cannot be sent."""
+    try:
+        return encode(ADD, engine_request(key, label, prompt, params, priority))
+    except (UnsendableError, SamplingParamsError) as exc:
+        raise InvalidRequestError(str(exc)) from None
+    except (CodecError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequestError(_unsendable(label, prompt, params, priority, exc)) from None
 
 
 def _unsendable(label, prompt, params, priority, exc: Exception) -> str:

@@ -26,7 +26,6 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -39,7 +38,7 @@ from ...scheduler import (
     Scheduler,
 )
 from ...scheduler.adapters import AdapterNotFoundError
-from ...scheduler.messages import EngineOutput
+from ...scheduler.messages import EngineOutput, EngineRequest
 from ..config import EngineConfig
 from ..gc_pauses import freeze_startup_objects
 from ..lora import EngineAdapters
@@ -404,34 +403,20 @@ class EngineCore:
                 ),
             )
 
-    async def add_request(
-        self,
-        client: str,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: dict[str, Any],
-        priority: int = 0,
-        label: str = "",
-    ) -> tuple[str, str] | None:
+    async def add_request(self, client: str, wire: EngineRequest) -> tuple[str, str] | None:
         """Queues a request. Returns None, or ``(kind, message)`` when refused, the
         kind of a refusal class of :mod:`~iterserve.cluster.engine.errors`.
 
-        ``request_id`` must be unique among the engine's requests: clients make
-        it so themselves (never from what a user sends). ``label`` is the user's
-        own name for the request, for logs; it may repeat."""
+        ``wire.request_id`` must be unique among the engine's requests: clients make
+        it so themselves (never from what a user sends). ``wire.label`` is the
+        user's own name for the request, for logs; it may repeat."""
         if self.dead_reason is not None:
             return (EngineDeadError.kind, self.dead_reason)
         if self.draining:
             return (EngineDrainingError.kind, self.state[1])
         try:
             request = checked_request(
-                request_id,
-                prompt_token_ids,
-                params,
-                priority=priority,
-                label=label,
-                limits=self.config.scheduler,
-                vocab_size=self.vocab_size,
+                wire, limits=self.config.scheduler, vocab_size=self.vocab_size
             )
             request.client = client
             if self.control.holding:  # a wait-mode pause: it queues once the engine is empty

@@ -1,5 +1,7 @@
 """The gate every HTTP request passes first: its request id, the API key, the
-bound on requests at once, and a 500 for anything unexpected."""
+bound on requests at once, a 500 for anything unexpected; and it keeps the
+headers that name the request's tenant and first-token target for the
+request's engine jobs (:mod:`.tenancy`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 
 from .errors import RETRY_AFTER_BUSY_S, APIError, error_response
+from .tenancy import REQUEST_HEADERS, headers_of
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class Gate:
         )
         bound = self.settings.max_ongoing_requests
         counted = path not in ("/health", "/metrics")
+        scheduling = REQUEST_HEADERS.set(headers_of(headers))  # the tenant's, for its jobs
         try:
             if path not in open_paths and not self._authorized(scope):
                 error = APIError(
@@ -119,6 +123,8 @@ class Gate:
             if not status[1]:
                 error = APIError(500, "internal error; see the server log", code="internal_error")
                 await error_response(error, request_id)(scope, receive, send_with_id)
+        finally:
+            REQUEST_HEADERS.reset(scheduling)
 
 
 def request_id(request: Request) -> str:

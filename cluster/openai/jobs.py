@@ -18,6 +18,7 @@ from ...scheduler.sampling import MAX_BAD_WORDS as MAX_BAD_WORD_SEQUENCES
 from ...scheduler.sampling import MAX_SEED, SamplingParams, SamplingParamsError
 from .errors import APIError, bad_request
 from .generation import Choice, Job
+from .tenancy import scheduling_fields
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 # Request fields passed to SamplingParams as they are (when set).
@@ -179,6 +180,7 @@ def build_jobs(
     if skip_special_tokens is None:
         skip_special_tokens = request.skip_special_tokens
     prefix = engine_id_prefix(request_id)
+    scheduling = scheduling_fields(request)  # its tenant and first-token target
     jobs = []
     try:
         for p, prompt in enumerate(prompts):
@@ -192,6 +194,7 @@ def build_jobs(
                 # so every seed the API accepts works with every n.
                 seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
                 one = dataclasses.asdict(dataclasses.replace(params, n=1, seed=seed))
+                one.update(scheduling)
                 index = p * request.n + j
                 detokenizer = tokenizer.detokenizer(
                     prompt, skip_special_tokens, request.spaces_between_special_tokens

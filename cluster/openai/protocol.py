@@ -139,7 +139,12 @@ class _Common(RequestModel):
     return_tokens_as_token_ids: bool = Field(
         False, description='With logprobs: tokens are written "token_id:<id>".'
     )
-    user: Any = Field(None, description=_IGNORED)
+    user: Any = Field(
+        None,
+        description="The tenant the request is served for under scheduling_policy fair "
+        "(unless the x-gateway-inference-fairness-id header names one): a string of at most "
+        "128 characters.",
+    )
     metadata: Any = Field(None, description=_IGNORED)
     store: Any = Field(None, description=_IGNORED)
     service_tier: Any = Field(None, description=_IGNORED)

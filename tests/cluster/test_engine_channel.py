@@ -13,7 +13,8 @@ from iterserve.cluster.engine.connection import EngineConnection
 from iterserve.cluster.engine.errors import EngineBusyError, EngineUnavailableError
 from iterserve.cluster.engine.outputs import OutputBuffers
 from iterserve.cluster.framing import hello
-from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
+from iterserve.scheduler.messages import EngineOutput, EngineRequest, PromptLogprobs
+from iterserve.scheduler.sampling import SamplingParams
 
 
 class StubCore:
@@ -27,11 +28,12 @@ class StubCore:
         self.aborted: list[str] = []
         self.clients: dict[str, str] = {}  # running request -> its client
 
-    async def add_request(self, client, key, prompt, params, priority, label):
-        if params.get("refuse"):
+    async def add_request(self, client, request):
+        if request.tenant == "refuse-me":
             return ("queue_full", "the waiting queue is full")
-        self.clients[key] = client
-        self.added.append((key, label, prompt, priority))
+        self.clients[request.request_id] = client
+        self.added.append((request.request_id, request.label, request.prompt_token_ids,
+                           request.priority))  # fmt: skip
         return None
 
     async def abort(self, key):
@@ -108,7 +110,7 @@ async def test_a_refusal_raises_its_class_and_a_cancel_aborts_on_the_engine():
     core, endpoint, connection, _ = await _connected()
     try:
         with pytest.raises(EngineBusyError) as refused:
-            await connection.open("c", [1], {"refuse": True}, 0)
+            await connection.open("c", [1], {"tenant": "refuse-me"}, 0)
         assert refused.value.kind == "queue_full" and "full" in refused.value.message
         stream = await connection.open("c", [1], {}, 0)
         stream.cancel()
@@ -162,7 +164,7 @@ async def test_a_client_that_stops_reading_is_cut_off_and_its_requests_aborted(m
     reader, writer = await asyncio.open_unix_connection(address["unix"])
     writer.write(hello(bytes.fromhex(address["token"]), "slow-client"))
     for key in ("k1", "k2"):
-        writer.write(encode(ADD, [key, "label", [1], {}, 0]))
+        writer.write(encode(ADD, EngineRequest(key, "label", [1], SamplingParams())))
     try:
         assert await _until(lambda: len(core.added) == 2)
         for _ in range(64):  # ~4 MiB of outputs the client never reads

@@ -41,6 +41,8 @@ DEFECTS = {
     "priority": {"priority": st.one_of(st.text(max_size=3), st.floats(), st.booleans(), st.none(), st.just(1 << 40))},
     "prompt": {"prompt": st.one_of(st.just([]), st.lists(st.integers(VOCAB, 10**6), min_size=1, max_size=3), st.just(["1"]), st.just("12"))},
     "params": {"params": st.one_of(st.just({"max_tokens": "3"}), st.just({"max_tokens": -1}), st.just({"nope": 1}), st.just([1]))},
+    "tenant": {"params": st.sampled_from([{"max_tokens": 3, "tenant": t} for t in (7, "", "x" * 200, None)])},
+    "slo_ttft_ms": {"params": st.sampled_from([{"max_tokens": 3, "slo_ttft_ms": v} for v in ("soon", -1, 0.0, 1e12)])},
 }  # fmt: skip
 
 
@@ -52,7 +54,8 @@ def requests(draw):
         "label": draw(st.one_of(st.sampled_from(["a", "b", "client.0", "client.1", ""]), st.text(max_size=6))),
         "priority": draw(st.integers(-3, 3)),
         "prompt": draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6)),
-        "params": {"max_tokens": draw(st.integers(1, 6)), "temperature": 0.0},
+        "params": {"max_tokens": draw(st.integers(1, 6)), "temperature": 0.0,
+                   "tenant": draw(st.sampled_from(["default", "a", "b"]))},
     }  # fmt: skip
     for name, strategy in DEFECTS[defect].items():
         request[name] = draw(strategy)
@@ -67,14 +70,19 @@ def _metric(core, name: str) -> float:
 
 
 @SETTINGS
-@given(st.lists(requests(), min_size=1, max_size=10))
-def test_an_engine_refuses_what_is_wrong_by_name_and_serves_the_rest_exactly(drawn):
+@given(st.lists(requests(), min_size=1, max_size=10), st.sampled_from(["priority", "fair"]))
+def test_an_engine_refuses_what_is_wrong_by_name_and_serves_the_rest_exactly(drawn, policy):
     expected_fake = FakeExecutor(vocab_size=VOCAB, output_len=4)
 
     async def scenario():
         model = FakeModel(vocab_size=VOCAB, max_model_len=32, output_len=4)
         async with engine_in_process(
-            model, num_kv_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16
+            model,
+            num_kv_blocks=16,
+            block_size=4,
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            scheduling_policy=policy,
         ) as (core, client):
 
             async def one(request):
@@ -109,7 +117,7 @@ def test_an_engine_refuses_what_is_wrong_by_name_and_serves_the_rest_exactly(dra
     for (defect, request), result in zip(drawn, results):
         if defect is None:
             key, got = result
-            params = SamplingParams(**request["params"])
+            params = SamplingParams(**{k: v for k, v in request["params"].items() if k != "tenant"})
             label = request["label"] or key  # no label: the engine's id names it in logs
             assert got == expected_fake.expected_output(label, params), request
         else:

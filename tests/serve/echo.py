@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from iterserve.cluster.engine.connection import engine_request
 from iterserve.scheduler import SamplingParams
 from iterserve.scheduler.fake_executor import FakeExecutor, FakeModel
 from iterserve.scheduler.messages import EngineOutput, PromptLogprobs
@@ -147,7 +148,8 @@ class EchoStream:
     engine's vector of the prompt, with its one output."""
 
     def __init__(self, tokens: list[int], params: dict, prompt: list[int], pooled=None):
-        self.tokens, self.params = tokens, SamplingParams(**params)
+        # The sampling parameters as an engine reads them (tenant and target aside).
+        self.tokens, self.params = tokens, engine_request("e", "e", prompt, params, 0).params
         self.prompt = prompt
         self.pooled = pooled
         self.cancelled = False
