@@ -490,7 +490,17 @@ class EngineCore:
             "max_model_len": self.max_model_len,
             **self.adapters.stats(),
             **self.kv.stats(self.scheduler),
+            "tenants": self._tenant_stats(),
         }
+
+    def _tenant_stats(self) -> dict[str, dict]:
+        """Per tenant: requests waiting and running now (and under ``fair`` its counter,
+        ``served``), tokens computed for it and first tokens past their target."""
+        tenants = self.scheduler.tenant_stats()
+        zero = {"waiting": 0, "running": 0}
+        for name, totals in self.recorder.tenants.stats().items():
+            tenants[name] = {**tenants.get(name, zero), **totals}
+        return tenants
 
     def autoscaling_stats(self, window_s: float = 10.0) -> dict[str, float]:
         """The load signals Serve's autoscaler reads (``record_autoscaling_stats``):

@@ -11,7 +11,8 @@ counters without their ``_total`` suffix, histograms without ``_bucket``/``_sum`
 of those four suffixes; no family name ends in one of them, so the map is unambiguous.
 
 Labels: ``model_name`` and ``engine`` (the replica index) on every series, plus the
-small fixed enums below. No label value ever comes from a request.
+small fixed enums below. One label's values come from requests, bounded: ``tenant``
+names the few busiest tenants and calls the rest ``other`` (:mod:`.tenants`).
 """
 
 from __future__ import annotations
@@ -141,6 +142,14 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter("iterserve_spec_decode_num_accepted_tokens_per_pos", "Drafts whose proposal at each position was accepted.",
              (("position", SPEC_POSITIONS),)),
     _histogram("iterserve_spec_decode_acceptance_length", "Proposals accepted per draft (le 0.5: none).", SPEC_LENGTH_BUCKETS),
+    # Tenants (a request's gateway fairness id or user): the busiest by name, the rest
+    # as "other" (cluster/metrics/tenants.py keeps the label set bounded).
+    _gauge("iterserve_tenant_requests_waiting", "Requests waiting, by tenant.", (("tenant", ()),)),
+    _gauge("iterserve_tenant_requests_running", "Requests running, by tenant.", (("tenant", ()),)),
+    _counter("iterserve_tenant_served_tokens", "Tokens computed for each tenant's requests: prompt tokens not found cached, and generated ones.",
+             (("tenant", ()),)),
+    _histogram("iterserve_tenant_time_to_first_token_seconds", "Arrival to first generated token, by tenant.", LATENCY_BUCKETS,
+               (("tenant", ()),)),
     # The KV tiers below the device: host memory and disk (docs/serving.md, KV cache tiers).
     _gauge("iterserve_cache_config_info", "The KV cache's configuration (block size, blocks per tier, the block hash); value is always 1.",
            tuple((name, ()) for name in CACHE_CONFIG_LABELS)),
@@ -154,11 +163,18 @@ SPECS: tuple[MetricSpec, ...] = (
                LATENCY_BUCKETS, (("tier", KV_TIERS), ("op", KV_OPS))),
     _counter("iterserve_kv_disk_reads_failed", "Disk reads that found no valid file (gone, corrupt, foreign): their tokens are computed again."),
     _counter("iterserve_kv_disk_writes_dropped", "Disk writes dropped because the disk did not keep up (or refused them)."),
+    _counter("iterserve_tenant_ttft_slo_missed", "Requests whose first token came after their first-token target (x-slo-ttft-ms, or their tenant's), by tenant.",
+             (("tenant", ()),)),
 )  # fmt: skip
 # Families whose label values are not a fixed enum: their series are made and
 # dropped as the label values come and go (set_lora).
+TENANT_FAMILIES = (
+    "iterserve_tenant_requests_waiting", "iterserve_tenant_requests_running",
+    "iterserve_tenant_served_tokens", "iterserve_tenant_time_to_first_token_seconds",
+    "iterserve_tenant_ttft_slo_missed",
+)  # fmt: skip
 DYNAMIC_LABELS = (
-    "iterserve_lora_requests_running", "iterserve_lora_requests_waiting",
+    "iterserve_lora_requests_running", "iterserve_lora_requests_waiting", *TENANT_FAMILIES,
     "iterserve_cache_config_info",
 )  # fmt: skip
 
@@ -185,6 +201,7 @@ class EngineMetrics:
         self._children: dict[tuple, object] = {}
         self._families: dict[str, object] = {}
         self._adapters: set[str] = set()  # the adapter label values with series now
+        self._tenant_labels: dict[str, set[str]] = {}  # family -> tenant labels with series
         # Running totals of every counter and histogram, recorded with them: what
         # ``totals()`` (the engine's stats) reads, so stats and metrics never disagree.
         self._totals: dict[tuple, float] = {}
@@ -308,6 +325,46 @@ class EngineMetrics:
         for length, n in enumerate(lengths):
             for _ in range(n):
                 self._observe("iterserve_spec_decode_acceptance_length", length)
+
+    def set_tenants(self, waiting: dict[str, int], running: dict[str, int]) -> None:
+        """Requests waiting and running per tenant label; a label missing from both
+        has its gauges' series dropped."""
+        labels = set(waiting) | set(running)
+        for name, counts in (("iterserve_tenant_requests_waiting", waiting),
+                             ("iterserve_tenant_requests_running", running)):  # fmt: skip
+            for label in labels:
+                self._dynamic(name, label).set(counts.get(label, 0))  # type: ignore[attr-defined]
+            for gone in self._tenant_labels.get(name, set()) - labels:
+                self._drop(name, gone)
+            self._tenant_labels[name] = set(labels)
+
+    def on_tenant_tokens(self, label: str, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._dynamic("iterserve_tenant_served_tokens", label).inc(num_tokens)  # type: ignore[attr-defined]
+
+    def on_tenant_first_token(self, label: str, ttft_s: float, missed: bool) -> None:
+        self._dynamic("iterserve_tenant_time_to_first_token_seconds", label).observe(
+            max(ttft_s, 0.0)
+        )  # type: ignore[attr-defined]
+        if missed:
+            self._dynamic("iterserve_tenant_ttft_slo_missed", label).inc()  # type: ignore[attr-defined]
+
+    def drop_tenant(self, label: str) -> None:
+        """Drops a tenant label's counter and histogram series (no longer among the
+        named ones: its tokens and first tokens count as ``other`` from now on)."""
+        for name in ("iterserve_tenant_served_tokens", "iterserve_tenant_ttft_slo_missed",
+                     "iterserve_tenant_time_to_first_token_seconds"):  # fmt: skip
+            self._drop(name, label)
+
+    def _dynamic(self, name: str, label: str):
+        self._tenant_labels.setdefault(name, set()).add(label)
+        return self._families[name].labels(self.model_name, self.engine, label)  # type: ignore[attr-defined]
+
+    def _drop(self, name: str, label: str) -> None:
+        labels = self._tenant_labels.get(name, set())
+        if label in labels:
+            labels.discard(label)
+            self._families[name].remove(self.model_name, self.engine, label)  # type: ignore[attr-defined]
 
     def set_cache_config(self, **labels: str) -> None:
         """The KV cache's configuration, as one info series (``CACHE_CONFIG_LABELS``)."""

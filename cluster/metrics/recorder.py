@@ -23,6 +23,7 @@ from ...scheduler import (
 )
 from ...scheduler.speculation import SpeculationStats
 from .engine import EngineMetrics
+from .tenants import TenantMetrics
 
 RECENT_TTFT = 256  # first tokens the autoscaler's TTFT signal remembers
 
@@ -37,6 +38,7 @@ class MetricsRecorder:
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFT)
         self._lora = (0, 0)  # adapter loads and evictions recorded so far
         self._spec: SpeculationStats | None = None  # the speculation counters recorded so far
+        self.tenants = TenantMetrics(metrics)
 
     def admitted(self, request: Request) -> None:
         self.metrics.on_prompt(request.num_prompt_tokens)
@@ -68,6 +70,7 @@ class MetricsRecorder:
             max_num_seqs=sched.config.max_num_seqs,
         )
         self.state(sched)
+        self.tenants.flush(sched)
         preempted = sched.num_preemptions - self._num_preemptions
         recomputed = sched.num_recomputed_tokens - self._num_recomputed
         if preempted or recomputed:
@@ -137,18 +140,22 @@ class MetricsRecorder:
             n = len(out.new_token_ids)
             if n:
                 itl = []
+                served = n
                 if request.first_token_time is None:
                     arrival = request.arrival_time
                     scheduled = request.scheduled_time or arrival
                     self.metrics.on_first_token(
                         queue_s=scheduled - arrival, prefill_s=now - scheduled, ttft_s=now - arrival
                     )
+                    self.tenants.first_token(request, now - arrival, now)
                     request.first_token_time = now
                     self.recent_ttft.append((now, now - arrival))
+                    served += request.num_prompt_tokens - (request.num_cached_tokens or 0)
                 else:
                     itl = [(now - request.last_token_time) / n] * n
                 request.last_token_time = now
                 self.metrics.on_tokens(n, itl)
+                self.tenants.served(request.tenant, served)
             if out.finish_reason is not None:
                 self.finished(request, out.finish_reason)
 

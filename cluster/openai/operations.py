@@ -80,5 +80,21 @@ def aggregate_stats(replicas: list[dict], model: str) -> dict:
         "slot_utilization": _ratio(total["slots_used"], total["slots_total"]),
         "kv_usage": _ratio(total["kv_blocks_used"], total["kv_blocks_total"]),
         "healthy": all(r.get("healthy", False) for r in replicas),
+        "tenants": _tenants(replicas),
         "replicas": replicas,
     }
+
+
+def _tenants(replicas: list[dict]) -> dict[str, dict]:
+    """Each tenant's figures summed over the replicas (``served``, a fair policy's
+    counter of weighted tokens, is each replica's own: not summed, the largest kept)."""
+    tenants: dict[str, dict] = {}
+    for replica in replicas:
+        for name, figures in replica.get("tenants", {}).items():
+            total = tenants.setdefault(name, {})
+            for key, value in figures.items():
+                if key == "served":
+                    total[key] = max(total.get(key, value), value)
+                else:
+                    total[key] = total.get(key, 0) + value
+    return tenants

@@ -1,0 +1,97 @@
+"""Per-tenant metrics: the busiest tenants by name, the rest as ``other``, and a label
+set that stays bounded however many tenants come."""
+
+from __future__ import annotations
+
+from iterserve.cluster.metrics.engine import EngineMetrics
+from iterserve.cluster.metrics.tenants import NAMED_TENANTS, OTHER, RELABEL_S, TenantMetrics
+from iterserve.scheduler import Request, SamplingParams
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StubScheduler:
+    def __init__(self, tenants: dict[str, dict] | None = None):
+        self.tenants = tenants or {}
+
+    def tenant_stats(self) -> dict[str, dict]:
+        return self.tenants
+
+
+def labels(metrics: EngineMetrics, family: str) -> set[str]:
+    return {
+        s[1]["tenant"]
+        for name, _, _, samples in metrics.snapshot()
+        if name == family
+        for s in samples
+    }
+
+
+def served(metrics: EngineMetrics) -> dict[str, float]:
+    return {
+        s[1]["tenant"]: s[2]
+        for name, _, _, samples in metrics.snapshot()
+        if name == "iterserve_tenant_served_tokens"
+        for s in samples
+    }
+
+
+def test_only_the_busiest_tenants_have_their_own_series():
+    metrics, clock = EngineMetrics("m", 0, "chunked"), Clock()
+    tenants = TenantMetrics(metrics, clock)
+    sched = StubScheduler()
+    tenants.flush(sched)  # the first choice: nobody served yet, everyone is other
+    for i in range(50):  # tenant i is served i + 1 tokens
+        tenants.served(f"t{i}", i + 1)
+    tenants.flush(sched)
+    assert served(metrics) == {OTHER: sum(range(1, 51))}
+    clock.now += RELABEL_S
+    tenants.flush(sched)  # the choice is made again: the eight busiest by name
+    for i in range(50):
+        tenants.served(f"t{i}", 1)
+    tenants.flush(sched)
+    named = {f"t{i}" for i in range(50 - NAMED_TENANTS, 50)}
+    assert set(served(metrics)) == named | {OTHER}
+    assert served(metrics)[OTHER] == sum(range(1, 51)) + 50 - NAMED_TENANTS
+    assert tenants.stats()["t49"]["served_tokens"] == 51
+
+
+def test_a_tenant_that_is_no_longer_among_the_busiest_loses_its_series():
+    metrics, clock = EngineMetrics("m", 0, "chunked"), Clock()
+    tenants = TenantMetrics(metrics, clock)
+    sched = StubScheduler({"flood": {"waiting": 40, "running": 8}})
+    tenants.served("flood", 1000)
+    tenants.flush(sched)
+    clock.now += RELABEL_S
+    tenants.flush(sched)
+    tenants.served("flood", 5)
+    clock.now += 1.0
+    tenants.flush(sched)
+    assert "flood" in labels(metrics, "iterserve_tenant_served_tokens")
+    assert labels(metrics, "iterserve_tenant_requests_waiting") == {"flood"}
+    for i in range(NAMED_TENANTS):  # eight others, busier from now on
+        tenants.served(f"new{i}", 10_000)
+    for _ in range(3):
+        clock.now += RELABEL_S
+        tenants.flush(sched)
+    assert "flood" not in labels(metrics, "iterserve_tenant_served_tokens")
+    assert labels(metrics, "iterserve_tenant_requests_waiting") == {OTHER}
+
+
+def test_a_first_token_past_its_target_is_counted_for_its_tenant():
+    metrics = EngineMetrics("m", 0, "chunked")
+    tenants = TenantMetrics(metrics, Clock())
+    late = Request("r", [1, 2], SamplingParams(), tenant="chat", ttft_deadline=1.0)
+    on_time = Request("s", [1, 2], SamplingParams(), tenant="chat", ttft_deadline=9.0)
+    tenants.first_token(late, 2.0, now=2.0)
+    tenants.first_token(on_time, 2.0, now=2.0)
+    assert tenants.missed == {"chat": 1}
+    missed = [s for n, _, _, ss in metrics.snapshot() if n == "iterserve_tenant_ttft_slo_missed"
+              for s in ss]  # fmt: skip
+    assert [(s[1]["tenant"], s[2]) for s in missed] == [(OTHER, 1.0)]
