@@ -397,6 +397,10 @@ def run(
         result = simulate_prefix(gpu=gpu, model=model, **overrides)
     elif workload == "speculative":
         result = simulate_speculation(gpu=gpu, model=model, **overrides)
+    elif workload == "fairness":
+        from .fairness_sim import simulate_fairness
+
+        result = simulate_fairness(gpu=gpu, model=model, **overrides)
     else:
         result = simulate(gpu=gpu, model=model, **overrides)
     if json_path is not None:

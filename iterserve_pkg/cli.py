@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.bench import (
         agreement,
         compare,
+        fairness,
         kv_tiers,
         loadgen,
         lora,
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadgen.register(benches)
     lora.register(benches)
     policies.register(benches)
+    fairness.register(benches)
     prefix.register(benches)
     kv_tiers.register(benches)
     compare.register(benches)
@@ -157,10 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--model", choices=["8b", "70b"], default="8b")
     simulate.add_argument(
         "--workload",
-        choices=["longtail", "shared-prefix", "speculative"],
+        choices=["longtail", "shared-prefix", "speculative", "fairness"],
         default="longtail",
         help="longtail: every policy; shared-prefix: chunked with the prefix cache off and "
-        "on; speculative: decode speed with prompt-lookup proposals ÷ without, by concurrency",
+        "on; speculative: decode speed with prompt-lookup proposals ÷ without, by concurrency; "
+        "fairness: a flood tenant against light ones under each scheduling_policy",
     )
     simulate.add_argument(
         "--acceptance", type=float, default=0.7, help="speculative: each proposal's chance"
