@@ -111,6 +111,18 @@ CASES: list[tuple[str, dict[str, Any], list[str]]] = [
         ["policy continuous prefills whole prompts", "engine.maxModelLen (8192)"],
     ),
     (
+        "fair-with-whole-batches",
+        {"engine": {"policy": "static", "schedulingPolicy": "fair"}},
+        ["engine.schedulingPolicy fair", "engine.policy static admits a whole batch"],
+    ),
+    (
+        "tenants-without-fair",
+        {"tenants": {"chat": {"weight": 2}}},
+        ["tenants and engine.maxQueueLenPerTenant apply to engine.schedulingPolicy fair only"],
+    ),
+    ("tenant-unknown-setting", {"tenants": {"chat": {"share": 2}}}, ["/tenants/chat", "share"]),
+    ("tenant-weight-zero", {"tenants": {"chat": {"weight": 0}}}, ["/tenants/chat/weight"]),
+    (
         "api-key-without-key",
         {"apiKey": {"enabled": True}},
         ["apiKey.enabled is true but no key is given"],

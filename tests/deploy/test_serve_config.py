@@ -234,6 +234,16 @@ def test_without_adapters_lora_stays_off(renders) -> None:
     assert config["enable_lora"] is False and "lora_modules" not in config
 
 
+def test_fair_scheduling_and_its_tenants_reach_the_engine_config(renders) -> None:
+    config = renders["fair-values"].app_args["config"]
+    assert config["scheduling_policy"] == "fair" and config["max_queue_len_per_tenant"] == 256
+    assert config["tenants"] == {"chat": {"weight": 2, "ttft_slo_ms": 500}, "batch": {"weight": 1}}
+    _check_engine_config(config)
+    defaults = renders["defaults"].app_args["config"]
+    assert defaults["scheduling_policy"] == "priority" and "tenants" not in defaults
+    assert "max_queue_len_per_tenant" not in defaults
+
+
 def test_the_kv_disk_tier_is_a_volume_mounted_where_the_engine_writes(render) -> None:
     rendered = render(
         {

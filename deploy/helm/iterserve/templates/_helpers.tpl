@@ -117,6 +117,12 @@ message naming the values to change.
 {{- if and (ne $e.policy "chunked") (gt (int $e.maxModelLen) 0) (gt (int $e.maxNumBatchedTokens) 0) (lt (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
 {{- fail (printf "policy %s prefills whole prompts: engine.maxNumBatchedTokens (%d) must be >= engine.maxModelLen (%d)" $e.policy (int $e.maxNumBatchedTokens) (int $e.maxModelLen)) }}
 {{- end }}
+{{- if and (eq $e.schedulingPolicy "fair") (has $e.policy (list "static" "dynamic")) }}
+{{- fail (printf "engine.schedulingPolicy fair shares each step among tenants; engine.policy %s admits a whole batch at once: use continuous or chunked" $e.policy) }}
+{{- end }}
+{{- if and (ne $e.schedulingPolicy "fair") (or .Values.tenants (gt (int $e.maxQueueLenPerTenant) 0)) }}
+{{- fail "tenants and engine.maxQueueLenPerTenant apply to engine.schedulingPolicy fair only" }}
+{{- end }}
 {{- if .Values.apiKey.enabled }}
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
 {{- fail "apiKey: set either apiKey.existingSecret or apiKey.value, not both" }}
@@ -213,6 +219,9 @@ The Serve config (serveConfigV2) as YAML.
 {{- end }}
 {{- if .Values.kvEventsConfig }}
 {{- $_ := set $config "kv_events_config" .Values.kvEventsConfig }}
+{{- end }}
+{{- if .Values.tenants }}
+{{- $_ := set $config "tenants" .Values.tenants }}
 {{- end }}
 {{- $args := dict
   "model" (include "iterserve.modelPath" .)
