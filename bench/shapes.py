@@ -100,12 +100,28 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 for _name, (_what, _fields) in _ARCHITECTURES.items():
     SHAPES[f"{_name}-144m"] = (f"the 144M Llama's layers {_what}", {**_LLAMA_144M, **_fields})
 DTYPES = ("bfloat16", "float32", "float16")
+# --quantize's schemes (workers/quant/write.py), the three the benchmarks quote first
+QUANTIZE = ("w8a8", "w4a16", "fp8", "w4a16-asym", "w8a16", "fp8-block", "gptq", "gptq-8bit",
+            "awq")  # fmt: skip
 
 
 def build_checkpoint(
-    shape: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0
-) -> Path:
-    """Writes the random-weight checkpoint ``shape`` into ``out``; returns ``out``."""
+    shape: str, out: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
+    quantize: str | None = None, group_size: int = 128,
+) -> Path:  # fmt: skip
+    """Writes the random-weight checkpoint ``shape`` into ``out``; returns ``out``.
+    ``quantize``: its projections quantized by rounding to nearest, in that scheme's
+    format (:data:`iterserve.workers.quant.write.SCHEMES`: ``w8a8`` is
+    compressed-tensors' W8A8 int8, ``w4a16`` its W4A16 in groups of ``group_size``,
+    ``fp8`` its FP8 per channel with dynamic activations)."""
+    if quantize is not None:
+        import tempfile
+
+        from ..workers.quant.write import quantize_checkpoint
+
+        with tempfile.TemporaryDirectory() as dense:
+            build_checkpoint(shape, dense, dtype=dtype, seed=seed)
+            return quantize_checkpoint(dense, out, quantize, group_size=group_size)
     import torch
     import transformers
 
@@ -136,13 +152,15 @@ def build_checkpoint(
     return out
 
 
-def cached_checkpoint(shape: str, *, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def cached_checkpoint(shape: str, *, dtype: str = "bfloat16", seed: int = 0,
+                      quantize: str | None = None) -> Path:  # fmt: skip
     """The checkpoint ``shape``, built once under ``~/.cache/iterserve/shapes``."""
-    path = Path.home() / ".cache" / "iterserve" / "shapes" / f"{shape}-{dtype}-seed{seed}"
+    name = f"{shape}-{dtype}-seed{seed}" + (f"-{quantize}" if quantize else "")
+    path = Path.home() / ".cache" / "iterserve" / "shapes" / name
     if not (path / "config.json").exists():
         partial = path.with_name(path.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        build_checkpoint(shape, partial, dtype=dtype, seed=seed)
+        build_checkpoint(shape, partial, dtype=dtype, seed=seed, quantize=quantize)
         partial.rename(path)
     return path
 
@@ -154,7 +172,8 @@ def main(args: argparse.Namespace) -> None:
         return
     if not args.out:
         raise SystemExit("--out DIR is required with --shape")
-    path = build_checkpoint(args.shape, args.out, dtype=args.dtype, seed=args.seed)
+    path = build_checkpoint(args.shape, args.out, dtype=args.dtype, seed=args.seed,
+                            quantize=args.quantize, group_size=args.group_size)  # fmt: skip
     print(path)
 
 
@@ -166,6 +185,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", help="the checkpoint directory to write")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype")
     p.add_argument("--seed", type=int, default=0, help="the weights' random seed")
+    p.add_argument("--quantize", choices=QUANTIZE, metavar="SCHEME",
+                   help="quantize the projections by rounding to nearest: w8a8 (int8, "
+                        "compressed-tensors), w4a16 (4-bit, groups of --group-size), fp8 "
+                        f"(e4m3 per channel); also {', '.join(QUANTIZE[3:])}")  # fmt: skip
+    p.add_argument("--group-size", type=int, default=128,
+                   help="inputs a scale covers in the grouped schemes (w4a16, gptq, awq)")  # fmt: skip
     p.add_argument("--list", action="store_true", help="print the shapes and stop")
     p.set_defaults(func=main)
     return p

@@ -20,6 +20,9 @@ from ..scheduler.config import SchedulerConfig, check_knobs, knob
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 RUNNERS = ("generate", "pooling")
+# The quantization methods served (workers/quant: METHODS and vLLM's aliases of them).
+QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8", "gptq_marlin", "awq_marlin",
+                 "compressed_tensors")  # fmt: skip
 POOLING_TYPES = ("LAST", "MEAN")  # vLLM's pooler config names
 SCHEDULER_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
@@ -42,6 +45,14 @@ class EngineConfig:
         "one with avx512_bf16 but no AMX; the checkpoint's on GPU (`/version` says which and "
         "why)",
         choices=DTYPES,
+    )
+    quantization: str | None = knob(
+        None,
+        "the weights' quantization, as vLLM names it: unset reads the checkpoint's "
+        "`quantization_config` (compressed-tensors W8A8 / W4A16 / FP8, GPTQ, AWQ, FP8; "
+        "docs/model-runtime.md); a method given must be the checkpoint's; `fp8` on a dense "
+        "checkpoint quantizes its projections at load (weight-only on a CPU)",
+        choices=QUANTIZATIONS,
     )
     seed: int = knob(
         0,

@@ -55,7 +55,9 @@ class Knob:
     def helm_default(self) -> Any:
         value = self.meta.get("helm_default", MISSING)
         value = self.default if value is MISSING else value
-        return 0 if value is None else value  # an optional count: 0 means "derived"
+        if value is None:  # an optional count: 0 means "derived"; an optional name: ""
+            return "" if self.kind == "str" else 0
+        return value
 
 
 def knobs() -> list[Knob]:
@@ -148,6 +150,8 @@ def _helm_knobs() -> list[Knob]:
 def _yaml_scalar(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if value == "":
+        return '""'
     return str(value)
 
 
@@ -165,8 +169,8 @@ def schema_properties() -> dict:
     for k in _helm_knobs():
         node: dict[str, Any] = {"type": _JSON_TYPES[k.kind]}
         if k.meta.get("choices"):
-            node["enum"] = list(k.meta["choices"])
-        if k.optional:
+            node["enum"] = ([""] if k.optional else []) + list(k.meta["choices"])
+        if k.optional and k.kind != "str":
             node["minimum"] = 0  # 0: derived
         elif k.meta.get("minimum") is not None:
             node["minimum"] = k.meta["minimum"]
@@ -200,7 +204,13 @@ def template_block() -> str:
         lines.append(f'  "{k.name}" {value}')
     lines.append("}}")
     for k in _helm_knobs():
-        if k.optional:
+        if k.optional and k.kind == "str":  # "": unset
+            lines += [
+                f"{{{{- if $e.{k.helm_name} }}}}",
+                f'{{{{- $_ := set $config "{k.name}" $e.{k.helm_name} }}}}',
+                "{{- end }}",
+            ]
+        elif k.optional:
             lines += [
                 f"{{{{- if gt (int $e.{k.helm_name}) 0 }}}}",
                 f'{{{{- $_ := set $config "{k.name}" (int $e.{k.helm_name}) }}}}',

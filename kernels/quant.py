@@ -25,9 +25,10 @@ then see groups as runs of whole chunks, whatever their size or order.
 
 :func:`linear` is the reference of every quantized product: it widens the weight
 (:func:`dequantize`) or quantizes the rows (:func:`quantize_rows`) as the kernels
-do, and runs the product in torch. :func:`pack` hands a weight to the device's
-kernels (:mod:`.cpu.quant_linear`, :mod:`.triton_quant`) and :func:`product` runs
-it.
+do, and runs the product in torch. :func:`pack` hands a weight to the CPU's
+kernels (:mod:`.cpu.quant_linear`) and :func:`product` runs it. No GPU kernel
+computes them yet: on another device only the references do (``kernel_backend:
+torch``), and :func:`iterserve.workers.dtype.decide` refuses the rest by name.
 """
 
 from __future__ import annotations
@@ -196,23 +197,18 @@ def pack(q: QuantizedTensors, device: torch.device | str, dtype: torch.dtype,
     ``backend`` "torch" (the references only): :func:`linear` on ``q`` itself."""
     if backend == "torch":
         return QuantizedWeight("reference", q.shape, q, f"{q.describe()} (reference)")
-    if torch.device(device).type == "cpu":
-        from .cpu import quant_linear
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantized weights on {device}: only the CPU's kernels and the torch "
+                         "references (kernel_backend: torch) compute them")  # fmt: skip
+    from .cpu import quant_linear
 
-        return quant_linear.pack(q, dtype)
-    from . import triton_quant
-
-    return triton_quant.pack(q, device, dtype)
+    return quant_linear.pack(q, dtype)
 
 
 def product(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` on ``weight``'s kernel."""
     if weight.kernel == "reference":
         return linear(x, weight.data, bias)
-    if x.is_cpu:
-        from .cpu import quant_linear
+    from .cpu import quant_linear
 
-        return quant_linear.product(x, weight, bias)
-    from . import triton_quant
-
-    return triton_quant.product(x, weight, bias)
+    return quant_linear.product(x, weight, bias)

@@ -36,11 +36,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..kernels.cpu import isa
 from .config import MOE, CheckpointError, ModelConfig
+
+if TYPE_CHECKING:
+    from .quant import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +238,7 @@ def decide(
     level: str | None = None,
     tp_size: int = 1,
     batch_invariant: bool = False,
-    quantization: str | None = None,
+    quantized: QuantConfig | None = None,
 ) -> RuntimeChoices:
     """The engine's :class:`RuntimeChoices` for ``config`` on this rank's hardware at
     ``level`` (the lowest of the ranks'; default this process's): its dtype
@@ -242,8 +246,22 @@ def decide(
     and, in bf16 on several threads with AMX, which weights' cliff batches run
     padded (:func:`iterserve.kernels.cpu.linear.measure_cliff`). With
     ``batch_invariant`` nothing runs padded (the products run in fixed row blocks),
-    and a kernel backend that cannot compute so is refused by name. ``quantization``:
-    the method the weights load with (:func:`.quant.resolve`'s), recorded."""
+    and a kernel backend that cannot compute so is refused by name. ``quantized``:
+    the quantization the weights load with (:func:`.quant.resolve`'s), its method
+    recorded; refused off a CPU but with the torch references (no GPU kernel
+    computes it yet), and with ``batch_invariant`` unless its products compute
+    each row apart from its batch (:attr:`.quant.QuantConfig.rows_apart`: W8A8
+    with per-token or static activations)."""
+    on_cpu = torch.device(device).type == "cpu"
+    quantization = None if quantized is None else quantized.method
+    if quantization is not None and not on_cpu and kernel_backend != "torch":
+        raise DtypeError(f"quantization {quantization!r} on {device}: no GPU kernel computes "
+                         "quantized weights yet; kernel_backend: torch runs the references")  # fmt: skip
+    if batch_invariant and quantized is not None and not quantized.rows_apart:
+        raise DtypeError(f"batch_invariant with quantization {quantization!r} "
+                         f"({quantized.describe()}): only W8A8 products with per-token or "
+                         "static activations sum each row in one order whatever the batch; "
+                         "serve the dense checkpoint, or turn batch_invariant off")  # fmt: skip
     if batch_invariant:
         from ..kernels.registry import check_batch_invariant
 
@@ -252,7 +270,6 @@ def decide(
     shapes = product_shapes(config, tp_size)
     choice = choose_dtype(dtype, checkpoint_dtype, device, kernel_backend, level=level,
                           measure=lambda: measure_products(shapes))  # fmt: skip
-    on_cpu = torch.device(device).type == "cpu"
     if batch_invariant and on_cpu and choice.dtype == torch.float16:
         raise DtypeError("batch_invariant on a CPU computes in float32 or bfloat16 (float16 "
                          "runs the torch references, which batch rows); choose one of those")  # fmt: skip

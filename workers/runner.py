@@ -28,7 +28,7 @@ from .graphs import DEFAULT_BATCH_SIZES, CudaGraph, DecodeGraphs, EagerReplay
 from .kv_cache import KVCache
 from .model import AllReduce, Decoder, rope_table
 from .prompt_logprobs import PromptLogprobsCollector
-from .quant import method as quant_method
+from .quant import resolve as resolve_quantization
 from .sampler import Sampler, SamplerOutput
 from .step_params import DraftRow, SampleRow
 
@@ -113,7 +113,7 @@ class ModelRunner:
             choices = decide(ckpt.config, dtype, ckpt.config.torch_dtype, device,
                              kernel_backend, tp_size=tp_size,
                              batch_invariant=batch_invariant,
-                             quantization=quant_method(quantization, ckpt.quantization))  # fmt: skip
+                             quantized=resolve_quantization(quantization, ckpt.quantization))  # fmt: skip
         logger.info("rank %d computes in %s (%s) at %s%s", tp_rank, choices.dtype,
                     choices.dtype_reason, choices.isa,
                     f", weights {choices.quantization}" if choices.quantization else "")  # fmt: skip

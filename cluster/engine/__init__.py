@@ -17,8 +17,8 @@ from __future__ import annotations
 
 # What an engine's start-up answer and /version show of how its ranks compute: the
 # dtype and why, the CPU's instruction set, the kernel each op runs, whether each row is
-# computed apart from its batch.
-RUNTIME_KEYS = ("dtype", "dtype_reason", "isa", "kernels", "batch_invariant")
+# computed apart from its batch, the weights' quantization.
+RUNTIME_KEYS = ("dtype", "dtype_reason", "isa", "kernels", "batch_invariant", "quantization")
 
 _API = {"AsyncEngine", "LLM", "Completion"}
 _ERRORS = {

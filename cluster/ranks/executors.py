@@ -29,10 +29,12 @@ class ExecutorFactory(Protocol):
     def model_info(self, config: EngineConfig, device: str, level: str | None = None) -> dict:
         """``{"max_model_len", "vocab_size"}`` of what the executors run on ``device``;
         optionally ``kv_window`` (the window every layer reads within; None when a layer
-        reads everything), ``dtype``, ``dtype_reason`` (what the ranks compute in, why)
-        and ``runtime``: the engine's choices that change numerics, made here once (on
-        the first rank, at the engine's instruction-set ``level``) and handed to every
-        rank's :meth:`kv_capacity` and :meth:`build`."""
+        reads everything), ``hidden_size`` (a pooling runner's vectors' length),
+        ``dtype``, ``dtype_reason`` (what the ranks compute in, why), ``quantization``
+        (the weights' scheme, None: dense) and ``runtime``:
+        the engine's choices that change numerics, made here once (on the first rank,
+        at the engine's instruction-set ``level``) and handed to every rank's
+        :meth:`kv_capacity` and :meth:`build`."""
 
     def kv_capacity(self, config: EngineConfig, rank: int, world_size: int, device: str,
                     runtime: dict | None = None) -> int:  # fmt: skip
@@ -71,18 +73,18 @@ def _isa_phrase(device: str) -> str:
     return isa.describe() if device.startswith("cpu") else f"{isa.describe()} (host CPU)"
 
 
-def _kernels(config, choices, device: str, kernel_backend: str) -> dict[str, str]:
+def _kernels(config, choices, device: str, kernel_backend: str, quantized=()) -> dict[str, str]:
     """The CPU kernel each op runs for this model at the engine's level and dtype
-    (``/version`` shows them); nothing on another device or backend."""
+    (``/version`` shows them), ``quantized`` products' ops among them; nothing on
+    another device or backend."""
     if not device.startswith("cpu") or kernel_backend not in ("auto", "cpu"):
         return {}
     from ...kernels.cpu import dispatch
 
-    kernels = dispatch.Dispatch(choices.isa).describe(
-        choices.dtype, dispatch.model_traits(config.num_heads, config.num_kv_heads,
-                                             config.head_dim, config.hidden_size,
-                                             invariant=choices.batch_invariant),
-    )  # fmt: skip
+    traits = dispatch.model_traits(config.num_heads, config.num_kv_heads, config.head_dim,
+                                   config.hidden_size, invariant=choices.batch_invariant)  # fmt: skip
+    traits.update({op: frozenset() for op in quantized})
+    kernels = dispatch.Dispatch(choices.isa).describe(choices.dtype, traits)
     if choices.batch_invariant:  # every piece is the row kernels'
         kernels["attention.long"] = "none (batch-invariant: every piece on attention.rows)"
     return kernels
@@ -92,6 +94,7 @@ class ModelExecutors:
     """The checkpoint of ``config.model_path``, a :class:`ModelRunner` per rank."""
 
     def model_info(self, config: EngineConfig, device: str, level: str | None = None) -> dict:
+        from ...workers import quant
         from ...workers.checkpoint import load_checkpoint
         from ...workers.dtype import decide
 
@@ -101,10 +104,11 @@ class ModelExecutors:
 
             check_draft(draft, config.model_path)  # a ValueError naming the problem
         ckpt = load_checkpoint(config.model_path)
+        quantized = quant.resolve(config.quantization, ckpt.quantization)  # refused by name
         choices = decide(ckpt.config, config.dtype, ckpt.config.torch_dtype, device,
                          config.kernel_backend, level=level,
                          tp_size=config.tensor_parallel_size,
-                         batch_invariant=config.batch_invariant)  # fmt: skip
+                         batch_invariant=config.batch_invariant, quantized=quantized)  # fmt: skip
         info = {
             "max_model_len": ckpt.config.max_model_len,
             "vocab_size": ckpt.config.vocab_size,
@@ -115,7 +119,10 @@ class ModelExecutors:
             "runtime": choices.to_dict(),
             "batch_invariant": choices.batch_invariant,
             "isa": _isa_phrase(device),
-            "kernels": _kernels(ckpt.config, choices, device, config.kernel_backend),
+            "kernels": _kernels(
+                ckpt.config, choices, device, config.kernel_backend, quant.ops(quantized)
+            ),
+            "quantization": quant.describe(quantized, device),
         }
         ckpt.close()
         return info
@@ -210,6 +217,7 @@ class ModelExecutors:
             draft_model=_draft_path(config),
             pooling=config.pooling_type if config.runner == "pooling" else None,
             seed=config.seed,
+            quantization=config.quantization,
         )
         runner.warm_up()  # compiled kernels built before the engine reports ready
         from ...workers.kv_tiers import with_kv_tiers

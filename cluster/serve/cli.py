@@ -184,20 +184,27 @@ def _check_model_files(args) -> None:
     """Refuses a checkpoint the ranks would refuse (its config, its weights' index),
     and sampling defaults every request would be refused for, before anything starts."""
     from ...workers.checkpoint import load_checkpoint
+    from ...workers.quant import resolve
     from .model_files import sampling_defaults
 
-    path = args.engine_config().model_path
-    load_checkpoint(path).close()
-    sampling_defaults(args.generation_config, path, args.override_generation_config)
+    engine = args.engine_config()
+    ckpt = load_checkpoint(engine.model_path)
+    ckpt.close()
+    resolve(engine.quantization, ckpt.quantization)  # the quantization knob against the checkpoint
+    sampling_defaults(args.generation_config, engine.model_path, args.override_generation_config)
 
 
 def _dtype_note(infos: list[dict]) -> str:
     """ ", in bfloat16 (auto: why) on amx" from the engines' start-up answers: the
-    dtype, why, and the instruction set the CPU kernels use."""
-    chosen = {(i["dtype"], i["dtype_reason"], i.get("isa")) for i in infos if "dtype" in i}
+    dtype, why, and the instruction set the CPU kernels use; then ", weights ..." where
+    the weights are quantized."""
+    chosen = {(i["dtype"], i["dtype_reason"], i.get("isa"), i.get("quantization"))
+              for i in infos if "dtype" in i}  # fmt: skip
     return "".join(
-        f", in {dtype} ({reason})" + (f" on {isa}" if isa else "")
-        for dtype, reason, isa in sorted(chosen, key=str)
+        f", in {dtype} ({reason})"
+        + (f" on {isa}" if isa else "")
+        + (f", weights {quantization}" if quantization else "")
+        for dtype, reason, isa, quantization in sorted(chosen, key=str)
     )
 
 

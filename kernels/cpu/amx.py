@@ -393,6 +393,28 @@ def configure_group_tiles(config, group):
 
 
 @_jit
+def configure_block(config, rows0, rows1):
+    """``config`` (64 bytes) set for a product's 2x2 block of tiles, and loaded:
+    tiles 0-3 the block's sums, 4 and 5 its two row tiles (``rows0``, ``rows1``
+    rows; 0: unused; tiles 0, 1 and 4 hold the first row tile, 2, 3 and 5 the
+    second), 6 and 7 the weight's two tiles of 16 rows; every row 64 bytes (16
+    fp32 or int32 sums, 16 pairs of bf16, 64 int8)."""
+    for i in range(64):
+        config[i] = 0
+    config[0] = 1
+    for t in range(8):
+        config[16 + 2 * t] = ROW_BYTES
+    for t in range(6):
+        rows = rows0 if t in (0, 1, 4) else rows1
+        config[48 + t] = rows
+        if rows == 0:
+            config[16 + 2 * t] = 0
+    config[48 + 6] = ROWS
+    config[48 + 7] = ROWS
+    configure_tiles(config)
+
+
+@_jit
 def pack_group_queries(q_words, row, num_kv_heads, group, packed):
     """``packed`` (32-bit) as :func:`group_scores`'s right-hand tiles for query row
     ``row`` (``q_words``: the query's bf16 pairs, ``[rows, heads, head_dim / 2]``):

@@ -64,25 +64,6 @@ _jit = cpu_amx._jit
 
 
 @_jit
-def _configure(config, rows0, rows1):
-    """The 2x2 block's tiles: sums and inputs of ``rows0`` and ``rows1`` rows (the
-    block's two row tiles; 0: unused), the weight's 16 rows of pairs."""
-    for i in range(64):
-        config[i] = 0
-    config[0] = 1
-    for t in range(8):
-        config[16 + 2 * t] = cpu_amx.ROW_BYTES
-    for t in range(6):  # tiles 0, 1 and 4 hold the first row tile, 2, 3 and 5 the second
-        rows = rows0 if t in (0, 1, 4) else rows1
-        config[48 + t] = rows
-        if rows == 0:
-            config[16 + 2 * t] = 0
-    config[48 + 6] = cpu_amx.ROWS
-    config[48 + 7] = cpu_amx.ROWS
-    cpu_amx.configure_tiles(config)
-
-
-@_jit
 def _product(x, weight, out):
     """``out = x @ W.T`` rounded to bf16, for bf16 ``x`` ``[rows, in]`` (its bits;
     1..64 rows) and ``weight`` oneDNN's packing of ``W`` ``[out, in]`` (bits,
@@ -99,14 +80,14 @@ def _product(x, weight, out):
     # every pass the same rows (one pass, or whole passes of 32): configured once
     once = rows <= 32 or rows % 32 == 0
     if once:
-        _configure(config, min(rows, 16), min(max(rows - 16, 0), 16))
+        cpu_amx.configure_block(config, min(rows, 16), min(max(rows - 16, 0), 16))
     for panel in range(outputs // PANEL):
         base = panel * panel_size
         for first in range(0, rows, 32):
             pass_rows = min(32, rows - first)
             two = pass_rows > 16
             if not once:
-                _configure(config, min(pass_rows, 16), max(pass_rows - 16, 0))
+                cpu_amx.configure_block(config, min(pass_rows, 16), max(pass_rows - 16, 0))
             _zero_00()
             _zero_01()
             if two:

@@ -265,3 +265,132 @@ def test_the_quantization_knob_must_match_the_checkpoint(quantized_dir, dense_di
         ValueError, match="quantization: 'awq', but the checkpoint has no quantization_config"
     ):
         ModelRunner(dense_dir("llama"), num_kv_blocks=8, quantization="awq")
+
+
+def test_the_knobs_choices_are_the_methods_served():
+    from iterserve.cluster.config import QUANTIZATIONS
+    from iterserve.workers import quant
+
+    assert QUANTIZATIONS == quant.CHOICES
+
+
+def test_quantized_weights_off_a_cpu_run_only_the_references(quantized_dir):
+    """No GPU kernel computes them yet: refused by name at the engine's first
+    choice, unless the torch references are asked for."""
+    from iterserve.workers import quant
+    from iterserve.workers.checkpoint import load_checkpoint
+    from iterserve.workers.dtype import DtypeError, decide
+
+    ckpt = load_checkpoint(quantized_dir("llama", "awq"))
+    config = quant.resolve(None, ckpt.quantization)
+    with pytest.raises(DtypeError, match="quantization 'awq' on cuda: no GPU kernel"):
+        decide(ckpt.config, "float16", None, "cuda", quantized=config)
+    choices = decide(ckpt.config, "float16", None, "cuda", "torch", quantized=config)
+    assert choices.quantization == "awq"
+    ckpt.close()
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "w4a16", "fp8"])
+def test_batch_invariant_refuses_weight_only_products(scheme, quantized_dir, dense_dir):
+    """A weight-only product's float sums follow the batch where the reference runs
+    (an fp32 engine's): refused by name, as is ``fp8`` at load."""
+    from iterserve.workers.dtype import DtypeError
+
+    path = quantized_dir("llama", scheme)
+    method = json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"]
+    with pytest.raises(DtypeError, match=f"batch_invariant with quantization '{method}'"):
+        ModelRunner(path, num_kv_blocks=8, batch_invariant=True)
+    with pytest.raises(DtypeError, match=r"batch_invariant with quantization 'fp8' \(fp8 \(quan"):
+        ModelRunner(dense_dir("llama"), num_kv_blocks=8, batch_invariant=True,
+                    quantization="fp8")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_w8a8_under_batch_invariant_computes_every_row_as_alone(dtype, quantized_dir):
+    """W8A8's int8 sums are exact and each row's activation scale its own: under
+    ``batch_invariant`` a row's logits are the same bits alone and among 1-24 other
+    rows of decodes and prefill pieces, its prompt cut into pieces, preempted and
+    recomputed (the batch-invariance suite's scenarios, tests/workers/invariance.py)."""
+    from invariance import Scenario, alone, differing, prompt_pool, run
+
+    runner = ModelRunner(quantized_dir("llama", "w8a8"), dtype=dtype, num_kv_blocks=1024,
+                         block_size=16, kernel_backend="cpu", batch_invariant=True)  # fmt: skip
+    kinds = {p.kernel for layer in runner.model.layers
+             for p in (layer.attn.qkv_packed, layer.attn.o_packed)}  # fmt: skip
+    assert kinds <= {"amx_int8", "onednn_int8"}, kinds
+    prompts = prompt_pool(runner.vocab_size, count=24)
+    logits, tokens = alone(runner, prompts)
+    steps = [(1.0, [1, 3, 16, 1 << 30], 0.15), (0.7, [2, 17, 64], 0.15), (1.0, [1 << 30], 0.0)]
+    crowd = Scenario({label: i // 8 for i, label in enumerate(prompts)}, steps)
+    got, got_tokens, stats = run(runner, prompts, crowd)
+    assert stats["widest_step"] >= 24 and stats["mixed_steps"] and stats["preemptions"]
+    assert differing(logits, got) == []
+    assert got_tokens == {label: tokens[label] for label in got_tokens}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch, scheme, kw",
+    [("llama", "gptq", {"desc_act": True}), ("qwen3_moe", "w4a16-asym", {}),
+     ("phi3", "awq", {})],
+)  # fmt: skip
+def test_tp2_splits_quantized_weights_and_their_scales(arch, scheme, kw, quantized_dir, tmp_path):
+    """Two ranks over gloo: q/k/v and gate/up split by rows with their scales and zero
+    points (Phi-3's fused tensors by row ranges), o and down by inputs with every
+    group's scales and each input's group (g_idx out of order, groups cut between
+    ranks), experts alike. The tokens are TP=1's."""
+    import torch.multiprocessing as mp
+    from plan_driver import PlanDriver
+    from test_runner_greedy import make_runner, prompts
+    from test_tensor_parallel import free_port
+    from tp_worker import run_rank
+
+    path = quantized_dir(arch, scheme, **kw)
+    context = 256 if arch == "phi3" else None
+    driver = PlanDriver(make_runner(path, max_model_len=context))
+    ps = prompts(4)
+    for i, p in enumerate(ps):
+        driver.add(f"g{i}", p)
+    from iterserve.scheduler.sampling import SamplingParams
+
+    driver.add("seeded", ps[0], SamplingParams(temperature=1.0, seed=3, max_tokens=16,
+                                               ignore_eos=True))  # fmt: skip
+    expected = driver.run(chunk=7)
+    out_file = str(tmp_path / "tokens")
+    mp.spawn(run_rank, args=(2, free_port(), str(path), ps, out_file, context), nprocs=2, join=True)
+    for rank in range(2):
+        with open(f"{out_file}.{rank}") as f:
+            assert json.load(f) == expected
+
+
+@pytest.mark.slow
+def test_tp2_w8a8_ranks_quantize_their_own_inputs(dense_dir, quantized_dir, tmp_path):
+    """W8A8 at TP=2: q/k/v and gate/up split by rows with their scales, o and down by
+    inputs. A rank quantizes the inputs of its half of o and down per token over its
+    own half (as vLLM's ranks do), so its rows round otherwise than TP=1's, and on
+    the random tiny model near-ties then go either way (TP=2 and TP=1 pick the same
+    top token in ~93% of the rows). So each is held to the dense model: TP=2's logits
+    are no further from it than TP=1's (within 1.25x; a half's scale is at most the
+    row's, so it rounds no coarser) and pick its top token in as many rows (within
+    5% of them)."""
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import free_port
+    from tp_worker import run_logits_rank
+
+    path = quantized_dir("llama", "w8a8")
+    dense = torch.cat(_logits(dense_dir("llama"), kernel_backend="torch"))
+    tp1 = torch.cat(_logits(path, kernel_backend="torch"))
+    out_file = str(tmp_path / "logits")
+    mp.spawn(run_logits_rank, args=(2, free_port(), str(path), _prompts(), out_file), nprocs=2,
+             join=True)  # fmt: skip
+
+    def error(logits):
+        return (logits - dense).norm() / dense.norm()
+
+    def agreement(logits):
+        return (logits.argmax(-1) == dense.argmax(-1)).float().mean()
+
+    for rank in range(2):
+        tp2 = torch.cat(torch.load(f"{out_file}.{rank}"))
+        assert error(tp2) <= 1.25 * error(tp1)
+        assert agreement(tp2) >= agreement(tp1) - 0.05

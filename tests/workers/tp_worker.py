@@ -47,6 +47,27 @@ def run_rank(rank: int, world: int, port: int, model_path: str, prompts, out_fil
         dist.destroy_process_group()
 
 
+def run_logits_rank(rank: int, world: int, port: int, model_path: str, prompts,
+                    out_file: str) -> None:  # fmt: skip
+    """Every row's fp32 logits of each prompt prefilled whole, at TP=``world``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        from test_model_logits import forward_all_rows
+
+        from iterserve.workers import ModelRunner
+
+        runner = ModelRunner(model_path, num_kv_blocks=64, block_size=8, dtype="float32",
+                             kernel_backend="torch", tp_rank=rank, tp_size=world,
+                             all_reduce=all_reduce)  # fmt: skip
+        logits = forward_all_rows(runner, [[(0, len(p))] for p in prompts], prompts)
+        torch.save(logits, f"{out_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
 def run_constrained_rank(rank: int, world: int, port: int, model_path: str, out_file: str) -> None:
     """The demo model at TP=``world`` with grammars: each rank writes its tokens and
     whether it returned prompt logprobs."""

@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from .config import METHODS, QuantConfig, Scheme, online_fp8, parse
 
-__all__ = ["CHOICES", "METHODS", "QuantConfig", "Scheme", "describe", "method", "parse", "resolve"]
+__all__ = [
+    "CHOICES",
+    "METHODS",
+    "QuantConfig",
+    "Scheme",
+    "describe",
+    "ops",
+    "parse",
+    "resolve",
+]
 
 # The knob's values: the methods, and vLLM's names for the same checkpoints' kernels.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
@@ -47,15 +56,19 @@ def resolve(requested: str | None, detected: QuantConfig | None) -> QuantConfig 
     return detected
 
 
-def method(requested: str | None, detected: QuantConfig | None) -> str | None:
-    """The method :func:`resolve` serves, as ranks are told it (:class:`..dtype.RuntimeChoices`):
-    the checkpoint's, ``fp8`` for one quantized at load, None for a dense model."""
-    config = resolve(requested, detected)
+def describe(config: QuantConfig | None, device: str = "cpu") -> str | None:
+    """One phrase for ``/version`` and the start-up line (None for a dense model); on
+    a CPU, fp8 activations are said to be computed weight-only."""
     if config is None:
         return None
-    return config.method if config is detected else "fp8"
+    phrase = config.describe()
+    if str(device).startswith("cpu") and any(s.fp8_activations for _, s in config.groups):
+        phrase += " (fp8 weights widened in bf16/fp32 products on a CPU: weight-only)"
+    return phrase
 
 
-def describe(config: QuantConfig | None) -> str:
-    """One phrase for ``/version`` and the start-up line ("" for a dense model)."""
-    return "" if config is None else config.describe()
+def ops(config: QuantConfig | None) -> tuple[str, ...]:
+    """The CPU dispatch table's ops ``config``'s products run (``/version``'s kernels)."""
+    if config is None:
+        return ()
+    return tuple(dict.fromkeys("linear.w8a8" if s.w8a8 else "linear.wx" for _, s in config.groups))

@@ -84,6 +84,17 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()
     by_presence: bool = False  # a module is quantized where its tensors are
     kv_cache_scheme: dict | None = field(default=None, hash=False)
+    at_load: bool = False  # a dense checkpoint's projections, quantized at load
+
+    @property
+    def rows_apart(self) -> bool:
+        """Whether every product computes each row apart from its batch: W8A8's sums
+        are exact integers on every kernel (int32 tiles, oneDNN's int32, the
+        reference's float64) and its rows' scales their own (per token, or static);
+        a weight-only product's float sums follow the batch where the reference's
+        torch product runs."""
+        return all(s.w8a8 and (s.activations.per_token or not s.activations.dynamic)
+                   for _, s in self.groups)  # fmt: skip
 
     def scheme_for(self, module: str) -> Scheme | None:
         """The scheme of ``module`` (its checkpoint name, ``...self_attn.q_proj``),
@@ -97,7 +108,7 @@ class QuantConfig:
 
     def describe(self) -> str:
         schemes = ", ".join(dict.fromkeys(s.describe() for _, s in self.groups))
-        return f"{self.method}: {schemes}"
+        return f"{self.method}{' (quantized at load)' if self.at_load else ''}: {schemes}"
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -326,4 +337,4 @@ def online_fp8() -> QuantConfig:
     quantized to e4m3 at load, one scale an output, as vLLM does."""
     scheme = Scheme(format="online", bits=8, number="e4m3", strategy="channel",
                     fp8_activations=True)  # fmt: skip
-    return QuantConfig("fp8 (quantized at load)", ((("Linear",), scheme),), ("lm_head",))
+    return QuantConfig("fp8", ((("Linear",), scheme),), ("lm_head",), at_load=True)

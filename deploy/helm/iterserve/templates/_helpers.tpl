@@ -186,6 +186,9 @@ The Serve config (serveConfigV2) as YAML.
   "enable_lora" $e.enableLora
   "max_lora_rank" (int $e.maxLoraRank)
 }}
+{{- if $e.quantization }}
+{{- $_ := set $config "quantization" $e.quantization }}
+{{- end }}
 {{- if gt (int $e.maxNumBatchedTokens) 0 }}
 {{- $_ := set $config "max_num_batched_tokens" (int $e.maxNumBatchedTokens) }}
 {{- end }}
