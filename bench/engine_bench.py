@@ -30,7 +30,7 @@ from .report import forward_ms_per_step
 def ensure_ray() -> None:
     """A local Ray for the benchmarks, unless one is already running."""
     if not ray.is_initialized():
-        # Ray starts its workers at nice 15; on a shared machine that starves the engine
+        # Ray starts its ranks at nice 15; on a shared machine that starves the engine
         # next to whatever the benchmark runs in this process at the default priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address="local", include_dashboard=False, logging_level="ERROR",
@@ -69,7 +69,7 @@ def control_ms_per_step(
     max_tokens: int = 100,
     async_scheduling: bool = True,
 ) -> float:
-    """Wall ms per step beyond the workers' own time. With ``async_scheduling``,
+    """Wall ms per step beyond the ranks' own time. With ``async_scheduling``,
     the part of the control plane that does not overlap the step before."""
     config = EngineConfig.from_dict(
         dict(

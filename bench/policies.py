@@ -1,7 +1,7 @@
 """The batching lab: one workload, one model, one seed, every policy, one invocation.
 
 Each policy serves the same requests through the real engine on Ray (scheduler
-actor, model worker, CPU, TP=1), arriving open-loop on the same schedule; then
+actor, rank actor, CPU, TP=1), arriving open-loop on the same schedule; then
 Hugging Face ``generate`` serves them as the peer baseline. Every request has
 ``ignore_eos`` and ``max_tokens`` set to its drawn output length, so every run
 computes exactly the same output tokens, which is asserted. Nothing here
@@ -193,7 +193,7 @@ def register(subparsers) -> argparse.ArgumentParser:
         type=int,
         help="rounds, figures are medians (default: 1 for longtail, 3 for long-prompts)",
     )
-    parser.add_argument("--torch-threads", type=int, default=1, help="for the workers and HF")
+    parser.add_argument("--torch-threads", type=int, default=1, help="for the ranks and HF")
     parser.add_argument("--policies", help="comma-separated subset (default: all four)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--scale", choices=["full", "small"], default="full",

@@ -1,7 +1,7 @@
 """Prefix caching measured: one workload, the cache on and off, one invocation.
 
 ``iterserve bench prefix --workload shared-prefix|multi-turn``. Each mode gets a
-fresh engine (scheduler actor and one model worker on Ray, CPU, TP=1, chunked
+fresh engine (scheduler actor and one rank actor on Ray, CPU, TP=1, chunked
 prefill) that differs only in ``enable_prefix_caching``. With ``--routing`` the
 two modes are instead two engine replicas with the cache on, the requests
 spread over them by the ingress's :class:`PrefixRouter` or by load alone
@@ -292,7 +292,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the result to this file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, help="rounds of both modes; figures are medians")
-    p.add_argument("--torch-threads", type=int, default=1, help="the worker's torch threads")
+    p.add_argument("--torch-threads", type=int, default=1, help="the rank's torch threads")
     p.add_argument("--routing", action="store_true",
                    help="two engine replicas, the cache on: prefix-aware routing vs by load")  # fmt: skip
     p.add_argument("--scale", choices=["full", "small"], default="full",

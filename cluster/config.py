@@ -29,7 +29,7 @@ SCHEDULER_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine (a scheduler actor and its workers) needs; the
+    """Everything one engine (a scheduler actor and its ranks) needs; the
     scheduler's own knobs are in ``scheduler``."""
 
     model: str | None = knob(
@@ -61,7 +61,7 @@ class EngineConfig:
         minimum=0,
     )
     tensor_parallel_size: int = knob(
-        1, "worker ranks; attention heads and MLP columns are split across them", minimum=1
+        1, "tensor-parallel ranks; attention heads and MLP columns are split across them", minimum=1
     )
     batch_invariant: bool = knob(
         False,
@@ -137,11 +137,11 @@ class EngineConfig:
         },
     )
     step_timeout_s: float = knob(
-        60.0, "a step slower than this is a hung worker: restart and recompute", exclusive_minimum=0
+        60.0, "a step slower than this is a hung rank: restart and recompute", exclusive_minimum=0
     )
     max_restarts: int = knob(
         3,
-        "worker-group restarts within `restart_window_s` before in-flight requests fail and "
+        "rank-group restarts within `restart_window_s` before in-flight requests fail and "
         "the engine replica reports itself dead (Serve then replaces it)",
         minimum=0,
     )

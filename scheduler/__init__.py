@@ -6,9 +6,9 @@ Public surface:
 - :class:`SchedulerConfig` — frozen configuration of the scheduler.
 - :class:`Scheduler` — ``schedule(now) -> ScheduledStep``; ``update(StepResult) -> ScheduledStep``
   (the oldest step in flight, taken back, with its ``outputs``).
-- :mod:`~iterserve.scheduler.messages` — the two messages that cross to the workers.
+- :mod:`~iterserve.scheduler.messages` — the two messages that cross to the ranks.
 - :mod:`~iterserve.scheduler.codec` — their strict msgpack codec.
-- :class:`FakeExecutor` — a deterministic stand-in for the model workers;
+- :class:`FakeExecutor` — a deterministic stand-in for the rank actors;
   :class:`FakeModel` hands one to each rank of an engine (given in code).
 """
 

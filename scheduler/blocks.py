@@ -297,7 +297,7 @@ class BlockManager:
         return self.tables.get(request_id, [])[self.num_freed.get(request_id, 0) :]
 
     def clear_cache(self) -> None:
-        """Forgets every hash: the KV they name is gone (the workers restarted, or the
+        """Forgets every hash: the KV they name is gone (the ranks restarted, or the
         prefix cache is reset)."""
         cleared = list(self.cached)
         for block in self._evictable:

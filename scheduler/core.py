@@ -3,24 +3,24 @@
 :meth:`Scheduler.schedule` decides which sequences run in the next iteration
 and how many tokens each computes, and returns the :class:`ScheduledStep`,
 which it keeps in its queue of steps in flight; :meth:`Scheduler.update` takes
-the workers' :class:`StepResult` and pairs it with the oldest of them. The
+the ranks' :class:`StepResult` and pairs it with the oldest of them. The
 batching *policy* (static, dynamic, continuous, chunked) only chooses, into a
 :class:`StepBuilder` made for that one call; this module owns the slot table,
 the KV block manager, the waiting queue, the steps in flight, preemption and
 finishing.
 
 Scheduling ahead (``ahead``; the engine's ``async_scheduling``): while step N
-runs, ``schedule`` may build step N+1, so the workers start N+1 as soon as N
+runs, ``schedule`` may build step N+1, so the ranks start N+1 as soon as N
 ends instead of waiting for the scheduler to take N's result and decide. What
 N will produce is not known yet, so a plan built ahead rests on what is certain:
 
 - every sequence N samples for is counted as one token longer (its token is
-  *pending*); the workers hold that token and feed it to N+1 themselves;
+  *pending*); the ranks hold that token and feed it to N+1 themselves;
 - a sequence whose last token (``max_tokens``) N samples is *released ahead*:
   its slot and blocks go to waiting requests in N+1, and it finishes when N's
   result brings that token (``released_ahead``);
 - a sequence N ends by EOS or a stop token still gets a row in N+1, which the
-  workers compute as padding (the cost of not knowing: one row, once);
+  ranks compute as padding (the cost of not knowing: one row, once);
 - a plan that would have to preempt, or whose sequences would propose tokens,
   is not built ahead: ``schedule`` returns None and the caller schedules again
   once N's result is in.
@@ -105,13 +105,13 @@ class Scheduler:
         # the oldest.
         self._in_flight: deque[ScheduledStep] = deque()
         self._next_seq_id = 0
-        # The requests the workers know, by the id results name them with: running
+        # The requests the ranks know, by the id results name them with: running
         # ones and those released ahead. An aborted request leaves at once, so a
         # result computed for it is dropped even when a new request reuses its id.
         self._by_seq: dict[int, Request] = {}
         # Requests whose last token a step in flight samples, their slot and blocks
         # handed on ahead of it: seq_id -> (request, the blocks it held, for the
-        # workers' check).
+        # ranks' check).
         self.released_ahead: dict[int, tuple[Request, list[int]]] = {}
         self._released_slots: list[int] = []  # since the last plan: the next one says so
         self.num_preempted = 0  # waiting requests whose KV was dropped
@@ -167,7 +167,7 @@ class Scheduler:
         return self._end(request_id, FinishReason.ABORT)
 
     def finish_with_error(self, request_id: str) -> RequestOutput | None:
-        """Ends a request because the engine cannot serve it (workers lost)."""
+        """Ends a request because the engine cannot serve it (ranks lost)."""
         return self._end(request_id, FinishReason.ERROR)
 
     def _end(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
@@ -182,16 +182,16 @@ class Scheduler:
         return RequestOutput(request_id, finish_reason=reason, request=request)
 
     def requeue_running(self) -> None:
-        """The steps in flight were lost with the workers: forget them and preempt
-        every running sequence, to be recomputed on fresh workers. No token is lost."""
+        """The steps in flight were lost with the ranks: forget them and preempt
+        every running sequence, to be recomputed on fresh ranks. No token is lost."""
         self.drop_in_flight()
         for request in self.policy.reset():
-            self.release_slot(request, tell_workers=False)  # the workers are gone
+            self.release_slot(request, tell_ranks=False)  # the ranks are gone
         ahead = [request for request, _ in self.released_ahead.values()]
         self.released_ahead.clear()
         for request in sorted([*self.running.values(), *ahead], key=Request.sort_key):
             self.preempt(request, kv_lost=True)
-        self.blocks.clear_cache()  # the KV every hash named died with the workers
+        self.blocks.clear_cache()  # the KV every hash named died with the ranks
         if self.tiers is not None:
             self.tiers.ranks_lost()  # and their host memory with them
         self.adapters.forget_resident()  # and so did the adapters they held
@@ -214,7 +214,7 @@ class Scheduler:
         return True
 
     def drop_in_flight(self) -> None:
-        """Forgets the steps in flight: their results will never come (the workers
+        """Forgets the steps in flight: their results will never come (the ranks
         were lost, or the engine stops serving)."""
         self._in_flight.clear()
 
@@ -241,7 +241,7 @@ class Scheduler:
                 return None
             finishing = fits
         for request in self.policy.ended_batch():  # an abort may have ended it
-            self.release_slot(request, tell_workers=False)
+            self.release_slot(request, tell_ranks=False)
         step = StepBuilder(self, ahead=bool(in_flight))
         if finishing and not self.policy.holds_finished_slots:
             self._release_ahead(finishing)
@@ -282,20 +282,20 @@ class Scheduler:
 
     def _release_ahead(self, finishing: list[Request]) -> None:
         """Hands on the slot and blocks of every sequence whose last token the step
-        in flight samples. The workers drop it when they sample that token, before
+        in flight samples. The ranks drop it when they sample that token, before
         they start the step being built, so the step may reuse both."""
         for request in finishing:
             # Its KV up to its last known token is computed by the step in flight.
             known = min(request.num_computed_tokens, request.num_tokens)
             self.released_ahead[request.seq_id] = (request, self.prefix.release(request, known))
-            self.release_slot(request, tell_workers=False)
+            self.release_slot(request, tell_ranks=False)
             del self.running[request.request_id]
             # The step in flight computes its last row with its adapter; a load that
             # reuses the slot travels in a later plan, applied after that step.
             self.unpin_adapter(request)
 
     def update(self, result: StepResult) -> ScheduledStep:
-        """Pairs the workers' result with the oldest step in flight and applies it:
+        """Pairs the ranks' result with the oldest step in flight and applies it:
         append tokens, finish, free. Returns that step, taken out of the queue,
         with what it produced for each request (``outputs``)."""
         in_flight = self._in_flight
@@ -361,7 +361,7 @@ class Scheduler:
             held = ahead[1] if ahead is not None else self._held_after(step, req)
             if list(finished.block_ids) != held:
                 raise ProtocolError(
-                    f"{req.request_id}: worker released blocks "
+                    f"{req.request_id}: a rank released blocks "
                     f"{finished.block_ids}, scheduler holds {held}"
                 )
             reason = FinishReason(finished.reason)
@@ -380,12 +380,12 @@ class Scheduler:
             if request.status == running:
                 raise ProtocolError(f"{request.request_id}: reached max_tokens unfinished")
         for request in self.policy.ended_batch():
-            self.release_slot(request, tell_workers=False)  # ended on the worker
+            self.release_slot(request, tell_ranks=False)  # ended on the rank
         step.outputs = list(outputs.values())
         return step
 
     def _held_after(self, step: ScheduledStep, request: Request) -> list[int]:
-        """The blocks ``request`` held once the workers applied ``step``: what they
+        """The blocks ``request`` held once the ranks applied ``step``: what they
         release if it ends in it. The step built ahead of its result (still in
         flight) may have grown its table since, or handed on blocks out of its
         window: those changes are taken back out."""
@@ -410,7 +410,7 @@ class Scheduler:
     def _settle_drafts(self, step: ScheduledStep, outputs: dict[str, RequestOutput]) -> None:
         """Counts each draft's fate and, for a sequence still running, takes back the
         positions its rejected proposals held, blocks included: the rule the
-        workers apply to their own tables (``SequenceTable.take_drafts``)."""
+        ranks apply to their own tables (``SequenceTable.take_drafts``)."""
         stats = self.spec_stats
         assert stats is not None
         for entry in step.plan.scheduled:
@@ -432,7 +432,7 @@ class Scheduler:
 
     def admit(self, request: Request, num_cached_tokens: int = 0) -> NewSequence:
         """Gives a waiting request a slot, its first ``num_cached_tokens`` found in the
-        prefix cache; the workers learn of it from the plan."""
+        prefix cache; the ranks learn of it from the plan."""
         if request.request_id in self.waiting:
             self.waiting.remove(request.request_id)
         if request.status == RequestStatus.PREEMPTED:
@@ -472,14 +472,14 @@ class Scheduler:
         """Frees a running request's blocks and slot; it re-enters the queue keeping
         every token it produced, to be recomputed later, from its blocks still
         cached by then. Never while a step is in flight, except to forget the lost
-        steps of failed workers (``kv_lost``: nothing they computed is kept)."""
+        steps of failed ranks (``kv_lost``: nothing they computed is kept)."""
         if kv_lost:
             self.blocks.free(request.request_id)
         else:  # nothing is in flight: every planned position is computed
             self.prefix.release(request, min(request.num_computed_tokens, request.num_tokens))
         del self._by_seq[request.seq_id]
         if request.slot_idx >= 0:  # one released ahead has handed its slot on
-            self.release_slot(request, tell_workers=True)
+            self.release_slot(request, tell_ranks=True)
             del self.running[request.request_id]
             self.unpin_adapter(request)
         request.num_dropped_tokens = request.num_computed_tokens
@@ -500,13 +500,13 @@ class Scheduler:
         in step with it."""
         request.num_computed_tokens = num_tokens
 
-    def release_slot(self, request: Request, *, tell_workers: bool) -> None:
-        """Frees a request's slot, the one place slots are freed. ``tell_workers``:
-        the next plan releases it (an abort, an error, a preemption: the workers
+    def release_slot(self, request: Request, *, tell_ranks: bool) -> None:
+        """Frees a request's slot, the one place slots are freed. ``tell_ranks``:
+        the next plan releases it (an abort, an error, a preemption: the ranks
         still hold the sequence); otherwise they dropped it themselves (it ended
         where it was sampled, or its last token is being sampled: released ahead)."""
         self.slots.release(request.slot_idx)
-        if tell_workers:
+        if tell_ranks:
             self._released_slots.append(request.slot_idx)
         request.slot_idx = -1
 
@@ -521,7 +521,7 @@ class Scheduler:
         if self.released_ahead.pop(request.seq_id, None) is not None:
             return  # slot and blocks were handed on ahead of its last token
         if reason == FinishReason.ERROR:
-            self.blocks.free(request.request_id)  # the workers' state is not trusted
+            self.blocks.free(request.request_id)  # the ranks' state is not trusted
         else:
             # The KV of every known token is computed, or will be by a step already
             # planned, except that of a last sampled token: that is never computed
@@ -534,9 +534,9 @@ class Scheduler:
         del self.running[request.request_id]
         self.unpin_adapter(request)
         if reason in (FinishReason.ABORT, FinishReason.ERROR):
-            self.release_slot(request, tell_workers=True)  # the workers still hold it
+            self.release_slot(request, tell_ranks=True)  # the ranks still hold it
         elif not self.policy.holds_finished_slots:
-            self.release_slot(request, tell_workers=False)  # the worker ended it itself
+            self.release_slot(request, tell_ranks=False)  # the rank ended it itself
         # else: static batching keeps the slot, as padding, until its batch ends.
 
     # -- introspection ---------------------------------------------------------------

@@ -21,4 +21,4 @@ class PromptTooLongError(ValueError):
 
 
 class ProtocolError(RuntimeError):
-    """A worker's result contradicts the scheduler's own state: a bug, never user input."""
+    """A rank's result contradicts the scheduler's own state: a bug, never user input."""

@@ -1,7 +1,7 @@
-"""A deterministic stand-in for the model workers.
+"""A deterministic stand-in for the rank actors.
 
 It consumes real :class:`StepPlan` messages and answers real
-:class:`StepResult` messages, keeping the same worker-side bookkeeping
+:class:`StepResult` messages, keeping the same rank-side bookkeeping
 (:class:`SequenceTable`) as the model runner, so the scheduler, the Ray actor,
 the Serve app and the benchmarks run end to end without a model.
 

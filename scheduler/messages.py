@@ -1,5 +1,5 @@
 """The messages that cross the engine's boundaries: the two between the
-scheduler and its workers (:class:`StepPlan`, :class:`StepResult`), the request
+scheduler and its ranks (:class:`StepPlan`, :class:`StepResult`), the request
 a client hands an engine (:class:`EngineRequest`), and the record the engine
 hands its clients (:class:`EngineOutput`, a step's worth for one client in
 :class:`EngineOutputs`).
@@ -7,7 +7,7 @@ hands its clients (:class:`EngineOutput`, a step's worth for one client in
 Only lists of ints, floats and short strings cross — never tensors, never
 pickled objects. :mod:`iterserve.scheduler.codec` encodes them with msgpack.
 
-A worker applies a :class:`StepPlan` in this order:
+A rank applies a :class:`StepPlan` in this order:
 
 00. apply its :class:`KVTransfers` (``kv``): copy device blocks to host slots, then
     host slots to device blocks, then queue its disk reads and writes (they run in
@@ -34,7 +34,7 @@ same step computes (prefix caching: ``NewSequence.num_cached_tokens``). A block
 two sequences share is only ever written by the step that first computes it.
 
 A plan built ``ahead`` was built while the step before it was still running,
-so the scheduler did not yet know which sequences that step would end. A worker
+so the scheduler did not yet know which sequences that step would end. A rank
 turns each of its entries whose sequence ended in the previous step (by EOS or
 a stop token: the scheduler foresees length limits) into one padding row: the
 row is computed, as it would be on any machine, and its token discarded. Only
@@ -51,7 +51,7 @@ from .sampling import SamplingParams
 
 @dataclass(slots=True)
 class NewSequence:
-    """A sequence the workers have not seen yet, sent in full once.
+    """A sequence the ranks have not seen yet, sent in full once.
 
     ``seq_id`` names the sequence in every result; the scheduler never gives two
     requests the same one. ``label`` is its client's name for it (a user's request
@@ -103,11 +103,11 @@ class ScheduledSeq:
 
     ``num_draft_tokens`` (speculative decoding, :mod:`.speculation`): a decode
     row's ``k`` proposed next tokens, ``draft_token_ids`` when the scheduler
-    proposed them (prompt lookup), empty when the workers' draft model
+    proposed them (prompt lookup), empty when the ranks' draft model
     proposes them. The entry computes its last known token and the proposals
     (``num_tokens == 1 + k``), samples after each, and keeps the proposals its
     samples confirm; the KV blocks of the positions it rejects are dropped
-    from the table, here and on the workers, by the rule of
+    from the table, here and on the ranks, by the rule of
     :meth:`~.seq_table.SequenceTable.take_drafts`.
     """
 
@@ -182,7 +182,7 @@ class KVReport:
 
 @dataclass(slots=True)
 class StepPlan:
-    """Scheduler -> every worker, once per iteration."""
+    """Scheduler -> every rank, once per iteration."""
 
     step: int
     new_seqs: list[NewSequence] = field(default_factory=list)
@@ -215,10 +215,10 @@ class SampledToken:
 
 @dataclass(slots=True)
 class FinishedSeq:
-    """A sequence the worker finished, with the KV blocks it held.
+    """A sequence the rank finished, with the KV blocks it held.
 
     ``reason`` is ``"eos"``, ``"stop_token"`` or ``"length"`` (or ``"error"``
-    when the worker cannot go on with this one sequence: a grammar that refuses
+    when the rank cannot go on with this one sequence: a grammar that refuses
     a token). The scheduler checks ``block_ids`` against its own block table.
     """
 
@@ -255,7 +255,7 @@ class PooledOutput:
 
 @dataclass(slots=True)
 class StepResult:
-    """Worker -> scheduler, once per iteration (rank 0 carries the tokens)."""
+    """Ranks -> scheduler, once per iteration (rank 0 carries the tokens)."""
 
     step: int
     sampled: list[SampledToken] = field(default_factory=list)

@@ -11,7 +11,7 @@ cached, short of its last token (always computed, so that there are logits to
 sample), and starts computing there. Finishing, aborting and preempting drop
 references and keep the hashes: the blocks wait, evictable, until a fresh
 block needs them (:class:`~iterserve.scheduler.blocks.BlockManager` keeps the
-reference counts, the hashes and the LRU). A restart of the workers drops every
+reference counts, the hashes and the LRU). A restart of the ranks drops every
 hash.
 """
 

@@ -28,7 +28,7 @@ class RequestStatus(enum.IntEnum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a sequence ended, as reported by the worker that sampled its last token."""
+    """Why a sequence ended, as reported by the rank that sampled its last token."""
 
     EOS = "eos"
     STOP_TOKEN = "stop_token"
@@ -84,7 +84,7 @@ class Request:
 
     ``num_computed_tokens`` advances when a step is *scheduled*. While a step
     that samples for the request is still running, its token is counted in
-    ``num_pending`` (known to the workers, not yet to the scheduler), so a
+    ``num_pending`` (known to the ranks, not yet to the scheduler), so a
     decode can be scheduled again before the last one's token has come back.
 
     With prefix caching, a request admitted with its first blocks found in the
@@ -97,7 +97,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     # The caller's own name for the request (a client's request id), for logs and
-    # the workers; unlike ``request_id`` it need not be unique. Empty: request_id.
+    # the ranks; unlike ``request_id`` it need not be unique. Empty: request_id.
     label: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)

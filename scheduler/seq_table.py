@@ -1,6 +1,6 @@
-"""The worker-side view of the running sequences, shared by every executor.
+"""The rank-side view of the running sequences, shared by every executor.
 
-A worker (the real model runner or the fake executor) keeps one
+A rank (the real model runner or the fake executor) keeps one
 :class:`SequenceTable`. It applies each :class:`StepPlan`'s bookkeeping, hands
 out the token ids to compute, records sampled tokens and decides when a
 sequence ends (EOS, stop token, length). Pure Python, so the fake executor and
@@ -34,7 +34,7 @@ from .speculation import speculable
 
 
 class PlanMismatchError(RuntimeError):
-    """A plan disagrees with the worker's own state: a scheduler bug."""
+    """A plan disagrees with the rank's own state: a scheduler bug."""
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ def stop_reason(
 
 
 class SequenceTable:
-    """Per-slot sequence state on a worker. ``on_forget(seq)`` is called for each
+    """Per-slot sequence state on a rank. ``on_forget(seq)`` is called for each
     sequence that leaves, whatever the reason. With the model's ``kv_window`` (every
     layer reads only that many last positions) it tells, by the scheduler's own
     formula, which leading blocks of each sequence the scheduler has handed on:
@@ -109,7 +109,7 @@ class SequenceTable:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.on_forget = on_forget
         self.kv_window, self.block_size = kv_window, block_size
-        # Whether the worker has a draft model to make proposals the plan leaves unnamed.
+        # Whether the rank has a draft model to make proposals the plan leaves unnamed.
         self.drafts = drafts
         self.by_slot: dict[int, SeqState] = {}
         self.ended: set[int] = set()  # slots whose sequence ended in the current step
@@ -139,7 +139,7 @@ class SequenceTable:
             if entry.start_pos != seq.num_computed_tokens:
                 raise PlanMismatchError(
                     f"slot {entry.slot_idx} ({seq.label}): plan starts at {entry.start_pos}, "
-                    f"worker has {seq.num_computed_tokens} tokens computed"
+                    f"the rank has {seq.num_computed_tokens} tokens computed"
                 )
             if entry.start_pos + entry.num_tokens > len(seq.token_ids) and not (
                 entry.num_draft_tokens and not entry.draft_token_ids
@@ -278,7 +278,7 @@ class SequenceTable:
 
     def end(self, slot_idx: int, reason: FinishReason) -> FinishedSeq:
         """Ends a sequence without a new token: one whose ``max_tokens`` is 0 once its
-        prompt is computed (``length``), or one the worker cannot go on with
+        prompt is computed (``length``), or one the rank cannot go on with
         (``error``). Like a stop by a token, it leaves the table at once."""
         seq = self.forget(slot_idx)
         if seq is None:

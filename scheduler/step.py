@@ -18,7 +18,7 @@ API::
     step.pad_slot(slot_idx)                 a padding row (static batching)
 
 :meth:`StepBuilder.build` turns it into a :class:`ScheduledStep`: the plan for
-the workers and what ``update`` needs to take the result; the scheduler keeps
+the ranks and what ``update`` needs to take the result; the scheduler keeps
 it in its queue of steps in flight until then, and hands it back from
 ``update`` with the step's outputs.
 """
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """A plan handed to the workers, with what the scheduler needs to take its
+    """A plan handed to the ranks, with what the scheduler needs to take its
     result: the request each entry computes, and what the step changed in
     tables it did not grow (``freed_before``: seq_id -> the leading blocks a
     table had handed on before this step handed on more out of its window), so

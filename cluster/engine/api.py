@@ -1,6 +1,6 @@
 """The engine API: ``AsyncEngine`` for servers, ``LLM`` for offline batch jobs.
 
-``AsyncEngine`` starts one scheduler actor, which starts its worker actors, and
+``AsyncEngine`` starts one scheduler actor, which starts its rank actors, and
 reaches it the way an ingress reaches an engine replica: requests and their
 outputs over the engine channel (:mod:`~iterserve.cluster.engine.channel`), one frame per step
 for all requests together; stats and health through Ray.

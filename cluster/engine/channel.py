@@ -24,7 +24,7 @@ The ``key`` (``EngineRequest.request_id``) is the engine's id of the request
 for logs. A step's outputs larger
 than a frame go in several. ``NOTICE`` tells every client at once that the
 engine stopped taking requests (``state``: ``draining`` while it finishes what
-it has, ``dead`` once its workers are gone for good), so that no client chooses
+it has, ``dead`` once its ranks are gone for good), so that no client chooses
 it again; it is sent to each connection once the state changes, and on connect. A connection that closes aborts every request it
 added, and one whose client stops reading is dropped. This module is the
 protocol and the engine's end; the client's end is :mod:`~iterserve.cluster.engine.connection`.

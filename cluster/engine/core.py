@@ -1,4 +1,4 @@
-"""The scheduler actor: owns the iteration clock, the slot table and the workers.
+"""The scheduler actor: owns the iteration clock, the slot table and the ranks.
 
 Its loop is one tick after another. The steps handed to the ranks and not yet
 taken back are one queue, the scheduler's own: it holds at most two (the one
@@ -45,7 +45,7 @@ from ..lora import EngineAdapters
 from ..metrics.engine import EngineMetrics
 from ..metrics.recorder import MetricsRecorder
 from ..ranks.executors import ExecutorFactory
-from ..ranks.group import WorkerFailure, WorkerGroup
+from ..ranks.group import RankFailure, RankGroup
 from . import RUNTIME_KEYS
 from .channel import DEAD, DRAINING, SERVING, EngineEndpoint
 from .errors import (
@@ -70,7 +70,7 @@ FLUSH_TIMEOUT_S = 5.0  # what a drained engine waits for its clients to take the
 
 
 class RestartBudget:
-    """At most ``max_restarts`` worker-group restarts within any ``window_s``
+    """At most ``max_restarts`` rank-group restarts within any ``window_s``
     seconds: failures spread over a long life never add up to the end of the
     engine, a crash loop does."""
 
@@ -95,8 +95,8 @@ class EngineCore:
     """``model_name`` and ``engine_index`` label this engine's metrics; with
     ``metrics_hub`` set, the metrics are pushed to that hub actor for the ingress.
     ``executor`` builds what its ranks run (:mod:`~iterserve.cluster.ranks.executors`; None: the model);
-    ``workers`` stands in for the ranks themselves (tests run an engine in one
-    process so), else they are Ray actors (:class:`WorkerGroup`)."""
+    ``ranks`` stands in for the ranks themselves (tests run an engine in one
+    process so), else they are Ray actors (:class:`RankGroup`)."""
 
     def __init__(
         self,
@@ -106,7 +106,7 @@ class EngineCore:
         engine_index: int = 0,
         metrics_hub: str | None = None,
         executor: ExecutorFactory | None = None,
-        workers: WorkerGroup | None = None,
+        ranks: RankGroup | None = None,
     ):
         self.config = config
         self.metrics = EngineMetrics(
@@ -119,7 +119,7 @@ class EngineCore:
         self.metrics_hub = metrics_hub
         self.engine_key = f"{self.metrics.model_name}/{engine_index}"
         self.push_task: asyncio.Task | None = None
-        self.workers = workers or WorkerGroup(config, executor)
+        self.ranks = ranks or RankGroup(config, executor)
         self.runs_model = executor is None  # a stand-in executor has no weights to check
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
@@ -141,26 +141,26 @@ class EngineCore:
 
     async def start(self) -> dict:
         try:
-            await self.workers.start()
+            await self.ranks.start()
         except BaseException:
             # A start that fails (a checkpoint the loader refuses, no room to place the
             # ranks) must not keep ranks or their reservation for nobody.
-            await self.workers.shutdown()
+            await self.ranks.shutdown()
             raise
-        info = self.workers.model_info
+        info = self.ranks.model_info
         self.max_model_len = self.config.scheduler.context_for(info["max_model_len"])
         self.vocab_size = info["vocab_size"]
         self.scheduler = Scheduler(
             self.config.scheduler.resolved(
-                num_kv_blocks=self.workers.num_kv_blocks,
+                num_kv_blocks=self.ranks.num_kv_blocks,
                 max_model_len=self.max_model_len,
                 device=info["device"],
             ),
             ahead=self.config.async_scheduling,
             kv_window=info.get("kv_window"),
-            tiers=self.kv.tier_config(self.workers.kv_tiers),
+            tiers=self.kv.tier_config(self.ranks.kv_tiers),
         )
-        self.kv.started(self.scheduler, self.workers.kv_tiers)
+        self.kv.started(self.scheduler, self.ranks.kv_tiers)
         self.adapters = EngineAdapters(
             self.config, self.scheduler, self.metrics.model_name, check_weights=self.runs_model
         )
@@ -183,7 +183,7 @@ class EngineCore:
         return {
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
-            "num_kv_blocks": self.workers.num_kv_blocks,
+            "num_kv_blocks": self.ranks.num_kv_blocks,
             "endpoint": {**address, "node_id": node_id},
             # What the ranks compute in and why ("auto" is decided on their device), on
             # which instruction set, with which kernels, and the length of a pooling
@@ -222,7 +222,7 @@ class EngineCore:
         cut = 0
         if self.scheduler.requests and self.dead_reason is None:
             async with self.step_lock:
-                with contextlib.suppress(WorkerFailure):
+                with contextlib.suppress(RankFailure):
                     await self._drain()  # the steps in flight: their tokens still go out
                 cut = len(self.scheduler.requests)
                 self._end_all(
@@ -241,7 +241,7 @@ class EngineCore:
         self.kv.close()
         if self.endpoint is not None:
             self.endpoint.close()
-        await self.workers.shutdown()
+        await self.ranks.shutdown()
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -261,7 +261,7 @@ class EngineCore:
                     continue
                 try:
                     ran = await self.tick()
-                except WorkerFailure as exc:
+                except RankFailure as exc:
                     await self._recover(exc)
                     continue
                 if not ran:  # waiting for a batch to fill (static, dynamic)
@@ -284,10 +284,10 @@ class EngineCore:
     async def _submit_next(self) -> None:
         step = self.scheduler.schedule(time.monotonic())  # None: the queue is full, or no work
         if step is not None:
-            await self.workers.submit(step.plan)
+            await self.ranks.submit(step.plan)
 
     async def _collect(self) -> list[RequestOutput]:
-        result = await self.workers.collect()
+        result = await self.ranks.collect()
         self.kv.observe(result.kv)
         step = self.scheduler.update(result)  # the oldest step in flight, taken back
         self.kv.after_step(self.scheduler)  # the tiers' events and metrics
@@ -306,7 +306,7 @@ class EngineCore:
         while self.scheduler.num_in_flight:
             try:
                 outputs = await self._collect()
-            except WorkerFailure:
+            except RankFailure:
                 raise
             except Exception as exc:
                 await self._engine_failed(exc)
@@ -323,29 +323,29 @@ class EngineCore:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout)
 
-    async def _recover(self, exc: WorkerFailure) -> None:
-        """Preempts every running sequence for recompute and restarts the workers;
+    async def _recover(self, exc: RankFailure) -> None:
+        """Preempts every running sequence for recompute and restarts the ranks;
         once restarts are exhausted, every in-flight request ends with an error."""
-        logger.error("worker failure: %s", exc)
+        logger.error("rank failure: %s", exc)
         async with self.step_lock:
-            if exc.generation != self.workers.generation:
+            if exc.generation != self.ranks.generation:
                 return  # a failure of a group already replaced (a step and a ping both saw it)
-            self.scheduler.requeue_running()  # the steps in flight were lost with the workers
+            self.scheduler.requeue_running()  # the steps in flight were lost with the ranks
             if not self.restarts.take():
                 window = self.config.restart_window_s
                 self._fail_all(
-                    f"the engine's workers failed and could not be restarted "
+                    f"the engine's ranks failed and could not be restarted "
                     f"({self.config.max_restarts} restarts within {window:g} s): {exc}"
                 )
-                await self.workers.stop()
+                await self.ranks.stop()
                 return
             self.num_restarts += 1
-            self.recorder.worker_restart()
+            self.recorder.rank_restart()
             try:
-                await self.workers.restart()
-                self.kv.ranks_ready(self.scheduler, self.workers.kv_tiers)
+                await self.ranks.restart()
+                self.kv.ranks_ready(self.scheduler, self.ranks.kv_tiers)
             except Exception as restart_exc:  # any start-up failure ends service
-                self._fail_all(f"restarting the engine's workers failed: {restart_exc}")
+                self._fail_all(f"restarting the engine's ranks failed: {restart_exc}")
             self.kv.after_step(self.scheduler)
 
     async def _stop_serving(self, message: str) -> None:
@@ -355,9 +355,9 @@ class EngineCore:
         self.scheduler.drop_in_flight()  # nothing will collect them
         self._fail_all(message)
         try:
-            await self.workers.stop()
+            await self.ranks.stop()
         except Exception:  # the ranks may be the broken part; they are gone either way
-            logger.exception("stopping the workers failed")
+            logger.exception("stopping the ranks failed")
 
     def _fail_all(self, message: str) -> None:
         """Ends every request with an error and the engine with them: from now on
@@ -485,8 +485,8 @@ class EngineCore:
             **self.metrics.totals(),
             "healthy": self.dead_reason is None,
             "state": self.state[0],
-            "worker_restarts": self.num_restarts,
-            "rank_links": self.workers.links,
+            "rank_restarts": self.num_restarts,
+            "rank_links": self.ranks.links,
             "max_model_len": self.max_model_len,
             **self.adapters.stats(),
             **self.kv.stats(self.scheduler),
@@ -528,7 +528,7 @@ class EngineCore:
         return self.metrics.exposition()
 
     async def health(self) -> tuple[bool, str]:
-        """Healthy when a ping travels through every worker and back."""
+        """Healthy when a ping travels through every rank and back."""
         if self.dead_reason is not None:
             return False, self.dead_reason
         if self.control.sleep_level is not None:  # no ranks to ping, by the operator's will
@@ -538,9 +538,9 @@ class EngineCore:
                 await self._drain()
                 if self.dead_reason is not None:  # the drain met a bug
                     return False, self.dead_reason
-                await self.workers.ping()
-        except WorkerFailure as exc:
-            # An idle engine learns of a dead worker here: restart it now.
+                await self.ranks.ping()
+        except RankFailure as exc:
+            # An idle engine learns of a dead rank here: restart it now.
             await self._recover(exc)
             # Healthy again once replaced: failing Serve's check now would make it tear
             # down this replica and the requests it is recomputing.
@@ -548,4 +548,4 @@ class EngineCore:
         return True, "ok"
 
     async def worker_nodes(self) -> list[dict]:
-        return await self.workers.placement()
+        return await self.ranks.placement()

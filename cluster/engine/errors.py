@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class EngineError(RuntimeError):
-    """The engine could not serve a request (its workers failed, or it is gone)."""
+    """The engine could not serve a request (its ranks failed, or it is gone)."""
 
 
 class EngineRefusal(Exception):
@@ -56,7 +56,7 @@ class EngineUnavailableError(EngineRefusal, EngineError):
 
 
 class EngineDeadError(EngineUnavailableError):
-    """The engine's workers are gone and could not be restarted."""
+    """The engine's ranks are gone and could not be restarted."""
 
     kind = "engine_dead"
 

@@ -168,8 +168,8 @@ class PauseControl:
                 async with core.step_lock:
                     # Their KV goes with the ranks: recomputed after the wake, no token lost.
                     core.scheduler.requeue_running()
-                    ranks = await core.workers.placement()
-                    await core.workers.stop()
+                    ranks = await core.ranks.placement()
+                    await core.ranks.stop()
                     await _until_ended(ranks)
                 self.by_sleep, self.sleep_level = by_sleep, level
                 logger.info("engine asleep (level %d, %d requests aborted)", level, aborted)
@@ -179,12 +179,12 @@ class PauseControl:
         core = self.core
         async with self.lock:
             if self.sleep_level is not None:
-                workers = core.workers
+                ranks = core.ranks
                 # The same cache the scheduler counts, whatever memory is free now.
                 blocks = core.scheduler.config.num_kv_blocks
-                workers.config = workers.config.replace(num_kv_blocks=blocks)
+                ranks.config = ranks.config.replace(num_kv_blocks=blocks)
                 async with core.step_lock:
-                    await workers.start()
+                    await ranks.start()
                 self.sleep_level = None
                 if self.by_sleep:
                     self._resume()

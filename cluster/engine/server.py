@@ -1,7 +1,7 @@
 """One data-parallel engine copy as a Serve deployment: a scheduler actor.
 
 Each ``EngineServer`` replica runs an ``EngineCore`` on its own event loop and
-owns that core's worker actors. Serve starts, places, health-checks and
+owns that core's rank actors. Serve starts, places, health-checks and
 replaces the replicas; requests and their tokens reach a replica over the
 engine channels its ingresses open (:mod:`~iterserve.cluster.engine.channel`), never through
 Serve's request path.
@@ -72,7 +72,7 @@ class EngineServer:
             executor=executor,
         )
         self.replica = _replica_name()
-        # Start-up (worker placement, model load) runs in the background so the
+        # Start-up (rank placement, model load) runs in the background so the
         # replica answers health checks while loading; every call awaits it.
         self.started = asyncio.get_running_loop().create_task(self._start())
 

@@ -107,7 +107,7 @@ SPECS: tuple[MetricSpec, ...] = (
     _counter("iterserve_recomputed_tokens", "Tokens a preempted sequence computes again as it resumes: those it had computed, less those still cached."),
     _counter("iterserve_requests_finished", "Requests finished, by reason.", (("reason", FINISH_REASONS),)),
     _counter("iterserve_requests_rejected", "Requests refused at admission, by reason.", (("reason", REJECT_REASONS),)),
-    _counter("iterserve_worker_restarts", "Worker group restarts after a worker failure."),
+    _counter("iterserve_rank_restarts", "Rank group restarts after a rank failure."),
     _counter("iterserve_prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache."),
     _counter("iterserve_prefix_cache_hits", "Of the tokens looked up, those found cached: their KV is not computed again."),
     _counter("iterserve_prefix_cache_evictions", "Cached blocks evicted to give a sequence a fresh block."),
@@ -392,8 +392,8 @@ class EngineMetrics:
         for seconds in write_s:
             self._observe("iterserve_kv_tier_transfer_seconds", seconds, ("disk", "store"))
 
-    def on_worker_restart(self) -> None:
-        self._inc("iterserve_worker_restarts", 1)
+    def on_rank_restart(self) -> None:
+        self._inc("iterserve_rank_restarts", 1)
 
     def on_prefix_cache(self, *, queries: int, hits: int, evictions: int) -> None:
         """Tokens looked up at admission and found cached, cached blocks evicted."""

@@ -46,15 +46,15 @@ class MetricsRecorder:
     def rejected(self, reason: str) -> None:
         self.metrics.on_rejected(reason)
 
-    def worker_restart(self) -> None:
-        self.metrics.on_worker_restart()
+    def rank_restart(self) -> None:
+        self.metrics.on_rank_restart()
 
     def step(
         self, step: ScheduledStep, result: StepResult, step_s: float, sched: Scheduler
     ) -> None:
         plan = step.plan
-        # The workers' counts: a plan built ahead may name sequences the step before
-        # it ended, whose decodes the workers computed as padding.
+        # The ranks' counts: a plan built ahead may name sequences the step before
+        # it ended, whose decodes the ranks computed as padding.
         ended = plan.num_tokens - result.num_tokens
         # A decode row computes one token, or one plus its proposals.
         decode = sum(s.num_tokens for s in plan.scheduled

@@ -54,7 +54,7 @@ class APIError(Exception):
 
 
 class EngineFailure(Exception):
-    """The engine failed a request after accepting it (its workers were lost)."""
+    """The engine failed a request after accepting it (its ranks were lost)."""
 
 
 def error_body(

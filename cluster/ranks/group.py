@@ -1,4 +1,4 @@
-"""The worker group: placement, start-up, and the per-step broadcast.
+"""The rank group: placement, start-up, and the per-step broadcast.
 
 Each step's plan is encoded once and written to every rank over the step
 channel (:mod:`~iterserve.cluster.ranks.step_channel`: one stream socket per rank, Unix on the
@@ -23,9 +23,9 @@ from ...scheduler.messages import StepPlan, StepResult
 from ..config import EngineConfig
 from ..framing import new_token
 from ..serve.resources import rank_bundle
+from .actor import PING_STEP, RankActor
 from .executors import ExecutorFactory
 from .step_channel import SchedulerChannel
-from .worker import PING_STEP, EngineWorker
 
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 300.0
@@ -48,16 +48,16 @@ def merge_kv_reports(result: StepResult, other: StepResult) -> None:
     mine.write_s += theirs.write_s
 
 
-class WorkerFailure(RuntimeError):
-    """A worker died, hung past the step timeout, or raised during a step.
-    ``generation`` names the started group that failed (see ``WorkerGroup.generation``)."""
+class RankFailure(RuntimeError):
+    """A rank died, hung past the step timeout, or raised during a step.
+    ``generation`` names the started group that failed (see ``RankGroup.generation``)."""
 
     def __init__(self, message: str, generation: int = 0):
         super().__init__(message)
         self.generation = generation
 
 
-class WorkerGroup:
+class RankGroup:
     """The ranks of one engine. Inside a placement group laid out by
     :func:`~iterserve.cluster.serve.resources.engine_bundles` (a Serve replica's), the
     ranks take bundles 1..tp; otherwise the group reserves a placement group of
@@ -66,7 +66,7 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, executors: ExecutorFactory | None = None):
         self.config = config
         self.executors = executors  # what each rank runs (None: the model)
-        self.workers: list = []
+        self.actors: list = []
         self.pg = None
         self.owns_pg = True
         self.first_bundle = 0  # the bundle index of rank 0 in ``pg``
@@ -96,8 +96,8 @@ class WorkerGroup:
         if self.pg is None:
             await self._reserve()
         bundle = self.pg.bundle_specs[self.first_bundle]
-        remote_cls = ray.remote(EngineWorker)
-        self.workers = [
+        remote_cls = ray.remote(RankActor)
+        self.actors = [
             remote_cls.options(
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
@@ -108,18 +108,18 @@ class WorkerGroup:
             ).remote(self.config, rank, self.executors)
             for rank in range(tp)
         ]
-        host, port = await self.workers[0].address.remote()
-        await asyncio.gather(*(w.init_distributed.remote(host, port) for w in self.workers))
+        host, port = await self.actors[0].address.remote()
+        await asyncio.gather(*(w.init_distributed.remote(host, port) for w in self.actors))
         # Every rank at the lowest instruction set among them, and what changes numerics
         # (the dtype, ...) decided once, by rank 0, and handed to all: ranks that decided
         # alone could compute one step differently and sample different tokens.
-        levels = await asyncio.gather(*(w.cpu_isa.remote() for w in self.workers))
-        self.model_info = await self.workers[0].model_info.remote(levels)
+        levels = await asyncio.gather(*(w.cpu_isa.remote() for w in self.actors))
+        self.model_info = await self.actors[0].model_info.remote(levels)
         runtime = self.model_info.get("runtime")
-        capacities = await asyncio.gather(*(w.kv_capacity.remote(runtime) for w in self.workers))
+        capacities = await asyncio.gather(*(w.kv_capacity.remote(runtime) for w in self.actors))
         self.num_kv_blocks = min(capacities)
         self.kv_tiers = list(await asyncio.gather(
-            *(w.load.remote(self.num_kv_blocks, runtime) for w in self.workers)
+            *(w.load.remote(self.num_kv_blocks, runtime) for w in self.actors)
         ))  # fmt: skip
         await self._open_channel()
         # The first step sets up the connections; keep that out of the step timeout.
@@ -134,13 +134,13 @@ class WorkerGroup:
         placements = await self.placement()
         addresses = await asyncio.gather(*(
             w.open_step_channel.remote(token, p["NodeID"] == here)
-            for w, p in zip(self.workers, placements, strict=True)
+            for w, p in zip(self.actors, placements, strict=True)
         ))  # fmt: skip
         self.channel = await SchedulerChannel.connect(list(addresses), token)
         self.links = [address[0] for address in addresses]
 
-    def _failure(self, what: str, exc: BaseException) -> WorkerFailure:
-        return WorkerFailure(f"{what} failed: {type(exc).__name__}: {exc}", self.generation)
+    def _failure(self, what: str, exc: BaseException) -> RankFailure:
+        return RankFailure(f"{what} failed: {type(exc).__name__}: {exc}", self.generation)
 
     async def submit(self, plan: StepPlan) -> None:
         """Encodes ``plan`` once and writes it to every rank."""
@@ -151,7 +151,7 @@ class WorkerGroup:
 
     async def collect(self, timeout_s: float | None = None) -> StepResult:
         """The result of the oldest step submitted and not yet collected, waiting up
-        to the step timeout from now. Raises WorkerFailure on a rank's death (at once:
+        to the step timeout from now. Raises RankFailure on a rank's death (at once:
         its socket closes), error, malformed reply or timeout."""
         timeout_s = timeout_s or self.config.step_timeout_s
         try:
@@ -163,21 +163,21 @@ class WorkerGroup:
                     merge_kv_reports(result, codec.decode(reply, StepResult))
             return result
         except asyncio.TimeoutError:
-            raise WorkerFailure(
+            raise RankFailure(
                 f"a step took longer than the step timeout of {timeout_s} s", self.generation
             ) from None
         except Exception as exc:  # a dead rank, a rank's exception, a bad reply
             raise self._failure("a step", exc) from exc
 
     async def ping(self) -> None:
-        """Exercises every worker through the same path a step takes. Only with no
+        """Exercises every rank through the same path a step takes. Only with no
         step in flight: the ping's reply is the next one read."""
         await self.submit(StepPlan(step=PING_STEP))
         await self.collect()
 
     async def placement(self) -> list[dict]:
         """Node id and pid of every rank, in rank order."""
-        return list(await asyncio.gather(*(w.placement.remote() for w in self.workers)))
+        return list(await asyncio.gather(*(w.placement.remote() for w in self.actors)))
 
     async def stop(self) -> None:
         """Kills the ranks (a hung or dead one included); the placement stays reserved.
@@ -185,9 +185,9 @@ class WorkerGroup:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
-        self.workers = []
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
 
     async def restart(self) -> None:
         await self.stop()

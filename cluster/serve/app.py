@@ -43,7 +43,7 @@ ENGINE_HEADROOM = 64  # requests an engine replica takes beyond its own bounds (
 # default of 2 s made every shutdown take seconds longer than its requests).
 SHUTDOWN_POLL_S = 0.25
 # What a stopping replica gets beyond drain_timeout_s before Serve kills it: the
-# last outputs' flush, the workers' shutdown.
+# last outputs' flush, the ranks' shutdown.
 SHUTDOWN_MARGIN_S = 15.0
 
 
@@ -82,7 +82,7 @@ class ServeArgs(BaseModel):
         600.0, gt=0, description="A request still running after this long is aborted (504)."
     )
     health_check_period_s: float = Field(
-        10.0, gt=0, description="How often Serve checks each engine replica's workers."
+        10.0, gt=0, description="How often Serve checks each engine replica's ranks."
     )
     ingress_cpus: float = Field(
         resources.INGRESS_CPUS,

@@ -9,7 +9,7 @@ taking requests (new ones get 503 with Retry-After) and finishes those it has,
 streams included, for up to ``drain_timeout_s`` (30 s by default); then it
 stops Serve and Ray within seconds.
 
-Ray starts its workers at nice 15 by default; the Ray started here runs them at
+Ray starts its ranks at nice 15 by default; the Ray started here runs them at
 nice 0 (``worker_niceness``), like any server process, so a client or a batch
 job at nice 0 on the same machine does not take the CPU from the model ranks.
 For a Ray cluster you run yourself, use ``serve run deploy/serve-config.example.yaml``

@@ -22,7 +22,7 @@ from pathlib import Path
 EXIT_REFUSED = 2  # a flag, the config file or the model refused before anything started
 EXIT_FAILED = 1  # the start itself failed
 
-# Ray's prefix of an error raised in a task or actor: "ray::EngineWorker.load() (pid=1, ip=…)".
+# Ray's prefix of an error raised in a task or actor: "ray::RankActor.load() (pid=1, ip=…)".
 _RAY_FRAME = re.compile(r"^ray::\S+ \(pid=\d+, ip=[^)]*\)(, actor_id=\w+)?(, repr=.*)?$")
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Failure|Exit))(?:: (.*))?$")
 

@@ -69,7 +69,7 @@ async def start_engine(engine: EngineConfig | FakeEngine) -> AsyncEngine:
     return await AsyncEngine(engine).start()
 
 
-async def worker_pids(engine: AsyncEngine) -> list[int]:
+async def rank_pids(engine: AsyncEngine) -> list[int]:
     """The ranks' process ids, in rank order (where they run is the engine's to say)."""
     return [w["pid"] for w in await engine.actor.worker_nodes.remote()]
 

@@ -21,7 +21,7 @@ from iterserve.scheduler.messages import StepPlan, StepResult
 
 
 class InProcessRanks:
-    """What EngineCore needs of a WorkerGroup, with one executor in this process."""
+    """What EngineCore needs of a RankGroup, with one executor in this process."""
 
     def __init__(self, config: EngineConfig, model: FakeModel):
         self.config = config
@@ -72,7 +72,7 @@ class InProcessRanks:
 async def engine_in_process(model: FakeModel, **config):
     """A started EngineCore of ``model`` and one client connected to it."""
     engine_config = EngineConfig.from_dict(config)
-    core = EngineCore(engine_config, workers=InProcessRanks(engine_config, model))
+    core = EngineCore(engine_config, ranks=InProcessRanks(engine_config, model))
     info = await core.start()
     client = await EngineConnection.connect(info["endpoint"], "client", local=True)
     try:

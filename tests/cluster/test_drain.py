@@ -1,7 +1,7 @@
 """A stopping engine drains: every client hears it at once, new requests are
 refused as ``draining``, the requests it has run to their last token, and those
 still running at ``drain_timeout_s`` end with an error that says so. An engine
-whose workers are gone for good tells its clients ``dead``. The restart budget
+whose ranks are gone for good tells its clients ``dead``. The restart budget
 counts restarts in a window, not over the engine's life. (In process, no Ray.)"""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ async def test_requests_still_running_at_the_drain_deadline_end_with_a_clear_err
 
 async def test_a_dead_engine_tells_its_clients_and_refuses_as_dead():
     async with engine_in_process(FakeModel(vocab_size=300), **CONFIG) as (core, client):
-        core._fail_all("the engine's workers failed and could not be restarted")
+        core._fail_all("the engine's ranks failed and could not be restarted")
         with pytest.raises(EngineDeadError):
             await client.open("x", [1, 2], {"max_tokens": 2}, 0)
         assert client.state == "dead" and not client.usable

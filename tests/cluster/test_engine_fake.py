@@ -109,7 +109,7 @@ async def test_bad_requests_are_refused_with_a_message_and_reach_no_slot():
         await engine.shutdown()
 
 
-async def test_health_exercises_the_workers():
+async def test_health_exercises_the_ranks():
     engine = await start_engine(fake_config())
     try:
         assert await engine.health() == (True, "ok")

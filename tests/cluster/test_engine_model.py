@@ -13,10 +13,10 @@ from tests.cluster.conftest import (
     assert_sound,
     collect_all,
     model_config,
+    rank_pids,
     single_process,
     start_engine,
     wait_idle,
-    worker_pids,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -42,7 +42,7 @@ async def test_tensor_parallel_two_ranks_match_one(tiny_llama, reference):
     try:
         results = await collect_all(engine, PROMPTS, GREEDY)
         assert [tokens for tokens, _ in results] == reference
-        assert len(set(await worker_pids(engine))) == 2
+        assert len(set(await rank_pids(engine))) == 2
         assert (await engine.stats())["rank_links"] == ["unix", "unix"]  # on this node
     finally:
         await engine.shutdown()

@@ -1,4 +1,4 @@
-"""Dead and hung workers: recompute on fresh workers, or a clear error — never a hang."""
+"""Dead and hung ranks: recompute on fresh ranks, or a clear error — never a hang."""
 
 from __future__ import annotations
 
@@ -16,22 +16,20 @@ from tests.cluster.conftest import (
     collect_all,
     fake_config,
     model_config,
+    rank_pids,
     start_engine,
     wait_idle,
-    worker_pids,
 )
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 HANG_GUARD_S = 120  # a test that hangs fails here instead of blocking the suite
 
 
-async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
-    tiny_llama, reference
-):
+async def test_killed_rank_is_replaced_and_every_request_completes_unchanged(tiny_llama, reference):
     config = model_config(tiny_llama, tensor_parallel_size=2)
     engine = await start_engine(config)
     try:
-        pids = await worker_pids(engine)
+        pids = await rank_pids(engine)
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         tasks = asyncio.ensure_future(collect_all(engine, PROMPTS, params))
         for _ in range(20_000):  # bounded; the kill lands mid-generation
@@ -42,14 +40,14 @@ async def test_killed_worker_is_replaced_and_every_request_completes_unchanged(
         results = await asyncio.wait_for(tasks, HANG_GUARD_S)
         assert [tokens for tokens, _ in results] == reference
         stats = await wait_idle(engine)
-        assert stats["worker_restarts"] == 1 and stats["kv_blocks_used"] == 0
-        assert set(await worker_pids(engine)).isdisjoint(pids)
+        assert stats["rank_restarts"] == 1 and stats["kv_blocks_used"] == 0
+        assert set(await rank_pids(engine)).isdisjoint(pids)
         assert await engine.health() == (True, "ok")
     finally:
         await engine.shutdown()
 
 
-async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
+async def test_rank_crashing_inside_a_step_is_recovered_by_recompute():
     config = fake_config(
         executor="faulty",
         executor_options={"output_len": 12, "max_model_len": 128, "fault_crash_at_step": 5},
@@ -65,12 +63,12 @@ async def test_worker_crashing_inside_a_step_is_recovered_by_recompute():
         reference = FakeExecutor(vocab_size=1000, output_len=12)
         assert results == [reference.expected_output(rid, params) for rid in ids]
         stats = await engine.stats()
-        assert stats["worker_restarts"] == 1 and stats["num_recomputed_tokens"] > 0
+        assert stats["rank_restarts"] == 1 and stats["num_recomputed_tokens"] > 0
     finally:
         await engine.shutdown()
 
 
-async def test_hung_worker_is_caught_by_the_step_timeout():
+async def test_hung_rank_is_caught_by_the_step_timeout():
     config = fake_config(
         step_timeout_s=3.0,
         executor="faulty",
@@ -87,13 +85,13 @@ async def test_hung_worker_is_caught_by_the_step_timeout():
         )
         reference = FakeExecutor(vocab_size=1000, output_len=8)
         assert results == [reference.expected_output(f"hang-{i}", params) for i in range(4)]
-        assert (await engine.stats())["worker_restarts"] == 1
+        assert (await engine.stats())["rank_restarts"] == 1
     finally:
         await engine.shutdown()
 
 
 async def test_an_engine_bug_fails_every_request_at_once_and_the_engine_reports_it():
-    """A step result that contradicts the scheduler is a bug, not a worker failure:
+    """A step result that contradicts the scheduler is a bug, not a rank failure:
     nothing can be recomputed on trust. Every request ends at once with an error,
     health says why, and new requests are refused rather than left to hang."""
     config = fake_config(

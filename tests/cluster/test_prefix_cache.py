@@ -15,9 +15,9 @@ from tests.cluster.conftest import (
     assert_sound,
     collect_all,
     model_config,
+    rank_pids,
     start_engine,
     wait_idle,
-    worker_pids,
 )
 from tests.scheduler.driver import Arrival, arrival_prompt, prompt_for, run
 
@@ -172,7 +172,7 @@ async def test_tensor_parallel_two_ranks_share_prefixes_as_one_process_computes(
 
 
 @pytest.mark.usefixtures("ray_session")
-async def test_a_killed_worker_recovers_with_a_cleared_cache_and_the_same_outputs(tiny_llama):
+async def test_a_killed_rank_recovers_with_a_cleared_cache_and_the_same_outputs(tiny_llama):
     """The restarted ranks' KV is empty: a hash surviving the restart would hand
     recomputed requests blocks of garbage."""
     prompts = [arrival_prompt(a) for a in shared_prefix_arrivals()]
@@ -180,7 +180,7 @@ async def test_a_killed_worker_recovers_with_a_cleared_cache_and_the_same_output
     expected = single_process_outputs(tiny_llama, prompts, params, enable_prefix_caching=False)
     engine = await start_engine(model_config(tiny_llama, tensor_parallel_size=2))
     try:
-        pids = await worker_pids(engine)
+        pids = await rank_pids(engine)
         tasks = asyncio.ensure_future(collect_all(engine, prompts, params))
         for _ in range(20_000):  # bounded; the kill lands mid-generation, after hits
             stats = await engine.stats()
@@ -191,7 +191,7 @@ async def test_a_killed_worker_recovers_with_a_cleared_cache_and_the_same_output
         results = await asyncio.wait_for(tasks, HANG_GUARD_S)
         assert [tokens for tokens, _ in results] == expected
         stats = await wait_idle(engine)
-        assert stats["worker_restarts"] == 1 and stats["kv_blocks_used"] == 0
+        assert stats["rank_restarts"] == 1 and stats["kv_blocks_used"] == 0
     finally:
         await engine.shutdown()
 

@@ -9,7 +9,7 @@ from iterserve.cluster.metrics.engine import EngineMetrics
 
 def record_activity(metrics: EngineMetrics) -> EngineMetrics:
     """Two requests through admission, prefill, decode and finish, a preemption, a
-    rejection, a prefix cache hit and a worker restart: every family gets at least
+    rejection, a prefix cache hit and a rank restart: every family gets at least
     one sample."""
     metrics.set_state(
         num_running=2, num_waiting=3, num_preempted=1, slots_used=3, slots_total=4,
@@ -34,7 +34,7 @@ def record_activity(metrics: EngineMetrics) -> EngineMetrics:
     metrics.on_rejected("queue_full")
     metrics.on_finish(reason="stop", e2e_s=0.11, decode_s=0.05, tpot_s=0.025)
     metrics.on_finish(reason="abort", e2e_s=0.07, decode_s=0.0, tpot_s=None)
-    metrics.on_worker_restart()
+    metrics.on_rank_restart()
     return metrics
 
 

@@ -170,11 +170,11 @@ def test_failure_events():
     metrics.on_preemptions(2, 40)
     metrics.on_preemptions(0, 0)  # a step without preemptions records nothing
     metrics.on_rejected("queue_full")
-    metrics.on_worker_restart()
+    metrics.on_rank_restart()
     assert sample(metrics, "iterserve_preemptions_total") == 2
     assert sample(metrics, "iterserve_recomputed_tokens_total") == 40
     assert sample(metrics, "iterserve_requests_rejected_total", reason="queue_full") == 1
-    assert sample(metrics, "iterserve_worker_restarts_total") == 1
+    assert sample(metrics, "iterserve_rank_restarts_total") == 1
 
 
 def test_prefix_cache_series():

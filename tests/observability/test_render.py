@@ -57,7 +57,7 @@ def test_merge_drops_what_would_make_the_exposition_invalid(busy_metrics):
     metrics = busy_metrics()
     clash = [("iterserve_requests_running", "counter", "a clash", [])]
     foreign = [
-        ("iterserve_worker_restarts", "counter", "x", [("other_total", {"engine": "9"}, 1.0)]),
+        ("iterserve_rank_restarts", "counter", "x", [("other_total", {"engine": "9"}, 1.0)]),
         ("iterserve_slots_used", "gauge", "x", [("iterserve_slots_used", {"bad-label": "v"}, 1)]),
         ("unknown_family", "summary", "x", [("unknown_family_sum", {}, 1.0)]),
     ]

@@ -92,7 +92,7 @@ def pool():
 
 
 def decode_bounded(pool: ThreadPoolExecutor, data: bytes):
-    """Decodes in a worker thread; a decode still running after the bound fails the test."""
+    """Decodes in a rank thread; a decode still running after the bound fails the test."""
     return pool.submit(codec.decode, data).result(timeout=TIME_BOUND_S)
 
 

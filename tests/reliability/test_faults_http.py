@@ -1,5 +1,5 @@
-"""Faults seen through the HTTP server: a killed worker, a killed scheduler actor
-(the EngineServer replica), a hung worker. Every wait is bounded; every request
+"""Faults seen through the HTTP server: a killed rank, a killed scheduler actor
+(the EngineServer replica), a hung rank. Every wait is bounded; every request
 ends — with its full, unchanged output or with a clear error, never a hang.
 """
 
@@ -66,7 +66,7 @@ def model_url(serve_url, peaked_model_dir):
     undeploy("kill-worker")
 
 
-async def test_a_killed_worker_is_replaced_and_32_requests_finish_unchanged(model_url):
+async def test_a_killed_rank_is_replaced_and_32_requests_finish_unchanged(model_url):
     app, url = "kill-worker", model_url
     bodies = [
         {"model": "tiny-llama", "prompt": [1, 5 + i, 9, 40 + i], "max_tokens": 48}
@@ -96,7 +96,7 @@ async def test_a_killed_worker_is_replaced_and_32_requests_finish_unchanged(mode
         print(f"\nworker killed; 32 requests finished {time.monotonic() - killed_at:.1f} s later")
         assert texts == reference
         (replica,) = await idle_replicas(client)
-        assert replica["worker_restarts"] == 1 and replica["kv_blocks_used"] == 0
+        assert replica["rank_restarts"] == 1 and replica["kv_blocks_used"] == 0
         assert replica["num_recomputed_tokens"] > 0
         assert {r.status_code for r in probes} <= {200, 503}
         assert (await client.get("/health")).status_code == 200
@@ -191,7 +191,7 @@ def bug_url(serve_url, tokenizer_dir, vocab_size, tmp_path):
 
 
 async def test_an_engine_bug_fails_every_request_at_once_and_serve_replaces_the_replica(bug_url):
-    """Not a worker failure but a bug in the loop (here: a result that contradicts
+    """Not a rank failure but a bug in the loop (here: a result that contradicts
     the scheduler). Every request in flight ends at once with a 503-class error,
     /health says 503 within a health period, and Serve replaces the replica."""
     app, url = bug_url
@@ -240,11 +240,11 @@ HANG = {
 @pytest.mark.parametrize(
     "fake_url", [("hang", HANG, {"health_check_period_s": 600})], indirect=True
 )
-async def test_a_hung_worker_is_replaced_then_a_dead_one_past_the_restarts_fails_clearly(
+async def test_a_hung_rank_is_replaced_then_a_dead_one_past_the_restarts_fails_clearly(
     fake_url, tokenizer_dir, vocab_size
 ):
     """One restart allowed: the hang at step 3 uses it (the step timeout catches it,
-    the request still completes); the worker killed afterwards cannot be replaced,
+    the request still completes); the rank killed afterwards cannot be replaced,
     so the requests in flight end with 503 / an error event and /health says 503."""
     app, url = fake_url
     async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as client:
@@ -256,7 +256,7 @@ async def test_a_hung_worker_is_replaced_then_a_dead_one_past_the_restarts_fails
         tokens, _ = fake.expected_output("hung-0", SamplingParams(max_tokens=20))
         assert r.json()["choices"][0]["text"] == Tokenizer(tokenizer_dir).decode(tokens)
         (replica,) = await idle_replicas(client)
-        assert replica["worker_restarts"] == 1
+        assert replica["rank_restarts"] == 1
 
         (pids,) = await rank_pids(app)
         long = {**body, "max_tokens": 100}

@@ -147,7 +147,7 @@ def test_a_model_runner_step_runs_without_pickle(tiny_model_dir, monkeypatch):
     from iterserve.workers.runner import ModelRunner
     from tests.workers.plan_driver import GREEDY, PlanDriver
 
-    class OverTheWire:  # the runner as a worker sees it: plans and results as bytes
+    class OverTheWire:  # the runner as a rank sees it: plans and results as bytes
         def __init__(self, runner):
             self.runner, self.block_size = runner, runner.block_size
 

@@ -142,7 +142,7 @@ def test_a_worker_restart_forgets_resident_adapters_and_reloads_them():
     one_step(sched, FakeExecutor(block_size=4))
     sched.requeue_running()
     assert sched.adapters.num_resident == 0
-    plan, _ = one_step(sched, FakeExecutor(block_size=4))  # fresh workers
+    plan, _ = one_step(sched, FakeExecutor(block_size=4))  # fresh ranks
     assert [load.name for load in plan.adapter_loads] == ["a"]
 
 

@@ -206,7 +206,7 @@ def test_lost_workers_take_every_hash_with_them():
     sched.add_request(req("b", PROMPT, max_tokens=8))
     take(one_step(sched, executor)[1])
     assert sched.blocks.num_cached >= 2
-    sched.schedule(0.0)  # in flight when the workers die
+    sched.schedule(0.0)  # in flight when the ranks die
     sched.requeue_running()
     assert sched.blocks.num_cached == 0 and sched.blocks.num_used == 0
     sched.check_integrity()

@@ -339,7 +339,7 @@ def test_lost_steps_requeue_sequences_released_ahead_with_every_token_they_have(
     sched.schedule(0.0)  # in flight: a's last token, b's second
     ahead = sched.schedule(0.0)  # built ahead: a is released ahead, b decodes again
     assert ahead.plan.ahead and "a" in released_ahead_ids(sched) and sched.num_in_flight == 2
-    sched.requeue_running()  # the workers died with both steps
+    sched.requeue_running()  # the ranks died with both steps
     assert sched.num_in_flight == 0 and not sched.released_ahead and not sched.running
     for request in sched.requests.values():
         assert request.status == RequestStatus.PREEMPTED

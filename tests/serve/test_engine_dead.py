@@ -1,4 +1,4 @@
-"""An engine whose workers die for good: 503 with Retry-After, and /health says so.
+"""An engine whose ranks die for good: 503 with Retry-After, and /health says so.
 
 The fake worker crashes its process at step 3 and the engine may not restart
 it (``max_restarts=0``), so the engine is dead from then on. Serve's own

@@ -42,7 +42,7 @@ class FakeConnection:
         self.opened.append(label)
         if self.refuses is not None:
             if self.refuses is EngineDeadError:
-                self.state, self.state_message = DEAD, "its workers could not be restarted"
+                self.state, self.state_message = DEAD, "its ranks could not be restarted"
             raise self.refuses(f"replica {self.replica} refuses")
         self.streams.append(label)
         return label

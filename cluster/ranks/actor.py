@@ -1,6 +1,6 @@
-"""The worker actor: one per tensor-parallel rank, one executor each.
+"""The rank actor: one per tensor-parallel rank, one executor each.
 
-Between steps a worker only ever receives encoded :class:`StepPlan` bytes and
+Between steps a rank only ever receives encoded :class:`StepPlan` bytes and
 answers encoded :class:`StepResult` bytes (rank 0 only; other ranks answer
 ``b""``), through the step channel (:mod:`~iterserve.cluster.ranks.step_channel`). What executes the
 steps is the model, or what the engine's :mod:`~iterserve.cluster.ranks.executors` factory builds.
@@ -21,7 +21,7 @@ from ..gc_pauses import freeze_startup_objects
 from .executors import ExecutorFactory, ModelExecutors
 
 logger = logging.getLogger(__name__)
-PING_STEP = -1  # a plan with this step number only checks that the workers answer
+PING_STEP = -1  # a plan with this step number only checks that the ranks answer
 
 
 def _free_port() -> int:
@@ -37,7 +37,7 @@ def _all_reduce(tensor):
     return tensor
 
 
-class EngineWorker:
+class RankActor:
     """``executors``: what builds this rank's executor (None: the model)."""
 
     def __init__(self, config: EngineConfig, rank: int, executors: ExecutorFactory | None = None):
