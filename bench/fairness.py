@@ -334,7 +334,7 @@ def _line(entry: dict) -> str:
 
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
-    return percentile(values, 50) if values else None
+    return round(percentile(values, 50), 2) if values else None
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
