@@ -73,8 +73,15 @@ def _releases_at_exit(owner: object, release, *args) -> weakref.finalize:
 
 @atexit.register
 def _release_at_exit() -> None:
+    # The newest first: an LLM before the engine it holds. Each is detached and its
+    # release called here: weakref.finalize's own exit hook (registered when the
+    # process makes its first finalizer, which may be after this module's import)
+    # may already have run, and after it calling a finalizer does nothing.
     while _unreleased:
-        _unreleased.pop()()  # the newest first: an LLM before the engine it holds
+        detached = _unreleased.pop().detach()
+        if detached is not None:
+            _, release, args, _ = detached
+            release(*args)
 
 
 def _release_engine(actor, connection: EngineConnection) -> None:
