@@ -47,6 +47,22 @@ def test_the_runtime_loads_a_shape_in_its_dtype(tiny_shape, tmp_path, dtype):
     assert weights["model.embed_tokens.weight"].dtype == getattr(torch, dtype)
 
 
+@pytest.mark.parametrize(
+    "scheme, method",
+    [("w8a8", "compressed-tensors"), ("w4a16", "compressed-tensors"), ("awq", "awq")],
+)
+def test_a_shape_is_written_quantized_and_served_as_its_checkpoint_says(tiny_shape, tmp_path,
+                                                                        scheme, method):  # fmt: skip
+    """``bench checkpoint --quantize``: the dense shape's weights quantized, the
+    tokenizer kept; the runtime reads the scheme from the checkpoint."""
+    path = shapes.build_checkpoint(tiny_shape, tmp_path / "q", quantize=scheme, group_size=32)
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == method
+    assert (path / "tokenizer.json").exists()
+    runner = ModelRunner(path, num_kv_blocks=8, device="cpu")
+    assert runner.choices.quantization == method
+
+
 def test_every_named_shape_is_a_config_transformers_accepts():
     import transformers
 
