@@ -185,7 +185,7 @@ def test_tiles_round_to_bf16_alike_with_or_without_the_bf16_instruction(
     monkeypatch, bf16_instruction
 ):
     """The tiles round with ``vcvtneps2bf16`` where the CPU has AVX-512 BF16, else in
-    integer lanes: either way the rotary and SiLU·mul tiles give torch's values to
+    integer lanes: either way the rotary and gated-product tiles give torch's values to
     the bit (each kernel compiled afresh, uncached, with one rounding or the other)."""
     import numba
     from transformers.activations import ACT2FN
@@ -195,7 +195,7 @@ def test_tiles_round_to_bf16_alike_with_or_without_the_bf16_instruction(
     if bf16_instruction and not cpu_tiles.available():
         pytest.skip("the CPU has no AVX-512 BF16")
     monkeypatch.setattr(cpu_tiles, "_HAS_BF16", bf16_instruction)
-    for module, name in ((rotary, "rotate_store_tiles"), (activation, "_silu_mul_rows_bf16")):
+    for module, name in ((rotary, "rotate_store_tiles"), (activation, "_gated_mul_rows_bf16")):
         monkeypatch.setattr(module, name, numba.njit(getattr(module, name).py_func))
     g = torch.Generator().manual_seed(17)
     x = (torch.randn(9, 2 * 200, generator=g) * 6).bfloat16()
