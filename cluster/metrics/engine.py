@@ -346,8 +346,11 @@ class EngineMetrics:
         self._dynamic("iterserve_tenant_time_to_first_token_seconds", label).observe(
             max(ttft_s, 0.0)
         )  # type: ignore[attr-defined]
+        # the series exists (at 0) from a tenant's first token on, so a rate of misses
+        # reads 0 rather than no data
+        missed_total = self._dynamic("iterserve_tenant_ttft_slo_missed", label)
         if missed:
-            self._dynamic("iterserve_tenant_ttft_slo_missed", label).inc()  # type: ignore[attr-defined]
+            missed_total.inc()  # type: ignore[attr-defined]
 
     def drop_tenant(self, label: str) -> None:
         """Drops a tenant label's counter and histogram series (no longer among the

@@ -95,3 +95,14 @@ def test_a_first_token_past_its_target_is_counted_for_its_tenant():
     missed = [s for n, _, _, ss in metrics.snapshot() if n == "iterserve_tenant_ttft_slo_missed"
               for s in ss]  # fmt: skip
     assert [(s[1]["tenant"], s[2]) for s in missed] == [(OTHER, 1.0)]
+
+
+def test_a_tenants_missed_targets_read_zero_before_the_first_miss():
+    """The dashboard's rate of misses reads 0, not "no data", for a tenant that has
+    only met its targets."""
+    metrics = EngineMetrics("m", 0, "chunked")
+    tenants = TenantMetrics(metrics, Clock())
+    tenants.first_token(Request("s", [1, 2], SamplingParams(), tenant="chat"), 0.1, now=0.1)
+    missed = [s for n, _, _, ss in metrics.snapshot() if n == "iterserve_tenant_ttft_slo_missed"
+              for s in ss]  # fmt: skip
+    assert [(s[1]["tenant"], s[2]) for s in missed] == [(OTHER, 0.0)]
