@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import msgspec
 import pytest
@@ -89,6 +90,23 @@ class Subscriber:
                 self.last_seq = seq
                 self.num_replayed += 1
 
+    def catch_up(self) -> None:
+        """Asks the replay socket for everything after the last batch seen (what a
+        subscriber does when it heard nothing yet, or suspects it missed the tail)."""
+        self._replay_from(self.last_seq + 1, None)
+
+    async def follow(self, truth, timeout_s: float = 30.0) -> None:
+        """Polls, catching up when behind, until its blocks are ``truth()`` or the
+        time is up: on a loaded machine the publisher's thread and the subscription
+        itself can take longer than any fixed wait."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.poll(100)
+            if self.blocks == truth():
+                return
+            self.catch_up()
+            await asyncio.sleep(0.1)
+
     def poll(self, timeout_ms: int = 50) -> None:
         while self.sub.poll(timeout_ms):
             _, seq_bytes, payload = self.sub.recv_multipart()
@@ -152,15 +170,13 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_from_the_events(picks, 
                     pass
             while core.scheduler.has_work or core.scheduler.num_in_flight:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # the publisher's thread sends the last batch
-            sub.poll(200)
+            await sub.follow(core.scheduler.tiers.cached_set)
             expected = core.scheduler.tiers.cached_set()
             # Missed the start (it connected late, as subscribers do): replayed.
             assert sub.blocks == expected and expected
             assert {medium for medium, _ in expected} >= {"GPU", "CPU"}
             assert await core.reset_prefix_cache(reset_external=True)
-            await asyncio.sleep(0.2)
-            sub.poll(200)
+            await sub.follow(core.scheduler.tiers.cached_set)
             assert sub.blocks == core.scheduler.tiers.cached_set() == set()
             sub.close()
 
