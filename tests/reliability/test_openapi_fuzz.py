@@ -182,8 +182,10 @@ def fit_responses_rules(body: dict, tok: Tokenizer) -> bool:
         for item in items:
             if item.get("type") == "function_call" and not _json_object_text(item["arguments"]):
                 item["arguments"] = "{}"
+        # An empty list is refused ("input: must not be empty"); reasoning alone
+        # says nothing unless instructions do.
         said = [i for i in items if i.get("type") != "reasoning"] or body.get("instructions")
-        body["input"] = items if said else "hello"
+        body["input"] = items if items and said else "hello"
     tools, choice = body.get("tools") or [], body.get("tool_choice")
     if not tools and choice not in (None, "none"):
         body["tool_choice"] = choice = None
