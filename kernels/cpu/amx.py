@@ -165,6 +165,21 @@ if numba is not None:
 
         return product
 
+    @functools.cache
+    def _int8_product(out: int, left: int, right: int):
+        @intrinsic
+        def product(typingctx):
+            """Tile ``out`` += tile ``left`` (16 rows x 64 int8) times tile ``right``
+            (16 rows x 16 outputs x 4 int8), summed in int32."""
+
+            def codegen(context, builder, sig, args):
+                _asm(builder, f"tdpbssd %tmm{right}, %tmm{left}, %tmm{out}")
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return product
+
     # The tiles of the kernel below: scores (0, 4), K (1, 5), Q chunk (2); then the
     # weights (0), V (1) and the output's four (4 to 7).
     _zero_s0, _zero_s1 = _zero(0), _zero(4)

@@ -7,7 +7,8 @@ bound by how fast one core streams the weights from memory: a weight of one byte
 Both kernels read weights packed at load in panels of 32 outputs (:func:`pack_int8`,
 :func:`pack_dequant`), one panel after the other, and keep each panel's partial
 sums for up to 32 rows in four 16x16 fp32 (int32) tiles: a 2x2 block of two tiles
-of rows by two tiles of the weight, as :mod:`.amx_linear` does for bf16.
+of rows by two tiles of the weight: :func:`.amx_linear.block_pass`, the one loop
+of every AMX product (bf16 dense, int8, and widened weights).
 
 **int8** (``tdpbssd``): the rows are quantized to int8 per token first
 (:func:`quantize_rows`: ``scale = max|x| / 127.5``, ``q = rint(x / scale)`` in
@@ -36,24 +37,18 @@ padded with zero weights at packing; the kernels read inputs padded likewise
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from . import amx as cpu_amx
+from .amx_linear import BF16_CHUNK, PANEL, block_pass, configure_passes
 from .fastmath import load_f32, store_f32
 from .jit import jit, prange
 
-PANEL = 32  # outputs a panel
 INT8_CHUNK = 64  # inputs an int8 tile row reads
-BF16_CHUNK = 32  # inputs a bf16 tile row reads
 INT8_MAX = 127.5  # compressed-tensors' symmetric int8 scale: max|x| / (255 / 2)
 
 if cpu_amx.numba is not None:
-    from numba.core import types
-    from numba.extending import intrinsic
-
     from .quant_tiles import (
         absmax_tile,
         f32_outputs_tile,
@@ -62,30 +57,6 @@ if cpu_amx.numba is not None:
         widen4_tile,
         widen8,
     )
-
-    @functools.cache
-    def _int8(out: int, left: int, right: int):
-        @intrinsic
-        def product(typingctx):
-            """Tile ``out`` += tile ``left`` (16 rows x 64 int8) times tile ``right``
-            (16 rows x 16 outputs x 4 int8), summed in int32."""
-
-            def codegen(context, builder, sig, args):
-                cpu_amx._asm(builder, f"tdpbssd %tmm{right}, %tmm{left}, %tmm{out}")
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return product
-
-    _i00, _i01, _i10, _i11 = _int8(0, 4, 6), _int8(1, 4, 7), _int8(2, 5, 6), _int8(3, 5, 7)
-    _zero_00, _zero_01, _zero_10, _zero_11 = (cpu_amx._zero(t) for t in range(4))
-    _load_rows0, _load_rows1 = cpu_amx._load(4), cpu_amx._load(5)
-    _load_weight0, _load_weight1 = cpu_amx._load(6), cpu_amx._load(7)
-    _store_00, _store_01, _store_10, _store_11 = (cpu_amx._store(t) for t in range(4))
-    _f00, _f01 = cpu_amx._product(0, 4, 6), cpu_amx._product(1, 4, 7)
-    _f10, _f11 = cpu_amx._product(2, 5, 6), cpu_amx._product(3, 5, 7)
-
 
 _jit = jit()
 # The rows' quantization divides as the reference does (x / scale rounded to the
@@ -170,74 +141,21 @@ def _int8_outputs(sums, rows, first, col0, xs, xz, ws, wsum, bias, out):
 
 
 @_jit
-def _pass(rows, first, count, width, chunk, weight, base, step, right, sums, int8):
-    """One pass of the 2x2 block: ``count`` (1-32) rows of ``rows`` (flat, ``width``
-    elements a row) from row ``first`` times one panel of ``weight``, whose chunk
-    ``k`` (``chunk`` inputs) starts at element ``base + k * step``, its second tile
-    ``right`` elements on; the sums into ``sums`` (32 x 32). int8 tiles (``int8``
-    not None) or bf16. No chunk is fetched ahead by hand: the weights stream in order,
-    and the hardware's prefetcher kept up as well as fetches 4 to 32 KiB ahead did
-    (all 12 layers of the 144M Llama's int8 products at 1, 32 and 64 rows)."""
-    two = count > 16
-    row_bytes = width * rows.itemsize
-    _zero_00()
-    _zero_01()
-    if two:
-        _zero_10()
-        _zero_11()
-    for k in range(width // chunk):
-        at = base + k * step
-        _load_rows0(rows, first * width + k * chunk, row_bytes)
-        _load_weight0(weight, at, 128)
-        _load_weight1(weight, at + right, 128)
-        if int8 is None:
-            _f00()
-            _f01()
-        else:
-            _i00()
-            _i01()
-        if two:
-            _load_rows1(rows, (first + 16) * width + k * chunk, row_bytes)
-            if int8 is None:
-                _f10()
-                _f11()
-            else:
-                _i10()
-                _i11()
-    _store_00(sums, 0, 128)
-    _store_01(sums, 16, 128)
-    if two:
-        _store_10(sums, 16 * 32, 128)
-        _store_11(sums, 16 * 32 + 16, 128)
-
-
-@_jit
-def _passes(config, rows, once):
-    """The tiles configured for passes of ``rows`` rows: once for all (``once``: every
-    pass has the same rows), else before each pass."""
-    if once:
-        cpu_amx.configure_block(config, min(rows, 16), min(max(rows - 16, 0), 16))
-
-
-@_jit
 def _int8_panels(xq, xs, xz, weight, ws, wsum, bias, out, first_panel, last_panel):
     """Panels ``first_panel..last_panel - 1`` of the int8 product into ``out``."""
     sums = np.empty(32 * 32, dtype=np.int32)
     config = np.empty(64, dtype=np.uint8)
     rows, width = xq.shape
     xq_flat = xq.reshape(-1)
-    once = rows <= 32 or rows % 32 == 0
-    _passes(config, rows, once)
+    once = configure_passes(config, rows)
     panel_size = width * PANEL
     for panel in range(first_panel, last_panel):
         for first in range(0, rows, 32):
             count = min(32, rows - first)
-            if not once:
-                cpu_amx.configure_block(config, min(count, 16), max(count - 16, 0))
             # a chunk: 16 rows of 128 bytes; the panel's weight is read from memory in
             # its first pass, from L2 in the others
-            _pass(xq_flat, first, count, width, INT8_CHUNK, weight, panel * panel_size, 2048, 64,
-                  sums, True)  # fmt: skip
+            block_pass(config, once, xq_flat, first, count, width, INT8_CHUNK, weight,
+                       panel * panel_size, 2048, 64, sums, True)  # fmt: skip
             _int8_outputs(sums, count, first, panel * PANEL, xs, xz, ws, wsum, bias, out)
     cpu_amx.release_tiles()
 
@@ -301,7 +219,6 @@ def _dequant_panels(x, values, scales, zeros, chunk_groups, four, e4m3, e5m2, bi
     outputs = out.shape[1]
     flat_out = out.reshape(-1)
     x_flat = x.reshape(-1)
-    once = rows <= 32 or rows % 32 == 0
     sums = np.empty(32 * 32, dtype=np.float32)
     config = np.empty(64, dtype=np.uint8)
     scratch = np.empty(chunk_groups.shape[0] * 1024, dtype=np.uint16)
@@ -310,13 +227,12 @@ def _dequant_panels(x, values, scales, zeros, chunk_groups, four, e4m3, e5m2, bi
     for panel in range(first_panel, last_panel):
         _widen_panel(values, panel, scales, zeros, chunk_groups, four, e4m3, e5m2, scratch,
                      lane_scale, lane_zero)  # fmt: skip
-        _passes(config, rows, once)
+        once = configure_passes(config, rows)
         for first in range(0, rows, 32):
             count = min(32, rows - first)
-            if not once:
-                cpu_amx.configure_block(config, min(count, 16), max(count - 16, 0))
             # a chunk of the widened panel: 16 pairs of inputs by 32 outputs
-            _pass(x_flat, first, count, width, BF16_CHUNK, scratch, 0, 1024, 32, sums, None)
+            block_pass(config, once, x_flat, first, count, width, BF16_CHUNK, scratch, 0, 1024,
+                       32, sums, None)  # fmt: skip
             col0 = panel * PANEL
             columns = min(PANEL, outputs - col0)
             whole = columns // 16
