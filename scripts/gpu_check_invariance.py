@@ -21,22 +21,15 @@ from __future__ import annotations
 import sys
 import time
 
-from gpu_check_support import ROOT, Budget, Report
+from gpu_check_support import LLAMA_144M, ROOT, SMOKE_LLAMA, Budget, Report, llama_config
 
 SECTION = "invariance"
 BLOCK_SIZE = 16
 
 
 def model_config(smoke: bool):
-    from iterserve.workers.config import ModelConfig
-
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-            "max_position_embeddings", "eos_token_id")  # fmt: skip
-    sizes = ((256, 64, 128, 2, 4, 2, 16, 10000.0, 512, 2) if smoke else
-             (32000, 1024, 2816, 12, 16, 4, 64, 10000.0, 2048, 2))  # fmt: skip
-    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-                                  **dict(zip(keys, sizes, strict=True))})  # fmt: skip
+    """The 144M Llama's shape, or a tiny one in smoke mode."""
+    return llama_config(SMOKE_LLAMA if smoke else LLAMA_144M)
 
 
 def check_invariance(r: Report, dev, smoke: bool, budget: Budget) -> None:

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 
 from gpu_check_support import (
+    LLAMA_8B,
     SAME_PLAN_LIMIT,
+    SMOKE_LLAMA,
     TRUTH_FLOOR,
     TRUTH_RATIO,
     UNIT_S,
@@ -26,6 +28,7 @@ from gpu_check_support import (
     against_truth,
     decode_read_bytes,
     free_memory,
+    llama_config,
     prefill_pieces,
     rel_err,
     summary,
@@ -61,16 +64,8 @@ SMOKE = Sizes("float16", (1, 4), 64, 2, 1, (40, 17), (1, 4), 12, 3, 20, 1, 0)
 
 
 def model_config(smoke: bool):
-    from iterserve.workers.config import ModelConfig
-
-    # Llama-3-8B's shape, or a tiny one in smoke mode.
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-            "max_position_embeddings", "eos_token_id")  # fmt: skip
-    sizes = ((256, 64, 128, 2, 4, 2, 16, 10000.0, 512, 2) if smoke else
-             (128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 8192, 128001))  # fmt: skip
-    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
-                                  **dict(zip(keys, sizes, strict=True))})  # fmt: skip
+    """Llama-3-8B's shape, or a tiny one in smoke mode."""
+    return llama_config(SMOKE_LLAMA if smoke else LLAMA_8B)
 
 
 class ModelBench:

@@ -121,6 +121,24 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# A Llama's shape by its config's fields: tiny in smoke mode, where the interpreter
+# runs every kernel.
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                "max_position_embeddings", "eos_token_id")  # fmt: skip
+SMOKE_LLAMA = (256, 64, 128, 2, 4, 2, 16, 10000.0, 512, 2)
+LLAMA_144M = (32000, 1024, 2816, 12, 16, 4, 64, 10000.0, 2048, 2)
+LLAMA_8B = (128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 8192, 128001)
+
+
+def llama_config(sizes: tuple):
+    """A random-weight Llama's ``ModelConfig`` of ``sizes`` (:data:`LLAMA_FIELDS`)."""
+    from iterserve.workers.config import ModelConfig
+
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5,
+                                  **dict(zip(LLAMA_FIELDS, sizes, strict=True))})  # fmt: skip
+
+
 # The longest a unit of work inside a section (one kernel case, one grid cell,
 # one batch size) is expected to take on an H200: a loop stops when less is left.
 UNIT_S = 3.0
