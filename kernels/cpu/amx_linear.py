@@ -21,7 +21,9 @@ rows' inputs (tmm4, tmm5) and the panel's two tiles of the weight (tmm6,
 tmm7), a 2x2 block: each tile loaded feeds two products, the most the eight
 tiles allow (a tile load costs about three products here, so loads, not
 products, bound the kernel). Each panel of the weight is read from memory once
-and kept in L2 for the second 32 rows of a 64-row batch.
+and kept in L2 for the second 32 rows of a 64-row batch. That loop,
+:func:`block_pass`, is every AMX product's: the int8 and the widened-weight
+products of quantized checkpoints (:mod:`.amx_quant`) run it on their own tiles.
 
 On a 2-vCPU Xeon with AMX, one core, the weights read from memory (copies of
 600 MB cycled), against oneDNN's product on the same packed weight:
