@@ -74,8 +74,10 @@ class SchedulerConfig:
     max_num_seqs: int = knob(128, "slots: sequences running at once", minimum=1)
     max_num_batched_tokens: int | None = knob(
         None,
-        "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU, 2048 "
-        "on CUDA, raised to max_model_len for the policies that prefill whole prompts",
+        "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU (up to "
+        "2048 for a small model's pieces of prompts longer than 512 tokens: as many tokens as "
+        "cost a 144M model's 512), 2048 on CUDA, raised to max_model_len for the policies "
+        "that prefill whole prompts",
         minimum=1,
         helm_default=CUDA_STEP_TOKENS,
         shown_default="by device",
@@ -264,23 +266,40 @@ class SchedulerConfig:
         assert self.max_num_batched_tokens is not None, "resolved() sets it"
         return self.max_num_batched_tokens
 
-    def step_budget(self, device: str, max_model_len: int | None = None) -> int:
+    def step_budget(self, device: str, max_model_len: int | None = None,
+                    step_tokens: int | None = None) -> int:  # fmt: skip
         """The per-step token budget on ``device`` (``cpu``, ``cuda``, ``cuda:1``): the
-        configured one, else the device's default raised to ``max_num_seqs`` and, for
-        the policies that prefill whole prompts, to the context length."""
+        configured one, else the device's default (or the model's, ``step_tokens``)
+        raised to ``max_num_seqs`` and, for the policies that prefill whole prompts,
+        to the context length."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         default = CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
+        default = step_tokens or default
         budget = max(default, self.max_num_seqs)
         context = self.max_model_len or max_model_len
         if not self.chunked_prefill and context is not None:
             budget = max(budget, context)
         return budget
 
-    def resolved(self, *, num_kv_blocks: int, max_model_len: int, device: str) -> SchedulerConfig:
+    def short_budget(self, device: str, max_model_len: int | None = None,
+                     step_tokens: int | None = None) -> int | None:  # fmt: skip
+        """Where the model's own budget (``step_tokens``) is larger than the device's,
+        the device's: what a step may spend on decodes and on prompts with no more
+        than that many tokens left, so that a burst of short prompts is not taken in
+        one long step and every first token made to wait for all of them; the rest
+        of the budget is for pieces of longer prompts (:meth:`.StepBuilder.room_for`).
+        None where the budget is one (configured, or the device's)."""
+        if self.max_num_batched_tokens is not None or not step_tokens:
+            return None
+        short = self.step_budget(device, max_model_len)
+        return short if short < self.step_budget(device, max_model_len, step_tokens) else None
+
+    def resolved(self, *, num_kv_blocks: int, max_model_len: int, device: str,
+                 step_tokens: int | None = None) -> SchedulerConfig:  # fmt: skip
         """This config with what the loaded engine decided: the cache's size, the
         context length where the config left it to the checkpoint, and the step
-        budget where it left it to the device."""
+        budget where it left it to the device (or to the model: ``step_tokens``)."""
         from dataclasses import replace
 
         context = self.max_model_len or max_model_len
@@ -293,7 +312,7 @@ class SchedulerConfig:
             self,
             num_kv_blocks=num_kv_blocks,
             max_model_len=context,
-            max_num_batched_tokens=self.step_budget(device, context),
+            max_num_batched_tokens=self.step_budget(device, context, step_tokens),
             speculative_config=speculative,
         )
 

@@ -69,10 +69,14 @@ class Scheduler:
         ahead: bool = True,
         kv_window: int | None = None,
         tiers: TierConfig | None = None,
+        short_budget: int | None = None,
     ):
         config.check_complete()
         self.config = config
         self.ahead = ahead
+        # What a step spends on decodes and short prompts (SchedulerConfig.short_budget);
+        # None: all of the token budget.
+        self.short_budget = short_budget
         self.slots = SlotTable(config.max_num_seqs)
         num_kv_blocks, max_model_len = config.num_kv_blocks, config.max_model_len
         assert num_kv_blocks is not None and max_model_len is not None  # check_complete

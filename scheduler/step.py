@@ -73,6 +73,8 @@ class StepBuilder:
         self.sched = sched
         self.ahead = ahead  # built while the step before it runs
         self.budget_left = sched.config.token_budget
+        self.long_tokens = 0  # of pieces of prompts longer than the short budget (room_for)
+        self._long: set[int] = set()  # their slots
         self.new_seqs: list[NewSequence] = []
         self.scheduled: list[ScheduledSeq] = []
         self.padding_slots: list[int] = []
@@ -98,6 +100,17 @@ class StepBuilder:
     @property
     def num_free_blocks(self) -> int:
         return self.sched.blocks.num_free
+
+    def room_for(self, remaining: int) -> int:
+        """The budget a piece of a request with ``remaining`` tokens before its next
+        sample may take: all that is left when it is longer than the scheduler's
+        short budget (:meth:`.SchedulerConfig.short_budget`), else what the short
+        budget leaves after this step's decodes and short pieces."""
+        short = self.sched.short_budget
+        if short is None or remaining > short:
+            return self.budget_left
+        spent = self.sched.config.token_budget - self.budget_left - self.long_tokens
+        return max(0, min(self.budget_left, short - spent))
 
     def num_to_compute(self, request: Request) -> int:
         """Tokens ``request`` computes before its next sample: for a waiting request,
@@ -166,6 +179,10 @@ class StepBuilder:
             request.slot_idx, start, num_tokens, new_blocks, sample, num_pad_tokens
         ))  # fmt: skip
         self.budget_left -= num_tokens + num_pad_tokens
+        short = sched.short_budget
+        if short is not None and request.num_tokens + request.num_pending - start > short:
+            self.long_tokens += num_tokens
+            self._long.add(request.slot_idx)
         sched.prefix.register(request)
         return True
 
@@ -305,6 +322,9 @@ class StepBuilder:
             self.scheduled.remove(entry)
             del self.requests[entry.slot_idx]
             self.budget_left += entry.num_tokens + entry.num_pad_tokens
+            if entry.slot_idx in self._long:
+                self._long.discard(entry.slot_idx)
+                self.long_tokens -= entry.num_tokens
             self.num_draft_tokens -= entry.num_draft_tokens
             # Its positions of this step are not computed after all: neither are
             # any blocks registered for them.

@@ -172,24 +172,27 @@ def test_iterserve_serve_comes_up_with_no_config_and_leaves_nothing_behind(tmp_p
     try:
         _wait_healthy(url, proc, log)
         _drive_with_openai(url)
-        # No config: the step budget derived for this machine's device.
+        # No config: the step budget derived for this machine's device and the model.
+        from iterserve.cluster.ranks.executors import cpu_step_tokens
+        from iterserve.models import DEMO_MODEL_PATH
+        from iterserve.workers.checkpoint import load_checkpoint
+
         replicas = httpx.get(f"{url}/v1/stats", timeout=30).json()["replicas"]
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        expected = SchedulerConfig().step_budget(device)
+        config = load_checkpoint(DEMO_MODEL_PATH).config
+        step_tokens = cpu_step_tokens(config) if device == "cpu" else None
+        expected = SchedulerConfig().step_budget(device, step_tokens=step_tokens)
         assert [r["max_num_batched_tokens"] for r in replicas] == [expected]
         # No config: the dtype `auto` picks for this machine, reported with why and
         # on which instruction set: by rule, or measured where no rule holds.
         from iterserve.kernels.cpu import isa
-        from iterserve.models import DEMO_MODEL_PATH
-        from iterserve.workers.checkpoint import load_checkpoint
         from iterserve.workers.dtype import choose_dtype
 
         version = httpx.get(f"{url}/version", timeout=30).json()
         if device == "cpu" and isa.level() == "avx512_bf16":
             assert "measured at load" in version["dtype_reason"]
         else:
-            saved = load_checkpoint(DEMO_MODEL_PATH).config.torch_dtype
-            choice = choose_dtype("auto", saved, device)
+            choice = choose_dtype("auto", config.torch_dtype, device)
             assert (version["dtype"], version["dtype_reason"]) == (choice.name, choice.reason)
         assert version["isa"].startswith(isa.level()) and version["kernels"]
         assert f"in {version['dtype']} ({version['dtype_reason']}) on {version['isa']}" in (

@@ -150,11 +150,16 @@ class EngineCore:
         info = self.ranks.model_info
         self.max_model_len = self.config.scheduler.context_for(info["max_model_len"])
         self.vocab_size = info["vocab_size"]
+        device, step_tokens = info["device"], info.get("step_tokens")
         self.scheduler = Scheduler(
             self.config.scheduler.resolved(
                 num_kv_blocks=self.ranks.num_kv_blocks,
                 max_model_len=self.max_model_len,
-                device=info["device"],
+                device=device,
+                step_tokens=step_tokens,
+            ),
+            short_budget=self.config.scheduler.short_budget(
+                device, self.max_model_len, step_tokens
             ),
             ahead=self.config.async_scheduling,
             kv_window=info.get("kv_window"),

@@ -5,7 +5,8 @@ at once and waiting ones take their slots. Chunked prefill additionally cuts
 prompts into pieces, so a long prompt shares the step with the running decodes
 instead of stalling them. Both follow the same order::
 
-    budget = max_num_batched_tokens
+    budget = max_num_batched_tokens   (a small model on a CPU: decodes and short prompts
+                                       share the device's 512 of it, see room_for)
     1. every running decode: 1 token          (preempting when blocks run out)
     2. running partial prefills: next piece   (chunked only)
     3. waiting prompts, in the order of service: whole (continuous) or a piece (chunked)
@@ -68,7 +69,7 @@ class ContinuousPolicy(Policy):
                 num_admitted_partial += self._admit_waiting(step, partial, before=request) - partial
                 # (not the budget's change: proposals dropped to make room give some back)
                 taken = sum(e.num_tokens for e in step.scheduled[num_entries:])
-            num_tokens = 1 if remaining == 1 else self.piece(remaining, step.budget_left)
+            num_tokens = 1 if remaining == 1 else self.piece(remaining, step.room_for(remaining))
             if taken:
                 # ...and it shrinks to what they took: the step that starts them stays
                 # short, so their first tokens come sooner; the rest waits a step.
@@ -115,7 +116,7 @@ class ContinuousPolicy(Policy):
             if before is not None and not order.yields_to(request, before):
                 break
             remaining = step.num_to_compute(request)
-            num_tokens = self.piece(remaining, step.budget_left)
+            num_tokens = self.piece(remaining, step.room_for(remaining))
             if num_tokens == 0:
                 break
             partial = num_tokens < remaining

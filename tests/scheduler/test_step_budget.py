@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.scheduler import Scheduler, SchedulerConfig
+from iterserve.scheduler import FakeExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 from iterserve.scheduler.config import CONTEXT_CAP, CPU_STEP_TOKENS, CUDA_STEP_TOKENS
+from tests.scheduler.driver import one_step, prompt_for
 
 
 def resolved(device: str, **kw) -> SchedulerConfig:
@@ -19,6 +20,16 @@ def resolved(device: str, **kw) -> SchedulerConfig:
 def test_an_unset_budget_is_the_devices_default(device, budget):
     assert resolved(device).max_num_batched_tokens == budget
     assert Scheduler(resolved(device)).stats()["max_num_batched_tokens"] == budget
+
+
+def test_an_unset_budget_takes_the_models_own_where_the_engine_gives_one():
+    config = SchedulerConfig().resolved(num_kv_blocks=4096, max_model_len=2048, device="cpu",
+                                        step_tokens=2048)  # fmt: skip
+    assert config.max_num_batched_tokens == 2048
+    configured = SchedulerConfig(max_num_batched_tokens=600).resolved(
+        num_kv_blocks=4096, max_model_len=2048, device="cpu", step_tokens=2048
+    )
+    assert configured.max_num_batched_tokens == 600
 
 
 def test_a_configured_budget_is_kept_on_every_device():
@@ -71,3 +82,51 @@ def test_a_whole_prompt_budget_follows_the_context_the_engine_picks_not_the_chec
     config = SchedulerConfig(policy="continuous")
     # What a rank sizes its workspace for, on a checkpoint of 128K positions.
     assert config.step_budget("cuda", config.context_for(131072)) == CONTEXT_CAP
+
+
+def small_model_cpu(**kw) -> Scheduler:
+    """A chunked scheduler as a CPU engine builds it for a small model: the model's
+    2048-token budget, the device's 512 for decodes and short prompts."""
+    base = SchedulerConfig(policy="chunked", max_num_seqs=128, enable_prefix_caching=False, **kw)
+    config = base.resolved(num_kv_blocks=8192, max_model_len=2048, device="cpu", step_tokens=2048)
+    short = base.short_budget("cpu", 2048, step_tokens=2048)
+    return Scheduler(config, short_budget=short, ahead=False)
+
+
+def plan_tokens(sched: Scheduler, requests) -> dict[str, int]:
+    for request in requests:
+        sched.add_request(request)
+    plan, _ = one_step(sched, FakeExecutor(block_size=16))
+    by_slot = {r.slot_idx: r.request_id for r in requests if r.slot_idx >= 0}
+    return {by_slot[e.slot_idx]: e.num_tokens for e in plan.scheduled}
+
+
+def prompt(request_id: str, n: int) -> Request:
+    return Request(request_id, prompt_for(request_id, n), SamplingParams(max_tokens=4))
+
+
+def test_only_a_small_models_cpu_engine_splits_its_budget():
+    assert SchedulerConfig().short_budget("cpu", 2048, step_tokens=2048) == CPU_STEP_TOKENS
+    assert SchedulerConfig().short_budget("cpu", 2048, step_tokens=512) is None
+    assert SchedulerConfig().short_budget("cpu", 2048, step_tokens=None) is None
+    configured = SchedulerConfig(max_num_batched_tokens=2048)
+    assert configured.short_budget("cpu", 2048, step_tokens=2048) is None
+
+
+def test_a_burst_of_short_prompts_takes_the_devices_budget_a_step():
+    sched = small_model_cpu()
+    taken = plan_tokens(sched, [prompt(f"s{i}", 32) for i in range(64)])
+    assert sum(taken.values()) == CPU_STEP_TOKENS and set(taken.values()) == {32}
+
+
+def test_a_long_prompt_takes_the_models_budget_and_short_ones_what_512_leave():
+    sched = small_model_cpu(max_num_partial_prefills=2)
+    taken = plan_tokens(sched, [prompt("long", 1000), prompt("long2", 1500)]
+                        + [prompt(f"s{i}", 40) for i in range(4)])  # fmt: skip
+    # the long ones fill the model's 2048; the short ones get what is left of it
+    assert taken["long"] == 1000 and taken["long2"] == 1048
+    assert sum(taken.values()) == 2048
+    sched = small_model_cpu()
+    taken = plan_tokens(sched, [prompt("long", 1000)] + [prompt(f"s{i}", 200) for i in range(4)])
+    # 1000 of the long one, then short ones up to 512 of their own
+    assert taken["long"] == 1000 and sum(v for k, v in taken.items() if k != "long") == 512

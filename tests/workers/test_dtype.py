@@ -124,3 +124,18 @@ def test_runtime_choices_cross_as_a_dict():
 
 def test_this_machine_s_level_is_a_known_one():
     assert isa.level() in isa.LEVELS
+
+
+def test_a_small_model_gets_a_larger_cpu_step_budget():
+    """About the cost of a 144M model's 512 tokens a step, in 512s, up to 2048."""
+    from iterserve.cluster.ranks.executors import cpu_step_tokens
+    from iterserve.models import DEMO_MODEL_PATH
+    from iterserve.workers.checkpoint import load_checkpoint
+    from iterserve.workers.config import LayerSpec, ModelConfig
+
+    assert cpu_step_tokens(load_checkpoint(DEMO_MODEL_PATH).config) == 2048
+    llama_144m = ModelConfig(architecture="LlamaForCausalLM", vocab_size=4096, hidden_size=1024,
+                             intermediate_size=2816, num_heads=16, num_kv_heads=4, head_dim=64,
+                             rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=2048,
+                             layers=(LayerSpec(),) * 12)  # fmt: skip
+    assert cpu_step_tokens(llama_144m) == 512
