@@ -76,8 +76,8 @@ class SchedulerConfig:
         None,
         "per-step token budget, padding included (≥ max_num_seqs); unset: 512 on CPU (up to "
         "2048 for a small model's pieces of prompts longer than 512 tokens: as many tokens as "
-        "cost a 144M model's 512), 2048 on CUDA, raised to max_model_len for the policies "
-        "that prefill whole prompts",
+        "cost a 144M model's 512; not under `fair`), 2048 on CUDA, raised to max_model_len "
+        "for the policies that prefill whole prompts",
         minimum=1,
         helm_default=CUDA_STEP_TOKENS,
         shown_default="by device",
@@ -269,13 +269,16 @@ class SchedulerConfig:
     def step_budget(self, device: str, max_model_len: int | None = None,
                     step_tokens: int | None = None) -> int:  # fmt: skip
         """The per-step token budget on ``device`` (``cpu``, ``cuda``, ``cuda:1``): the
-        configured one, else the device's default (or the model's, ``step_tokens``)
-        raised to ``max_num_seqs`` and, for the policies that prefill whole prompts,
-        to the context length."""
+        configured one, else the device's default (or the model's, ``step_tokens``,
+        but for ``fair``) raised to ``max_num_seqs`` and, for the policies that prefill
+        whole prompts, to the context length."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         default = CUDA_STEP_TOKENS if device.startswith("cuda") else CPU_STEP_TOKENS
-        default = step_tokens or default
+        if self.scheduling_policy != "fair":
+            # Tenants share every step under `fair`: a longer one would make a light
+            # tenant's first token wait for a heavy one's piece.
+            default = step_tokens or default
         budget = max(default, self.max_num_seqs)
         context = self.max_model_len or max_model_len
         if not self.chunked_prefill and context is not None:

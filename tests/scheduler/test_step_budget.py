@@ -111,6 +111,10 @@ def test_only_a_small_models_cpu_engine_splits_its_budget():
     assert SchedulerConfig().short_budget("cpu", 2048, step_tokens=None) is None
     configured = SchedulerConfig(max_num_batched_tokens=2048)
     assert configured.short_budget("cpu", 2048, step_tokens=2048) is None
+    # tenants share every step under fair: the device's 512, one budget
+    fair = SchedulerConfig(scheduling_policy="fair")
+    assert fair.short_budget("cpu", 2048, step_tokens=2048) is None
+    assert fair.step_budget("cpu", 2048, step_tokens=2048) == CPU_STEP_TOKENS
 
 
 def test_a_burst_of_short_prompts_takes_the_devices_budget_a_step():
