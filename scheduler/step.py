@@ -73,8 +73,9 @@ class StepBuilder:
         self.sched = sched
         self.ahead = ahead  # built while the step before it runs
         self.budget_left = sched.config.token_budget
-        self.long_tokens = 0  # of pieces of prompts longer than the short budget (room_for)
-        self._long: set[int] = set()  # their slots
+        # slot -> tokens of this step's pieces of prompts longer than the short budget
+        # (room_for)
+        self.long_pieces: dict[int, int] = {}
         self.new_seqs: list[NewSequence] = []
         self.scheduled: list[ScheduledSeq] = []
         self.padding_slots: list[int] = []
@@ -109,7 +110,8 @@ class StepBuilder:
         short = self.sched.short_budget
         if short is None or remaining > short:
             return self.budget_left
-        spent = self.sched.config.token_budget - self.budget_left - self.long_tokens
+        long_tokens = sum(self.long_pieces.values())
+        spent = self.sched.config.token_budget - self.budget_left - long_tokens
         return max(0, min(self.budget_left, short - spent))
 
     def num_to_compute(self, request: Request) -> int:
@@ -181,8 +183,7 @@ class StepBuilder:
         self.budget_left -= num_tokens + num_pad_tokens
         short = sched.short_budget
         if short is not None and request.num_tokens + request.num_pending - start > short:
-            self.long_tokens += num_tokens
-            self._long.add(request.slot_idx)
+            self.long_pieces[request.slot_idx] = num_tokens
         sched.prefix.register(request)
         return True
 
@@ -322,9 +323,7 @@ class StepBuilder:
             self.scheduled.remove(entry)
             del self.requests[entry.slot_idx]
             self.budget_left += entry.num_tokens + entry.num_pad_tokens
-            if entry.slot_idx in self._long:
-                self._long.discard(entry.slot_idx)
-                self.long_tokens -= entry.num_tokens
+            self.long_pieces.pop(entry.slot_idx, None)
             self.num_draft_tokens -= entry.num_draft_tokens
             # Its positions of this step are not computed after all: neither are
             # any blocks registered for them.
