@@ -15,7 +15,8 @@ another replica of its deployment runs (a redeploy starts its successor at the
 same moment, on the same port, which they share), or the app is being deleted,
 or ``drain_timeout_s`` passed; then it stops accepting and lets the connections
 it has finish their responses, streams included, for up to ``drain_timeout_s``
-and a margin before it closes them.
+and a margin before it closes them. Stopping to accept loses no connection the
+kernel already queued on its listener (:func:`stop_accepting`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .routing import PrefixRouter
 logger = logging.getLogger(__name__)
 DRAIN_MARGIN_S = 5.0  # beyond drain_timeout_s: the last outputs travel to their clients
 LINGER_POLL_S = 0.5  # how often a stopping ingress looks whether its successor runs
+REQUEST_GRACE_S = 1.0  # a connection accepted last has this long to send its request
 
 
 def _successor_runs() -> bool:
@@ -55,6 +57,32 @@ def _successor_runs() -> bool:
         return deployment is None or deployment.replica_states.get("RUNNING", 0) > 0
     except Exception:  # outside Serve, or Serve going away
         return True
+
+
+async def stop_accepting(server, listener: socket.socket, grace_s: float = REQUEST_GRACE_S) -> None:
+    """Closes uvicorn ``server``'s ``listener`` without losing a connection on it.
+
+    Closing a listening socket resets every connection the kernel had queued on
+    it and nobody had accepted yet, although the port's other listeners (a
+    redeploy's successor) would have taken them: so they are accepted in the same
+    step that closes it, with nothing in between, and served like any other.
+    uvicorn, once told to exit, closes each connection that has no request under
+    way, so a connection accepted last gets ``grace_s`` to send its request first.
+    Call it before setting ``server.should_exit``.
+    """
+    queued = ports.accept_queued(listener)
+    for asyncio_server in server.servers:
+        asyncio_server.close()  # closes the listener: nothing is accepted after the drain
+    config, loop = server.config, asyncio.get_running_loop()
+
+    def protocol():
+        return config.http_protocol_class(
+            config=config, server_state=server.server_state, app_state=server.lifespan.state
+        )
+
+    for connection in queued:
+        await loop.connect_accepted_socket(protocol, connection)
+    await asyncio.sleep(grace_s)
 
 
 def openai_serving(engines, config: EngineConfig, args, settings: dict) -> OpenAIServing:
@@ -100,6 +128,7 @@ class OpenAIIngress:
 
         self.server = None  # uvicorn's, when this replica answers HTTP itself
         self.server_task: asyncio.Task | None = None
+        self.listener: socket.socket | None = None
         self.port_claim: socket.socket | None = None  # held while it listens (ports.py)
         self.drain_timeout_s = config.drain_timeout_s
         api_key = None
@@ -149,8 +178,10 @@ class OpenAIIngress:
         self.asgi = build_api(self.serving, self.settings, self.metrics_body)
         if direct:
             app = ports.app_key(serve.get_replica_context().app_name)
-            sock, self.port_claim = ports.listen(args.http_host, args.http_port, app)
-            self.server_task = asyncio.get_running_loop().create_task(self._serve_http(sock))
+            self.listener, self.port_claim = ports.listen(args.http_host, args.http_port, app)
+            self.server_task = asyncio.get_running_loop().create_task(
+                self._serve_http(self.listener)
+            )
         freeze_startup_objects()  # a full collection would stall every stream it serves
 
     async def _serve_http(self, sock: socket.socket) -> None:
@@ -184,6 +215,8 @@ class OpenAIIngress:
             deadline = time.monotonic() + self.drain_timeout_s
             while time.monotonic() < deadline and not await asyncio.to_thread(_successor_runs):
                 await asyncio.sleep(LINGER_POLL_S)
+            if self.listener is not None and self.server.started:
+                await stop_accepting(self.server, self.listener)
             self.server.should_exit = True
             if self.server_task is not None:
                 with contextlib.suppress(Exception):

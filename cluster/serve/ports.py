@@ -116,6 +116,21 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def accept_queued(listener: socket.socket) -> list[socket.socket]:
+    """Every connection waiting in non-blocking ``listener``'s queue, accepted now
+    (non-blocking, as an event loop takes them)."""
+    accepted = []
+    while True:
+        try:
+            connection, _ = listener.accept()
+        except BlockingIOError:
+            return accepted
+        except ConnectionAbortedError:  # the client gave up while it waited
+            continue
+        connection.setblocking(False)
+        accepted.append(connection)
+
+
 def _socket(host: str) -> socket.socket:
     """A TCP socket for ``host``; ``SO_REUSEADDR`` so that connections of an earlier
     server still in TIME_WAIT do not hold the port."""
