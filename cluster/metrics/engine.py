@@ -327,16 +327,14 @@ class EngineMetrics:
                 self._observe("iterserve_spec_decode_acceptance_length", length)
 
     def set_tenants(self, waiting: dict[str, int], running: dict[str, int]) -> None:
-        """Requests waiting and running per tenant label; a label missing from both
-        has its gauges' series dropped."""
+        """Requests waiting and running per tenant label. A label keeps its series,
+        at 0 while it has nothing waiting or running, until :meth:`drop_tenant`: a
+        panel reads 0 then, not "no data"."""
         labels = set(waiting) | set(running)
         for name, counts in (("iterserve_tenant_requests_waiting", waiting),
                              ("iterserve_tenant_requests_running", running)):  # fmt: skip
-            for label in labels:
+            for label in labels | self._tenant_labels.get(name, set()):
                 self._dynamic(name, label).set(counts.get(label, 0))  # type: ignore[attr-defined]
-            for gone in self._tenant_labels.get(name, set()) - labels:
-                self._drop(name, gone)
-            self._tenant_labels[name] = set(labels)
 
     def on_tenant_tokens(self, label: str, num_tokens: int) -> None:
         if num_tokens > 0:
@@ -353,10 +351,9 @@ class EngineMetrics:
             missed_total.inc()  # type: ignore[attr-defined]
 
     def drop_tenant(self, label: str) -> None:
-        """Drops a tenant label's counter and histogram series (no longer among the
-        named ones: its tokens and first tokens count as ``other`` from now on)."""
-        for name in ("iterserve_tenant_served_tokens", "iterserve_tenant_ttft_slo_missed",
-                     "iterserve_tenant_time_to_first_token_seconds"):  # fmt: skip
+        """Drops a tenant label's series (no longer among the named ones: its
+        requests and tokens count as ``other`` from now on)."""
+        for name in TENANT_FAMILIES:
             self._drop(name, label)
 
     def _dynamic(self, name: str, label: str):

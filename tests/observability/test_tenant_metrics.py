@@ -4,7 +4,13 @@ set that stays bounded however many tenants come."""
 from __future__ import annotations
 
 from iterserve.cluster.metrics.engine import EngineMetrics
-from iterserve.cluster.metrics.tenants import NAMED_TENANTS, OTHER, RELABEL_S, TenantMetrics
+from iterserve.cluster.metrics.tenants import (
+    NAMED_TENANTS,
+    OTHER,
+    REFRESH_S,
+    RELABEL_S,
+    TenantMetrics,
+)
 from iterserve.scheduler import Request, SamplingParams
 
 
@@ -24,22 +30,21 @@ class StubScheduler:
         return self.tenants
 
 
-def labels(metrics: EngineMetrics, family: str) -> set[str]:
+def by_tenant(metrics: EngineMetrics, family: str) -> dict[str, float]:
     return {
-        s[1]["tenant"]
+        s[1]["tenant"]: s[2]
         for name, _, _, samples in metrics.snapshot()
         if name == family
         for s in samples
     }
 
 
+def labels(metrics: EngineMetrics, family: str) -> set[str]:
+    return set(by_tenant(metrics, family))
+
+
 def served(metrics: EngineMetrics) -> dict[str, float]:
-    return {
-        s[1]["tenant"]: s[2]
-        for name, _, _, samples in metrics.snapshot()
-        if name == "iterserve_tenant_served_tokens"
-        for s in samples
-    }
+    return by_tenant(metrics, "iterserve_tenant_served_tokens")
 
 
 def test_only_the_busiest_tenants_have_their_own_series():
@@ -74,14 +79,32 @@ def test_a_tenant_that_is_no_longer_among_the_busiest_loses_its_series():
     clock.now += 1.0
     tenants.flush(sched)
     assert "flood" in labels(metrics, "iterserve_tenant_served_tokens")
-    assert labels(metrics, "iterserve_tenant_requests_waiting") == {"flood"}
+    assert "flood" in labels(metrics, "iterserve_tenant_requests_waiting")
     for i in range(NAMED_TENANTS):  # eight others, busier from now on
         tenants.served(f"new{i}", 10_000)
     for _ in range(3):
         clock.now += RELABEL_S
         tenants.flush(sched)
-    assert "flood" not in labels(metrics, "iterserve_tenant_served_tokens")
+    for family in ("iterserve_tenant_served_tokens", "iterserve_tenant_requests_waiting",
+                   "iterserve_tenant_requests_running"):  # fmt: skip
+        assert "flood" not in labels(metrics, family)
     assert labels(metrics, "iterserve_tenant_requests_waiting") == {OTHER}
+
+
+def test_a_named_tenant_with_nothing_waiting_reads_zero_rather_than_no_data():
+    """A dashboard queried just after a load ends finds the gauges at 0."""
+    metrics, clock = EngineMetrics("m", 0, "chunked"), Clock()
+    tenants = TenantMetrics(metrics, clock)
+    sched = StubScheduler({"chat": {"waiting": 3, "running": 2}})
+    tenants.served("chat", 100)
+    tenants.flush(sched)
+    clock.now += RELABEL_S
+    tenants.flush(sched)  # "chat" is named now
+    sched.tenants = {}  # the load ended
+    clock.now += REFRESH_S
+    tenants.flush(sched)
+    for family in ("iterserve_tenant_requests_waiting", "iterserve_tenant_requests_running"):
+        assert by_tenant(metrics, family) == {"chat": 0.0, OTHER: 0.0}
 
 
 def test_a_first_token_past_its_target_is_counted_for_its_tenant():
