@@ -15,8 +15,9 @@ another replica of its deployment runs (a redeploy starts its successor at the
 same moment, on the same port, which they share), or the app is being deleted,
 or ``drain_timeout_s`` passed; then it stops accepting and lets the connections
 it has finish their responses, streams included, for up to ``drain_timeout_s``
-and a margin before it closes them. Stopping to accept loses no connection the
-kernel already queued on its listener (:func:`stop_accepting`).
+and a margin before it closes them. A connection the kernel has already queued
+on its listener is served, not reset, when it stops accepting
+(:func:`stop_accepting`).
 """
 
 from __future__ import annotations
