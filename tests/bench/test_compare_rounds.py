@@ -1,5 +1,6 @@
 """``bench compare`` sends each round prompts of its own, the same to both servers,
-so that no server answers a later round from its prefix cache."""
+so that no server answers a later round from its prefix cache; a ratio over a
+median of 0 is None, not a division error."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_each_round_has_its_own_prompts_and_both_servers_get_them(monkeypatch, t
         assert {first, second} == {"iterserve", "other"} and prompts == again
     rounds = [prompts for (_, prompts), _ in by_round]
     assert all(rounds[i] != rounds[j] for i in range(3) for j in range(i + 1, 3))
+
+
+def test_a_ratio_over_a_zero_median_is_none():
+    a = compare.Server("a", "http://a", "m")
+    b = compare.Server("b", "http://b", "m")
+    a.runs = [dict.fromkeys((k for k, _, _ in compare.METRICS), 2.0) for _ in range(3)]
+    b.runs = [{**run, "itl_p50_s": 0.0} for run in a.runs]  # tokens read several at once
+    ratios = compare.summarize_servers(a, b)["ratios_a_over_b"]
+    assert ratios["itl_p50_s"] is None
+    assert {k: v for k, v in ratios.items() if k != "itl_p50_s"} == dict.fromkeys(
+        (k for k, _, _ in compare.METRICS if k != "itl_p50_s"), 1.0
+    )

@@ -38,6 +38,10 @@ def test_compare_reports_both_servers_medians_and_ratios(bench_url, tokenizer_di
             r["num_output_tokens"] == 6 * 5 and r["num_errors"] == 0 for r in server["rounds"]
         )
         assert server["throughput_tok_s"] > 0 and server["ttft_p50_s"] > 0
-    assert set(result["ratios_a_over_b"]) == {k for k, _, _ in compare.METRICS}
-    assert all(v > 0 for v in result["ratios_a_over_b"].values())
+    ratios = result["ratios_a_over_b"]
+    assert set(ratios) == {k for k, _, _ in compare.METRICS}
+    assert ratios["throughput_tok_s"] > 0 and ratios["ttft_p50_s"] > 0
+    # The stand-in is fast enough for the client to read several tokens in one chunk,
+    # so an ITL median can be 0: that ratio is then None (summarize_servers's test).
+    assert all(v is None or v > 0 for v in ratios.values())
     assert (tmp_path / "compare.png").stat().st_size > 0
