@@ -67,14 +67,21 @@ def test_only_the_busiest_tenants_have_their_own_series():
     assert tenants.stats()["t49"]["served_tokens"] == 51
 
 
-def test_a_tenant_that_is_no_longer_among_the_busiest_loses_its_series():
+def just_named(tenant: str, queued: dict[str, int]):
+    """Metrics, clock, recorder and scheduler once ``tenant``, the only one served
+    and with ``queued`` requests, has been given its name."""
     metrics, clock = EngineMetrics("m", 0, "chunked"), Clock()
     tenants = TenantMetrics(metrics, clock)
-    sched = StubScheduler({"flood": {"waiting": 40, "running": 8}})
-    tenants.served("flood", 1000)
+    sched = StubScheduler({tenant: queued})
+    tenants.served(tenant, 1000)
     tenants.flush(sched)
     clock.now += RELABEL_S
     tenants.flush(sched)
+    return metrics, clock, tenants, sched
+
+
+def test_a_tenant_that_is_no_longer_among_the_busiest_loses_its_series():
+    metrics, clock, tenants, sched = just_named("flood", {"waiting": 40, "running": 8})
     tenants.served("flood", 5)
     clock.now += 1.0
     tenants.flush(sched)
@@ -93,13 +100,7 @@ def test_a_tenant_that_is_no_longer_among_the_busiest_loses_its_series():
 
 def test_a_named_tenant_with_nothing_waiting_reads_zero_rather_than_no_data():
     """A dashboard queried just after a load ends finds the gauges at 0."""
-    metrics, clock = EngineMetrics("m", 0, "chunked"), Clock()
-    tenants = TenantMetrics(metrics, clock)
-    sched = StubScheduler({"chat": {"waiting": 3, "running": 2}})
-    tenants.served("chat", 100)
-    tenants.flush(sched)
-    clock.now += RELABEL_S
-    tenants.flush(sched)  # "chat" is named now
+    metrics, clock, tenants, sched = just_named("chat", {"waiting": 3, "running": 2})
     sched.tenants = {}  # the load ended
     clock.now += REFRESH_S
     tenants.flush(sched)
