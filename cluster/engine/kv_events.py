@@ -9,7 +9,8 @@ endpoint, a ROUTER socket; replica ``i`` binds each endpoint's port plus ``i``
 multipart message ``[topic, seq (8 bytes, big-endian), payload]``; a subscriber
 that sees a gap sends the first sequence number it missed (8 bytes) to the
 replay socket and receives ``[seq, payload]`` for each batch it still keeps,
-then ``[-1, b""]``.
+then ``[-1, b""]``: several messages to one request, so the subscriber's socket
+is a DEALER (sending ``[b"", seq]``); a REQ socket takes only the first.
 
 The payload is vLLM's documented msgpack format (its ``KVEventBatch``, with
 array-like, tagged structs)::

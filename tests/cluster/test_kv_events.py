@@ -55,14 +55,18 @@ class KVEventBatch(EventBatch):
 
 
 class Subscriber:
-    """Follows one publisher; on a gap (or at its start) replays what it missed."""
+    """Follows one publisher; on a gap (or at its start) replays what it missed.
+
+    The replay answer is one message per batch kept and an end marker, so the
+    replay socket is a DEALER: a REQ socket takes one reply per request, and the
+    rest of an answer would come back as the reply to its next request."""
 
     def __init__(self, endpoint: str, replay: str, topic: str):
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(endpoint)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.replay = self.ctx.socket(zmq.REQ)
+        self.replay = self.ctx.socket(zmq.DEALER)
         self.replay.connect(replay)
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.last_seq = -1
@@ -79,9 +83,9 @@ class Subscriber:
                 self.blocks.clear()
 
     def _replay_from(self, first: int, until: int | None) -> None:
-        self.replay.send(first.to_bytes(8, "big"))
+        self.replay.send_multipart((b"", first.to_bytes(8, "big")))
         while self.replay.poll(2000):
-            seq_bytes, payload = self.replay.recv_multipart()
+            _, seq_bytes, payload = self.replay.recv_multipart()
             if not payload:
                 break
             seq = int.from_bytes(seq_bytes, "big")
@@ -170,14 +174,18 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_from_the_events(picks, 
                     pass
             while core.scheduler.has_work or core.scheduler.num_in_flight:
                 await asyncio.sleep(0.01)
-            await sub.follow(core.scheduler.tiers.cached_set)
+            # One connects after everything was published: it learns it all by replay.
+            late = Subscriber(endpoints["endpoint"], endpoints["replay_endpoint"], "kv")
+            for each in (sub, late):
+                await each.follow(core.scheduler.tiers.cached_set)
             expected = core.scheduler.tiers.cached_set()
-            # Missed the start (it connected late, as subscribers do): replayed.
-            assert sub.blocks == expected and expected
+            assert sub.blocks == late.blocks == expected and expected
+            assert late.num_replayed > 0
             assert {medium for medium, _ in expected} >= {"GPU", "CPU"}
             assert await core.reset_prefix_cache(reset_external=True)
-            await sub.follow(core.scheduler.tiers.cached_set)
-            assert sub.blocks == core.scheduler.tiers.cached_set() == set()
-            sub.close()
+            for each in (sub, late):
+                await each.follow(core.scheduler.tiers.cached_set)
+                assert each.blocks == core.scheduler.tiers.cached_set() == set()
+                each.close()
 
     asyncio.run(scenario())
