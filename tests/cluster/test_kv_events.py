@@ -174,9 +174,11 @@ def test_a_subscriber_rebuilds_the_engines_cached_blocks_from_the_events(picks, 
                     pass
             while core.scheduler.has_work or core.scheduler.num_in_flight:
                 await asyncio.sleep(0.01)
-            # One connects after everything was published: it learns it all by replay.
+            await sub.follow(core.scheduler.tiers.cached_set)
+            # One connects once everything was published (the first has it all): it
+            # can learn it only by replay.
             late = Subscriber(endpoints["endpoint"], endpoints["replay_endpoint"], "kv")
-            for each in (sub, late):
+            for each in (late, sub):
                 await each.follow(core.scheduler.tiers.cached_set)
             expected = core.scheduler.tiers.cached_set()
             assert sub.blocks == late.blocks == expected and expected
